@@ -1,0 +1,92 @@
+#pragma once
+// Plain float64 references the tests compare the engine against, and the error measure
+// the CLI uses: |got - want| / sum_k |w_k| |x_k| for each output element, so a result is
+// judged against the size of what was summed, not against a value that may cancel to 0.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "sluice/csr_matrix.hpp"
+#include "sluice/dense.hpp"
+
+namespace sluice::testing {
+
+inline DenseMatrix random_dense(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  DenseMatrix m(rows, cols);
+  std::mt19937_64 rng(seed);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) {
+      m(r, c) = static_cast<float>(static_cast<double>(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+    }
+  }
+  return m;
+}
+
+/// Largest relative error of `got` against W*X (W as CSR), in float64.
+inline double forward_error(const CsrMatrix& w, ConstMatrixView x, ConstMatrixView got) {
+  double worst = 0;
+  const auto& off = w.row_offsets();
+  for (std::int64_t o = 0; o < w.rows(); ++o) {
+    for (std::int64_t t = 0; t < x.cols; ++t) {
+      double sum = 0, scale = 0;
+      for (std::int64_t k = off[o]; k < off[o + 1]; ++k) {
+        const double p = double(w.values()[k]) * x(w.col_indices()[k], t);
+        sum += p;
+        scale += std::abs(p);
+      }
+      const double err = std::abs(got(o, t) - sum);
+      worst = std::max(worst, scale > 0 ? err / scale : err);
+    }
+  }
+  return worst;
+}
+
+/// Largest relative error of `got` against W^T * dY.
+inline double backward_data_error(const CsrMatrix& w, ConstMatrixView dy, ConstMatrixView got) {
+  std::vector<double> sum(w.cols() * dy.cols, 0.0), scale(w.cols() * dy.cols, 0.0);
+  const auto& off = w.row_offsets();
+  for (std::int64_t o = 0; o < w.rows(); ++o) {
+    for (std::int64_t k = off[o]; k < off[o + 1]; ++k) {
+      const std::int64_t i = w.col_indices()[k];
+      for (std::int64_t t = 0; t < dy.cols; ++t) {
+        const double p = double(w.values()[k]) * dy(o, t);
+        sum[i * dy.cols + t] += p;
+        scale[i * dy.cols + t] += std::abs(p);
+      }
+    }
+  }
+  double worst = 0;
+  for (std::int64_t i = 0; i < w.cols(); ++i) {
+    for (std::int64_t t = 0; t < dy.cols; ++t) {
+      const double err = std::abs(got(i, t) - sum[i * dy.cols + t]);
+      const double s = scale[i * dy.cols + t];
+      worst = std::max(worst, s > 0 ? err / s : err);
+    }
+  }
+  return worst;
+}
+
+/// Largest relative error of the weight gradient (CSR order) against dot(dY[o], X[i]).
+inline double backward_weight_error(const CsrMatrix& mask, ConstMatrixView dy, ConstMatrixView x,
+                                    const std::vector<float>& got) {
+  double worst = 0;
+  const auto& off = mask.row_offsets();
+  for (std::int64_t o = 0; o < mask.rows(); ++o) {
+    for (std::int64_t k = off[o]; k < off[o + 1]; ++k) {
+      const std::int64_t i = mask.col_indices()[k];
+      double sum = 0, scale = 0;
+      for (std::int64_t t = 0; t < x.cols; ++t) {
+        const double p = double(dy(o, t)) * x(i, t);
+        sum += p;
+        scale += std::abs(p);
+      }
+      const double err = std::abs(got[k] - sum);
+      worst = std::max(worst, scale > 0 ? err / scale : err);
+    }
+  }
+  return worst;
+}
+
+}  // namespace sluice::testing

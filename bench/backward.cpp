@@ -1,0 +1,48 @@
+// Backward: dX = W^T dY and dW = dY X^T at the mask, streamed, vs oneDNN dense for both
+// products. Counters: useful GFLOP/s (4 nnz tokens / time) and acceleration over dense.
+#include "bench_common.hpp"
+#include "sluice/planner.hpp"
+
+namespace sluice::bench {
+namespace {
+
+void BM_sparse_backward(benchmark::State& state) {
+  const Layer& l = layer(state);
+  CpuEngine& e = engine();
+  const Placement placement =
+      round_robin_placement(l.w, e.geometry_for(l.w.rows(), l.w.cols(), l.x.cols()).lanes);
+  DenseMatrix dx(l.w.cols(), l.x.cols());
+  MutableMatrixView dx_view = dx.view();
+  auto step = [&] {
+    benchmark::DoNotOptimize(e.backward(l.stream, placement, l.x.view(), l.dy.view(), &dx_view));
+  };
+  for (auto _ : state) step();
+  const double flops = 4.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
+  state.counters["useful_GFLOPs"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  DenseMatrix dx_dense(l.w.cols(), l.x.cols()), dw_dense(l.w.rows(), l.w.cols());
+  const double dense = median_seconds([&] {
+    baseline::dense_sgemm(l.w_dense.view(), true, l.dy.view(), false, dx_dense.view());
+    baseline::dense_sgemm(l.dy.view(), false, l.x.view(), true, dw_dense.view());
+  });
+  DenseMatrix y(l.w.rows(), l.x.cols());
+  const double forward =
+      median_seconds([&] { e.forward(l.stream, placement, l.x.view(), y.view()); });
+  const double backward = median_seconds(step);
+  state.counters["dense_ms"] = dense * 1e3;
+  state.counters["acceleration"] = dense / backward;
+  state.counters["backward_over_forward"] = backward / forward;
+}
+
+}  // namespace
+}  // namespace sluice::bench
+
+int main(int argc, char** argv) {
+  using namespace sluice::bench;
+  register_sweep("sparse_backward", BM_sparse_backward);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

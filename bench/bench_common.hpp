@@ -1,0 +1,82 @@
+#pragma once
+// Shared set-up for the benchmark suites: the shapes and sparsities of the issue, cached
+// operands, and the dense baseline time measured in the same run.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "dense_baseline.hpp"
+#include "reference.hpp"
+#include "sluice/csr_matrix.hpp"
+#include "sluice/engine.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice::bench {
+
+inline const std::vector<double> kSparsities = {0, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.999};
+inline const std::vector<std::vector<std::int64_t>> kShapes = {
+    {4096, 4096, 256}, {1024, 1024, 64}, {8192, 2048, 128}};
+
+/// Registers fn over every shape x sparsity; args are out, in, tokens, sparsity x 1000.
+template <typename Fn>
+void register_sweep(const char* name, Fn fn) {
+  for (const auto& shape : kShapes) {
+    for (double s : kSparsities) {
+      benchmark::RegisterBenchmark(name, fn)
+          ->Args({shape[0], shape[1], shape[2], static_cast<std::int64_t>(s * 1000 + 0.5)})
+          ->ArgNames({"out", "in", "tokens", "sparsity_permille"})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+}
+
+struct Layer {
+  CsrMatrix w;
+  DenseMatrix w_dense, x, dy;
+  WeightStream stream, mask;
+};
+
+/// Operands for (out, in, tokens, sparsity), built once per process.
+inline const Layer& layer(const benchmark::State& state) {
+  static std::map<std::vector<std::int64_t>, std::unique_ptr<Layer>> cache;
+  const std::vector<std::int64_t> key = {state.range(0), state.range(1), state.range(2),
+                                         state.range(3)};
+  auto& slot = cache[key];
+  if (!slot) {
+    slot = std::make_unique<Layer>();
+    slot->w = CsrMatrix::random(key[0], key[1], key[3] / 1000.0, 42);
+    slot->w_dense = slot->w.to_dense();
+    slot->x = testing::random_dense(key[1], key[2], 43);
+    slot->dy = testing::random_dense(key[0], key[2], 44);
+    slot->stream = encode_stream(slot->w);
+    slot->mask = encode_stream(slot->w, StreamKind::mask);
+  }
+  return *slot;
+}
+
+/// Median seconds of fn over a few runs (after a warm-up): the in-run baseline.
+template <typename Fn>
+double median_seconds(Fn&& fn, int repeats = 5) {
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+inline CpuEngine& engine() {
+  static CpuEngine instance;
+  return instance;
+}
+
+}  // namespace sluice::bench

@@ -1,0 +1,57 @@
+// Forward: the streamed sparse product vs oneDNN dense sgemm with the zeros included,
+// over the shapes and sparsities. Counters: useful GFLOP/s (2 nnz tokens / time)
+// and acceleration (dense time / sparse time, the dense time measured in this run).
+#include "bench_common.hpp"
+#include "sluice/planner.hpp"
+
+namespace sluice::bench {
+namespace {
+
+double dense_forward_seconds(const Layer& l) {
+  DenseMatrix y(l.w.rows(), l.x.cols());
+  return median_seconds(
+      [&] { baseline::dense_sgemm(l.w_dense.view(), false, l.x.view(), false, y.view()); });
+}
+
+void BM_sparse_forward(benchmark::State& state) {
+  const Layer& l = layer(state);
+  CpuEngine& e = engine();
+  const Placement placement =
+      round_robin_placement(l.w, e.geometry_for(l.w.rows(), l.w.cols(), l.x.cols()).lanes);
+  DenseMatrix y(l.w.rows(), l.x.cols());
+  for (auto _ : state) e.forward(l.stream, placement, l.x.view(), y.view());
+  const double flops = 2.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
+  state.counters["useful_GFLOPs"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  const double dense = dense_forward_seconds(l);
+  const double sparse_s =
+      median_seconds([&] { e.forward(l.stream, placement, l.x.view(), y.view()); });
+  state.counters["dense_ms"] = dense * 1e3;
+  state.counters["acceleration"] = dense / sparse_s;
+  state.counters["balance"] = placement.balance();
+}
+
+void BM_dense_forward(benchmark::State& state) {
+  const Layer& l = layer(state);
+  DenseMatrix y(l.w.rows(), l.x.cols());
+  for (auto _ : state) {
+    baseline::dense_sgemm(l.w_dense.view(), false, l.x.view(), false, y.view());
+  }
+  const double flops = 2.0 * l.w.rows() * l.w.cols() * static_cast<double>(l.x.cols());
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+}  // namespace
+}  // namespace sluice::bench
+
+int main(int argc, char** argv) {
+  using namespace sluice::bench;
+  register_sweep("sparse_forward", BM_sparse_forward);
+  register_sweep("dense_forward", BM_dense_forward);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,123 @@
+#pragma once
+// The Engine (Cerebras: the Wafer-Scale Engine) owns activations; weights stream
+// through it and are never stored there.
+//
+// Geometry: P lanes ("engine rows") x Q token blocks ("engine columns"). Lane p owns
+// the input features its layer's Placement gives it; block q owns a slice of the tokens.
+// Forward: every weight packet goes to the lane that owns its input index and becomes
+// one AXPY (acc += w * X[i, tokens]); a carriage return hands the lane's accumulator to
+// a ring reduction over the lanes that runs concurrently with the AXPYs and ends each
+// output at the lane the next layer's placement wants.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "sluice/dense.hpp"
+#include "sluice/isa.hpp"
+#include "sluice/planner.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice {
+
+struct Geometry {
+  std::int32_t lanes = 0;         ///< P; 0 = choose
+  std::int32_t blocks = 0;        ///< Q; 0 = choose
+  std::int32_t tile_tokens = 0;   ///< tokens per pass over the stream; 0 = choose
+  std::string to_string() const;  // "PxQ/tile"
+};
+
+struct EngineOptions {
+  Geometry geometry;         ///< fixed geometry, or zeros to choose per layer
+  std::int32_t threads = 0;  ///< worker threads; 0 = every core of this process
+  std::optional<Isa> isa;    ///< kernel ISA; default: default_isa()
+  bool pin_threads = false;  ///< pin workers to cores with hwloc
+  std::int64_t l2_bytes =
+      0;  ///< per-core cache budget for a lane's activation tile; 0 = from hwloc
+};
+
+/// Time spent by the engine's lanes, for metrics (seconds, summed over lanes).
+struct EngineCounters {
+  double busy_seconds = 0;    ///< lanes inside AXPY / reduction kernels
+  double intake_seconds = 0;  ///< validating and routing packets
+  std::uint64_t packets = 0;
+  std::uint64_t bytes = 0;
+  void reset() { *this = {}; }
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  /// Y = W X. `x` is inputs x tokens, `y` outputs x tokens (overwritten). The stream is
+  /// validated as it is taken in (FormatError on corruption; `y` then holds no result).
+  void forward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+               MutableMatrixView y, const Placement* next_placement = nullptr);
+  void forward(const WeightStream& weights, const Placement& placement, ConstMatrixView x,
+               MutableMatrixView y, const Placement* next_placement = nullptr) {
+    MemoryStreamSource source(weights);
+    forward(source, placement, x, y, next_placement);
+  }
+
+  /// Backward of Y = W X. With `dx` given: dX = W^T dY (the stream must carry weights).
+  /// Always: the weight gradient dot(dY[o,:], X[i,:]) at every mask position, returned
+  /// as a gradient stream in the weight stream's order (a `mask` stream suffices).
+  WeightStream backward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+                        ConstMatrixView dy, MutableMatrixView* dx);
+  WeightStream backward(const WeightStream& weights, const Placement& placement, ConstMatrixView x,
+                        ConstMatrixView dy, MutableMatrixView* dx) {
+    MemoryStreamSource source(weights);
+    return backward(source, placement, x, dy, dx);
+  }
+
+  /// dX = W^T dY alone (no weight gradient), e.g. for a frozen layer.
+  void backward_data(StreamSource& weights, const Placement& placement, ConstMatrixView dy,
+                     MutableMatrixView dx);
+  void backward_data(const WeightStream& weights, const Placement& placement, ConstMatrixView dy,
+                     MutableMatrixView dx) {
+    MemoryStreamSource source(weights);
+    backward_data(source, placement, dy, dx);
+  }
+
+  /// The geometry this engine uses for a layer of this shape.
+  virtual Geometry geometry_for(std::int64_t outputs, std::int64_t inputs,
+                                std::int64_t tokens) const = 0;
+  virtual Isa isa() const = 0;
+  virtual std::int32_t threads() const = 0;
+  EngineCounters& counters() { return counters_; }
+
+ protected:
+  virtual void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+                            MutableMatrixView y, const Placement* next_placement) = 0;
+  /// `x` null: no weight gradient wanted (returns an empty stream); `dx` null: no dX.
+  virtual WeightStream backward_impl(StreamSource& weights, const Placement& placement,
+                                     const ConstMatrixView* x, ConstMatrixView dy,
+                                     MutableMatrixView* dx) = 0;
+  EngineCounters counters_;
+};
+
+/// The engine on this machine's cores: lanes are oneTBB tasks in the engine's own arena,
+/// kernels chosen by ISA at run time.
+class CpuEngine final : public Engine {
+ public:
+  explicit CpuEngine(EngineOptions options = {});
+  ~CpuEngine() override;
+
+  Geometry geometry_for(std::int64_t outputs, std::int64_t inputs,
+                        std::int64_t tokens) const override;
+  Isa isa() const override;
+  std::int32_t threads() const override;
+
+ protected:
+  void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+                    MutableMatrixView y, const Placement* next_placement) override;
+  WeightStream backward_impl(StreamSource& weights, const Placement& placement,
+                             const ConstMatrixView* x, ConstMatrixView dy,
+                             MutableMatrixView* dx) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sluice

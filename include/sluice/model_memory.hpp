@@ -1,0 +1,134 @@
+#pragma once
+// ModelMemory (Cerebras: MemoryX) owns every layer's sparse weights, bias, mask,
+// placement and optimizer state. It streams weights out, takes gradient streams in,
+// and runs the optimizer itself, elementwise and sharded over threads.
+//
+// A training step is atomic: submit_gradient() may compute each layer's update as soon
+// as its gradient arrives (so the optimizer works on layer l while the engines work on
+// layer l-1), but nothing becomes visible until commit_step(), which applies every
+// layer's update or, if any gradient was not finite, none.
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "sluice/csr_matrix.hpp"
+#include "sluice/error.hpp"
+#include "sluice/optimizer.hpp"
+#include "sluice/planner.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice {
+
+/// A non-finite gradient under NonFinitePolicy::error.
+class NumericError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct StepReport {
+  bool applied = false;
+  std::int64_t step = 0;                 ///< optimizer steps applied so far
+  std::vector<std::int32_t> bad_layers;  ///< layers whose gradient had a NaN or Inf
+  double gradient_norm = 0;              ///< global L2 norm before clipping
+  double seconds = 0;                    ///< optimizer time spent in this step
+};
+
+class ModelMemory {
+ public:
+  virtual ~ModelMemory() = default;
+
+  /// Adds a layer (weights validated; bias empty or of size rows); returns its index.
+  std::int32_t add_layer(CsrMatrix weights, std::vector<float> bias = {});
+  std::int32_t layer_count() const { return layer_count_impl(); }
+  const CsrMatrix& weights(std::int32_t layer) const;
+  const std::vector<float>& bias(std::int32_t layer) const;
+
+  /// The layer's placement on `lanes` lanes (planned once, then kept with the layer).
+  const Placement& placement(std::int32_t layer, std::int32_t lanes);
+
+  /// The layer's stream: weights, or the mask alone (`StreamKind::mask`).
+  WeightStream stream(std::int32_t layer, StreamKind kind = StreamKind::weights) const;
+  /// The same, chunk by chunk into a bounded channel (closes it at the end, or fails it).
+  /// Chunks are encoded one at a time as the channel takes them. Never throws: every
+  /// error, a bad argument included, reaches the consumer through `channel.fail()`.
+  void stream_to(std::int32_t layer, StreamKind kind, StreamChannel& channel,
+                 std::size_t chunk_packets = kDefaultChunkPackets) const;
+  /// The header of the layer's stream of `kind` (for a ChannelStreamSource).
+  StreamHeader stream_header(std::int32_t layer, StreamKind kind = StreamKind::weights) const;
+
+  /// Hands in one layer's gradient for the current step: the gradient stream (same mask
+  /// and order as the weight stream) and the bias gradient (empty if the layer has none).
+  /// Checks shape and pattern (FormatError), records whether all values are finite,
+  /// and may compute the update right away. Thread-safe for different layers.
+  void submit_gradient(std::int32_t layer, const WeightStream& gradient,
+                       std::span<const float> bias_gradient);
+  /// Applies every submitted layer's update, or none if a gradient was not finite
+  /// (see NonFinitePolicy). Layers with no submitted gradient are left as they are.
+  StepReport commit_step();
+
+  void set_optimizer(const OptimizerConfig& config);
+  const OptimizerConfig& optimizer() const;
+  void set_non_finite_policy(NonFinitePolicy policy);
+  std::int64_t step() const;
+
+  /// Crash-safe checkpoint of everything: layers, masks, values, biases, optimizer
+  /// config and state, step, seed. Written to a temporary file, flushed, then renamed
+  /// over `path`: an interrupted save leaves the previous checkpoint intact.
+  void save(const std::filesystem::path& path) const;
+  /// Replaces this ModelMemory's contents with the checkpoint's. A truncated, corrupt or
+  /// wrong-version file throws FormatError and changes nothing.
+  void load(const std::filesystem::path& path);
+
+  /// A seed the model was built from, kept in checkpoints.
+  std::uint64_t seed = 0;
+
+ protected:
+  virtual std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) = 0;
+  virtual std::int32_t layer_count_impl() const = 0;
+  virtual const CsrMatrix& weights_impl(std::int32_t layer) const = 0;
+  virtual const std::vector<float>& bias_impl(std::int32_t layer) const = 0;
+  virtual const Placement& placement_impl(std::int32_t layer, std::int32_t lanes) = 0;
+  virtual void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                    std::span<const float> bias_gradient) = 0;
+  virtual StepReport commit_step_impl() = 0;
+  virtual void set_optimizer_impl(const OptimizerConfig& config) = 0;
+  virtual const OptimizerConfig& optimizer_impl() const = 0;
+  virtual void set_non_finite_policy_impl(NonFinitePolicy policy) = 0;
+  virtual std::int64_t step_impl() const = 0;
+  virtual void save_impl(const std::filesystem::path& path) const = 0;
+  virtual void load_impl(const std::filesystem::path& path) = 0;
+
+  void check_layer(std::int32_t layer) const;
+};
+
+/// ModelMemory in this process's memory; the optimizer runs on oneTBB.
+class HostModelMemory final : public ModelMemory {
+ public:
+  HostModelMemory();
+  ~HostModelMemory() override;
+
+ protected:
+  std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) override;
+  std::int32_t layer_count_impl() const override;
+  const CsrMatrix& weights_impl(std::int32_t layer) const override;
+  const std::vector<float>& bias_impl(std::int32_t layer) const override;
+  const Placement& placement_impl(std::int32_t layer, std::int32_t lanes) override;
+  void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                            std::span<const float> bias_gradient) override;
+  StepReport commit_step_impl() override;
+  void set_optimizer_impl(const OptimizerConfig& config) override;
+  const OptimizerConfig& optimizer_impl() const override;
+  void set_non_finite_policy_impl(NonFinitePolicy policy) override;
+  std::int64_t step_impl() const override;
+  void save_impl(const std::filesystem::path& path) const override;
+  void load_impl(const std::filesystem::path& path) override;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace sluice

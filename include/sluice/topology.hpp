@@ -1,0 +1,26 @@
+#pragma once
+// What hwloc finds on this machine, and pinning of threads to cores.
+#include <cstdint>
+#include <string>
+
+namespace sluice {
+
+struct Topology {
+  std::int32_t packages = 0;
+  std::int32_t cores = 0;
+  std::int32_t hardware_threads = 0;
+  std::int32_t numa_nodes = 0;
+  std::int64_t l1d_bytes = 0;  ///< per core
+  std::int64_t l2_bytes = 0;   ///< per core (or per L2 instance)
+  std::int64_t l3_bytes = 0;   ///< per L3 instance
+  std::string to_string() const;
+};
+
+/// Detected once (hwloc), then cached. Falls back to conservative defaults when hwloc
+/// reports nothing (e.g. in a restricted container).
+const Topology& topology();
+
+/// Binds the calling thread to core `core % cores`; returns false if the OS refused.
+bool pin_current_thread_to_core(std::int32_t core);
+
+}  // namespace sluice

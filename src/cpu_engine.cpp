@@ -1,0 +1,487 @@
+// CpuEngine: the engine on this machine's cores.
+//
+// Mapping of the wafer's design onto a CPU:
+// * A lane task (p, q) plays engine row p on token block q. Its activation tile
+//   (the rows of X it owns x `tile_tokens` tokens) is sized to stay in the core's L2
+//   while the whole layer's stream flows past it, once per tile.
+// * The intake checks each chunk and routes its packets to the lanes that own their
+//   input features (in parallel over chunks).
+// * A carriage return ends a lane's accumulation for one output; the accumulator goes to
+//   the lane's partial-sum buffer. When the last lane finishes a chunk, that lane walks
+//   the ring for the chunk's outputs: the partial sums are added lane after lane, starting
+//   one past the lane the next layer wants the output on and ending there. No lane ever
+//   waits for another, and the summation order is fixed, so results are bitwise
+//   reproducible whatever the thread timing.
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+#include <oneapi/tbb/task_scheduler_observer.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "kernels/lane_kernels.hpp"
+#include "sluice/engine.hpp"
+#include "sluice/error.hpp"
+#include "sluice/topology.hpp"
+#include "stream_check.hpp"
+
+namespace sluice {
+namespace {
+
+using detail::LaneRuns;
+using detail::MutableTile;
+using detail::Tile;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// One lane's share of one chunk. With a single lane the packets stay in the chunk
+/// (no copy) and only the run bounds are recorded.
+struct LaneShare {
+  std::vector<Packet> packets;  // routed weight packets (empty when P == 1)
+  std::vector<std::uint32_t> begin, end;
+  std::vector<std::uint32_t> origin;  // position of each routed packet in the chunk
+};
+
+struct TakenChunk {
+  ChunkPtr chunk;
+  std::vector<LaneShare> lanes;
+
+  LaneRuns runs(std::int32_t lane) const {
+    const LaneShare& s = lanes[lane];
+    return {s.packets.empty() && lanes.size() == 1 ? chunk->packets.data() : s.packets.data(),
+            s.begin.data(), s.end.data(), static_cast<std::int64_t>(chunk->outputs)};
+  }
+};
+
+/// Which activation rows each lane keeps resident, and where: lane p packs its rows
+/// (in increasing feature order) into a buffer of its own, so its tile is contiguous and
+/// stays in its core's cache without set conflicts from the matrix's row stride.
+struct LaneLayout {
+  std::vector<std::vector<std::uint32_t>> rows;  // rows[p]: global features of lane p
+  std::vector<std::uint32_t> local;              // local[i]: row of feature i in its lane
+
+  explicit LaneLayout(const Placement& placement) : rows(placement.lanes) {
+    local.resize(placement.lane_of.size());
+    for (std::size_t i = 0; i < placement.lane_of.size(); ++i) {
+      auto& r = rows[placement.lane_of[i]];
+      local[i] = static_cast<std::uint32_t>(r.size());
+      r.push_back(static_cast<std::uint32_t>(i));
+    }
+  }
+};
+
+/// A lane's resident copy of its rows of a matrix, one token tile wide.
+class ResidentTile {
+ public:
+  void resize(std::size_t rows, std::int64_t tile) {
+    stride_ = static_cast<std::size_t>((tile + 15) / 16 * 16);
+    if (data_.size() < rows * stride_) data_.assign(rows * stride_, 0.0F);
+    rows_ = rows;
+  }
+  void load(const std::vector<std::uint32_t>& rows, const float* src, std::int64_t src_stride,
+            std::int64_t t0, std::int64_t width) {
+    for (std::size_t l = 0; l < rows.size(); ++l) {
+      std::memcpy(data_.data() + l * stride_, src + rows[l] * src_stride + t0,
+                  sizeof(float) * width);
+    }
+  }
+  void zero(std::int64_t width) {
+    for (std::size_t l = 0; l < rows_; ++l) std::fill_n(data_.data() + l * stride_, width, 0.0F);
+  }
+  void store(const std::vector<std::uint32_t>& rows, float* dst, std::int64_t dst_stride,
+             std::int64_t t0, std::int64_t width) const {
+    for (std::size_t l = 0; l < rows.size(); ++l) {
+      std::memcpy(dst + rows[l] * dst_stride + t0, data_.data() + l * stride_,
+                  sizeof(float) * width);
+    }
+  }
+  Tile tile() const { return {data_.data(), static_cast<std::int64_t>(stride_)}; }
+  MutableTile mutable_tile() { return {data_.data(), static_cast<std::int64_t>(stride_)}; }
+
+ private:
+  std::vector<float> data_;
+  std::size_t rows_ = 0, stride_ = 16;
+};
+
+/// Pulls every chunk from the source, checks it and routes it to the lanes (with several
+/// lanes, routed packets carry the row's index in its lane's resident buffer).
+std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement,
+                                const LaneLayout& layout, bool keep_origin) {
+  const StreamHeader& header = source.header();
+  std::vector<TakenChunk> taken;
+  std::uint64_t outputs = 0;
+  while (ChunkPtr chunk = source.next()) {
+    detail::check_sequence(header, *chunk, taken.size(), outputs, false);
+    outputs += chunk->outputs;
+    taken.push_back({std::move(chunk), {}});
+  }
+  const std::int32_t lanes = placement.lanes;
+  std::vector<std::uint64_t> weights(taken.size());
+  std::vector<char> ends(taken.size());
+  tbb::parallel_for(std::size_t{0}, taken.size(), [&](std::size_t c) {
+    const StreamChunk& chunk = *taken[c].chunk;
+    const detail::ChunkFacts facts = detail::check_chunk(header, chunk, c);
+    weights[c] = facts.weights;
+    ends[c] = facts.ends_layer ? 1 : 0;
+    auto& shares = taken[c].lanes;
+    shares.resize(lanes);
+    for (auto& s : shares) {
+      s.begin.resize(chunk.outputs);
+      s.end.resize(chunk.outputs);
+      if (lanes > 1) s.packets.reserve(facts.weights / lanes + facts.weights / (4 * lanes) + 16);
+      if (lanes > 1 && keep_origin) s.origin.reserve(s.packets.capacity());
+    }
+    const Packet* p = chunk.packets.data();
+    const std::size_t n = chunk.packets.size();
+    std::uint32_t r = 0;
+    if (lanes == 1) {
+      auto& s = shares[0];
+      std::uint32_t start = 0;
+      for (std::size_t k = 0; k < n; ++k) {
+        if (p[k].tag == kCarriageReturn) {
+          s.begin[r] = start;
+          s.end[r] = static_cast<std::uint32_t>(k);
+          ++r;
+          start = static_cast<std::uint32_t>(k + 1);
+        }
+      }
+      return;
+    }
+    const std::int32_t* lane_of = placement.lane_of.data();
+    if (chunk.outputs > 0) {
+      for (auto& s : shares) s.begin[0] = 0;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      const Packet packet = p[k];
+      if (!is_control(packet)) {
+        LaneShare& s = shares[lane_of[packet.tag]];
+        s.packets.push_back({layout.local[packet.tag], packet.value});
+        if (keep_origin) s.origin.push_back(static_cast<std::uint32_t>(k));
+      } else if (packet.tag == kCarriageReturn) {
+        for (auto& s : shares) {
+          const auto size = static_cast<std::uint32_t>(s.packets.size());
+          s.end[r] = size;
+          if (r + 1 < chunk.outputs) s.begin[r + 1] = size;
+        }
+        ++r;
+      }
+    }
+  });
+  std::uint64_t total = 0;
+  for (std::size_t c = 0; c < taken.size(); ++c) {
+    if (ends[c] && c + 1 != taken.size()) {
+      throw FormatError(detail::describe_chunk(*taken[c + 1].chunk, c + 1) +
+                        ": data after end-of-layer");
+    }
+    total += weights[c];
+  }
+  detail::check_finished(header, outputs, total, !taken.empty() && ends.back());
+  return taken;
+}
+
+/// The token tiles of a layer, dealt to Q blocks in contiguous runs.
+struct TokenTiling {
+  std::int64_t tokens = 0, tile = 1, count = 0;
+  std::int32_t blocks = 1;
+  std::int64_t first_tile(std::int32_t q) const { return q * count / blocks; }
+  std::int64_t begin(std::int64_t t) const { return t * tile; }
+  std::int64_t width(std::int64_t t) const { return std::min(tile, tokens - t * tile); }
+};
+
+TokenTiling make_tiling(std::int64_t tokens, const Geometry& g) {
+  TokenTiling tiling;
+  tiling.tokens = tokens;
+  tiling.tile = std::max<std::int64_t>(1, g.tile_tokens);
+  tiling.count = (tokens + tiling.tile - 1) / tiling.tile;
+  tiling.blocks = static_cast<std::int32_t>(
+      std::clamp<std::int64_t>(g.blocks, 1, std::max<std::int64_t>(1, tiling.count)));
+  return tiling;
+}
+
+/// Pins each thread that joins the engine's arena to a core of its own.
+class PinningObserver final : public tbb::task_scheduler_observer {
+ public:
+  explicit PinningObserver(tbb::task_arena& arena) : tbb::task_scheduler_observer(arena) {
+    observe(true);
+  }
+  ~PinningObserver() override { observe(false); }
+  void on_scheduler_entry(bool) override {
+    pin_current_thread_to_core(tbb::this_task_arena::current_thread_index());
+  }
+};
+
+}  // namespace
+
+struct CpuEngine::Impl {
+  EngineOptions options;
+  Isa isa = Isa::scalar;
+  std::int32_t threads = 1;
+  std::int64_t l2_bytes = 0;
+  const detail::LaneKernels* kernels = nullptr;
+  tbb::task_arena arena;
+  std::unique_ptr<PinningObserver> pinning;
+
+  // matrices: how many activation tiles a lane keeps resident at once (1 forward, 2 back).
+  Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes,
+                   int matrices) const {
+    Geometry g = options.geometry;
+    const std::int64_t budget =
+        std::max<std::int64_t>(16 << 10, l2_bytes / 2 / std::max(1, matrices));
+    if (g.blocks <= 0) {
+      // Split tokens first: no partial sums to reduce. Keep blocks at least 16 tokens wide.
+      g.blocks = static_cast<std::int32_t>(std::clamp<std::int64_t>(
+          (tokens + 15) / 16, 1, std::max(1, threads / std::max(1, lanes))));
+    }
+    g.lanes = lanes;
+    if (g.tile_tokens <= 0) {
+      const std::int64_t features = std::max<std::int64_t>(1, (inputs + lanes - 1) / lanes);
+      std::int64_t tile = budget / (features * static_cast<std::int64_t>(sizeof(float)));
+      tile = std::clamp<std::int64_t>(tile / 16 * 16, 16, 64);
+      const std::int64_t per_block = (tokens + g.blocks - 1) / g.blocks;
+      g.tile_tokens =
+          static_cast<std::int32_t>(std::max<std::int64_t>(1, std::min(tile, per_block)));
+    }
+    return g;
+  }
+};
+
+CpuEngine::CpuEngine(EngineOptions options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.options = options;
+  m.isa = options.isa.value_or(default_isa());
+  if (!cpu_supports(m.isa)) {
+    throw ShapeError(std::string("this CPU cannot run the ") + to_string(m.isa) + " kernels");
+  }
+  m.kernels = &detail::lane_kernels(m.isa);
+  const std::int32_t available = tbb::this_task_arena::max_concurrency();
+  if (options.threads < 0) throw ShapeError("engine threads must be >= 0");
+  m.threads = options.threads > 0 ? options.threads : available;
+  m.l2_bytes = options.l2_bytes > 0 ? options.l2_bytes : topology().l2_bytes;
+  const Geometry& g = options.geometry;
+  if (g.lanes < 0 || g.blocks < 0 || g.tile_tokens < 0) {
+    throw ShapeError("engine geometry must not be negative: " + g.to_string());
+  }
+  m.arena.initialize(m.threads);
+  if (options.pin_threads) m.pinning = std::make_unique<PinningObserver>(m.arena);
+}
+
+CpuEngine::~CpuEngine() = default;
+
+Isa CpuEngine::isa() const {
+  return impl_->isa;
+}
+std::int32_t CpuEngine::threads() const {
+  return impl_->threads;
+}
+
+Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs,
+                                 std::int64_t tokens) const {
+  (void)outputs;
+  const Impl& m = *impl_;
+  std::int32_t lanes = m.options.geometry.lanes;
+  if (lanes <= 0) {
+    // Input features are split over lanes only when tokens alone cannot feed every thread,
+    // or when even a 16-token tile of all inputs would not stay in L2: partial sums cost.
+    const std::int64_t blocks = std::clamp<std::int64_t>((tokens + 15) / 16, 1, m.threads);
+    lanes = static_cast<std::int32_t>(std::max<std::int64_t>(1, m.threads / blocks));
+    const std::int64_t budget = std::max<std::int64_t>(16 << 10, m.l2_bytes / 2);
+    while (lanes < 256 && inputs / lanes * 16 * static_cast<std::int64_t>(sizeof(float)) > budget) {
+      lanes *= 2;
+    }
+  }
+  return m.resolve(inputs, tokens, lanes, 1);
+}
+
+void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+                             MutableMatrixView y, const Placement* next_placement) {
+  Impl& m = *impl_;
+  const std::int32_t P = placement.lanes;
+  const Geometry g = m.resolve(x.rows, x.cols, P, 1);
+  const TokenTiling tiling = make_tiling(x.cols, g);
+  const auto t_intake = Clock::now();
+  const LaneLayout layout(placement);
+  std::vector<TakenChunk> chunks;
+  m.arena.execute([&] { chunks = take_in(weights, placement, layout, false); });
+  counters_.intake_seconds += seconds_since(t_intake);
+  const std::int64_t tokens = x.cols;
+  const std::int64_t outputs = y.rows;
+  if (tokens == 0 || outputs == 0) return;
+
+  // With several lanes, each keeps its partial sums for every output and token until the
+  // ring has taken them; tiles of all blocks share the buffer by column.
+  std::vector<DenseMatrix> partial;
+  std::vector<std::atomic<std::int32_t>> arrivals;
+  if (P > 1) {
+    partial.reserve(P);
+    for (std::int32_t p = 0; p < P; ++p) partial.emplace_back(outputs, tokens);
+    arrivals = std::vector<std::atomic<std::int32_t>>(tiling.count * chunks.size());
+  }
+  auto ring_reduce = [&](std::int64_t t, std::size_t c) {
+    const StreamChunk& chunk = *chunks[c].chunk;
+    const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
+    for (std::int64_t o = chunk.first_output; o < chunk.first_output + chunk.outputs; ++o) {
+      const std::int32_t home =
+          next_placement != nullptr ? next_placement->lane_of[o] % P : default_output_lane(o, P);
+      float* out = y.row(o) + t0;
+      std::int32_t lane = (home + 1) % P;
+      std::memcpy(out, partial[lane].row(o) + t0, sizeof(float) * width);
+      for (std::int32_t s = 1; s < P; ++s) {
+        lane = (lane + 1) % P;
+        const float* in = partial[lane].row(o) + t0;
+        for (std::int64_t i = 0; i < width; ++i) out[i] += in[i];
+      }
+    }
+  };
+
+  std::vector<double> busy(static_cast<std::size_t>(P) * tiling.blocks, 0.0);
+  m.arena.execute([&] {
+    tbb::parallel_for(
+        std::int64_t{0}, std::int64_t{P} * tiling.blocks,
+        [&](std::int64_t task) {
+          const auto p = static_cast<std::int32_t>(task % P);
+          const auto q = static_cast<std::int32_t>(task / P);
+          const auto t_start = Clock::now();
+          ResidentTile resident;
+          resident.resize(layout.rows[p].size(), tiling.tile);
+          for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
+            const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
+            resident.load(layout.rows[p], x.data, x.stride, t0, width);
+            const Tile x_tile = resident.tile();
+            for (std::size_t c = 0; c < chunks.size(); ++c) {
+              const StreamChunk& chunk = *chunks[c].chunk;
+              if (P == 1) {
+                m.kernels->forward(chunks[c].runs(0), x_tile,
+                                   {y.row(chunk.first_output) + t0, y.stride}, width);
+                continue;
+              }
+              m.kernels->forward(chunks[c].runs(p), x_tile,
+                                 {partial[p].row(chunk.first_output) + t0, partial[p].stride()},
+                                 width);
+              auto& arrived = arrivals[t * chunks.size() + c];
+              if (arrived.fetch_add(1, std::memory_order_acq_rel) == P - 1) ring_reduce(t, c);
+            }
+          }
+          busy[task] = seconds_since(t_start);
+        },
+        tbb::simple_partitioner());
+  });
+  for (double b : busy) counters_.busy_seconds += b;
+  for (const auto& c : chunks) counters_.packets += c.chunk->packets.size();
+  counters_.bytes += weights.header().nnz * sizeof(Packet);
+}
+
+WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& placement,
+                                      const ConstMatrixView* x, ConstMatrixView dy,
+                                      MutableMatrixView* dx) {
+  Impl& m = *impl_;
+  const std::int32_t P = placement.lanes;
+  const bool want_grad = x != nullptr;
+  const std::int64_t inputs = weights.header().inputs;
+  const Geometry g = m.resolve(inputs, dy.cols, P, (dx != nullptr ? 1 : 0) + (want_grad ? 1 : 0));
+  const TokenTiling tiling = make_tiling(dy.cols, g);
+  const StreamHeader header = weights.header();
+  const auto t_intake = Clock::now();
+  const LaneLayout layout(placement);
+  std::vector<TakenChunk> chunks;
+  m.arena.execute([&] { chunks = take_in(weights, placement, layout, P > 1); });
+  counters_.intake_seconds += seconds_since(t_intake);
+
+  const std::int32_t Q = tiling.blocks;
+  // grads[q][c][k]: block q's share of the gradient of packet k of chunk c (P == 1), or
+  // of the lane's k-th routed packet, lane after lane (P > 1).
+  std::vector<std::vector<std::vector<float>>> grads(Q);
+  // Offsets of each lane's routed packets inside a chunk's gradient buffer.
+  auto lane_offset = [&](std::size_t c, std::int32_t p) {
+    std::size_t off = 0;
+    for (std::int32_t l = 0; l < p; ++l) off += chunks[c].lanes[l].packets.size();
+    return off;
+  };
+  for (auto& per_chunk : grads) {
+    if (!want_grad) break;
+    per_chunk.resize(chunks.size());
+    for (std::size_t c = 0; c < chunks.size(); ++c) {
+      per_chunk[c].assign(chunks[c].chunk->packets.size(), 0.0F);
+    }
+  }
+  std::vector<double> busy(static_cast<std::size_t>(P) * Q, 0.0);
+  m.arena.execute([&] {
+    if (dy.cols == 0) return;
+    tbb::parallel_for(
+        std::int64_t{0}, std::int64_t{P} * Q,
+        [&](std::int64_t task) {
+          const auto p = static_cast<std::int32_t>(task % P);
+          const auto q = static_cast<std::int32_t>(task / P);
+          const auto t_start = Clock::now();
+          const auto& rows = layout.rows[p];
+          ResidentTile x_resident, dx_resident;
+          if (want_grad) x_resident.resize(rows.size(), tiling.tile);
+          if (dx != nullptr) dx_resident.resize(rows.size(), tiling.tile);
+          for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
+            const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
+            if (want_grad) x_resident.load(rows, x->data, x->stride, t0, width);
+            if (dx != nullptr) dx_resident.zero(width);
+            for (std::size_t c = 0; c < chunks.size(); ++c) {
+              const StreamChunk& chunk = *chunks[c].chunk;
+              const LaneRuns runs = chunks[c].runs(p);
+              const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
+              if (dx != nullptr) {
+                m.kernels->backward_data(runs, dy_tile, dx_resident.mutable_tile(), width);
+              }
+              if (!want_grad) continue;
+              float* g_out = grads[q][c].data() + (P > 1 ? lane_offset(c, p) : 0);
+              m.kernels->backward_weight(runs, dy_tile, x_resident.tile(), g_out, width);
+            }
+            if (dx != nullptr) dx_resident.store(rows, dx->data, dx->stride, t0, width);
+          }
+          busy[task] = seconds_since(t_start);
+        },
+        tbb::simple_partitioner());
+  });
+  for (double b : busy) counters_.busy_seconds += b;
+
+  std::uint64_t packets = 0;
+  for (const auto& c : chunks) packets += c.chunk->packets.size();
+  counters_.packets += packets;
+  counters_.bytes += header.nnz * sizeof(Packet);
+  if (!want_grad) return {};
+
+  // The gradient stream leaves in the weight stream's order: same tags, same controls.
+  WeightStream out;
+  out.header = header;
+  out.header.kind = StreamKind::gradient;
+  out.chunks.resize(chunks.size());
+  m.arena.execute([&] {
+    tbb::parallel_for(std::size_t{0}, chunks.size(), [&](std::size_t c) {
+      const StreamChunk& chunk = *chunks[c].chunk;
+      auto g = std::make_shared<StreamChunk>(chunk);
+      std::vector<float> sum(chunk.packets.size(), 0.0F);
+      for (std::int32_t q = 0; q < Q; ++q) {  // blocks in a fixed order: reproducible sums
+        const std::vector<float>& part = grads[q][c];
+        if (P == 1) {
+          for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+        } else {
+          std::size_t off = 0;
+          for (std::int32_t l = 0; l < P; ++l) {
+            const auto& origin = chunks[c].lanes[l].origin;
+            for (std::size_t k = 0; k < origin.size(); ++k) sum[origin[k]] += part[off + k];
+            off += origin.size();
+          }
+        }
+      }
+      for (std::size_t k = 0; k < g->packets.size(); ++k) {
+        g->packets[k].value = is_control(g->packets[k]) ? 0.0F : sum[k];
+      }
+      out.chunks[c] = std::move(g);
+    });
+  });
+  counters_.bytes += header.nnz * sizeof(Packet);  // the gradient stream going out
+  return out;
+}
+
+}  // namespace sluice

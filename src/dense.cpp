@@ -1,0 +1,41 @@
+#include "sluice/dense.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "sluice/error.hpp"
+
+namespace sluice {
+
+void DenseMatrix::FreeAligned::operator()(float* p) const noexcept {
+  std::free(p);
+}
+
+DenseMatrix::DenseMatrix(std::int64_t rows, std::int64_t cols) : rows_(rows), cols_(cols) {
+  if (rows < 0 || cols < 0) {
+    throw ShapeError("DenseMatrix: negative shape " + std::to_string(rows) + "x" +
+                     std::to_string(cols));
+  }
+  // 16 floats = one 64-byte cache line: every row starts on a line.
+  stride_ = (cols + 15) / 16 * 16;
+  const std::size_t bytes = std::max<std::size_t>(64, sizeof(float) * rows * stride_);
+  auto* p = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
+  data_.reset(p);
+}
+
+void DenseMatrix::fill(float value) {
+  std::fill_n(data_.get(), rows_ * stride_, value);
+}
+
+DenseMatrix DenseMatrix::clone() const {
+  DenseMatrix copy(rows_, cols_);
+  if (rows_ * stride_ > 0) std::memcpy(copy.data(), data(), sizeof(float) * rows_ * stride_);
+  return copy;
+}
+
+}  // namespace sluice

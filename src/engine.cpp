@@ -1,0 +1,134 @@
+// The Engine's public calls: every shape and argument is checked here, once, before an
+// implementation runs.
+#include "sluice/engine.hpp"
+
+#include <sstream>
+#include <string>
+
+#include "sluice/error.hpp"
+
+namespace sluice {
+namespace {
+
+std::string shape(std::int64_t r, std::int64_t c) {
+  return std::to_string(r) + "x" + std::to_string(c);
+}
+
+template <typename T>
+void check_view(const MatrixView<T>& v, const char* name) {
+  if (v.rows < 0 || v.cols < 0 || v.stride < v.cols) {
+    throw ShapeError(std::string(name) + ": bad view " + shape(v.rows, v.cols) + " with stride " +
+                     std::to_string(v.stride));
+  }
+  if (v.data == nullptr && v.rows > 0 && v.cols > 0) {
+    throw ShapeError(std::string(name) + ": null data for a " + shape(v.rows, v.cols) + " view");
+  }
+}
+
+template <typename A, typename B>
+bool overlap(const MatrixView<A>& a, const MatrixView<B>& b) {
+  if (a.rows == 0 || a.cols == 0 || b.rows == 0 || b.cols == 0) return false;
+  const auto* a0 = reinterpret_cast<const char*>(a.data);
+  const auto* a1 = reinterpret_cast<const char*>(a.data + (a.rows - 1) * a.stride + a.cols);
+  const auto* b0 = reinterpret_cast<const char*>(b.data);
+  const auto* b1 = reinterpret_cast<const char*>(b.data + (b.rows - 1) * b.stride + b.cols);
+  return a0 < b1 && b0 < a1;
+}
+
+void check_placement(const Placement& placement, std::int64_t features, const char* what) {
+  if (placement.lanes < 1 || placement.features() != features ||
+      static_cast<std::int64_t>(placement.lane_nnz.size()) != placement.lanes) {
+    throw ShapeError(std::string(what) + " is for " + std::to_string(placement.features()) +
+                     " features on " + std::to_string(placement.lanes) + " lanes; the layer has " +
+                     std::to_string(features) + " features");
+  }
+}
+
+void check_layer(const StreamHeader& h, const Placement& placement, ConstMatrixView x) {
+  check_view(x, "X");
+  if (h.inputs != x.rows) {
+    throw ShapeError("stream is for a layer with " + std::to_string(h.inputs) +
+                     " inputs but X has " + std::to_string(x.rows) + " rows");
+  }
+  check_placement(placement, h.inputs, "placement");
+}
+
+}  // namespace
+
+std::string Geometry::to_string() const {
+  std::ostringstream s;
+  s << lanes << "x" << blocks << "/" << tile_tokens;
+  return s.str();
+}
+
+void Engine::forward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+                     MutableMatrixView y, const Placement* next_placement) {
+  const StreamHeader& h = weights.header();
+  if (h.kind != StreamKind::weights) {
+    throw ShapeError(std::string("forward needs a weights stream, got a ") + to_string(h.kind) +
+                     " stream");
+  }
+  check_layer(h, placement, x);
+  check_view(y, "Y");
+  if (h.outputs != y.rows || x.cols != y.cols) {
+    throw ShapeError("Y is " + shape(y.rows, y.cols) + ", expected " + shape(h.outputs, x.cols));
+  }
+  if (overlap(x, y)) throw ShapeError("X and Y overlap in memory");
+  if (next_placement != nullptr && next_placement->features() != h.outputs) {
+    check_placement(*next_placement, h.outputs, "next layer's placement");
+  }
+  forward_impl(weights, placement, x, y, next_placement);
+}
+
+namespace {
+
+void check_backward(const StreamHeader& h, const Placement& placement, std::int64_t inputs,
+                    std::int64_t tokens, ConstMatrixView dy, MutableMatrixView* dx) {
+  check_placement(placement, h.inputs, "placement");
+  if (h.inputs != inputs) {
+    throw ShapeError("stream is for a layer with " + std::to_string(h.inputs) +
+                     " inputs but the activations have " + std::to_string(inputs) + " rows");
+  }
+  check_view(dy, "dY");
+  if (h.outputs != dy.rows || dy.cols != tokens) {
+    throw ShapeError("dY is " + shape(dy.rows, dy.cols) + ", expected " + shape(h.outputs, tokens));
+  }
+  if (dx != nullptr) {
+    check_view(*dx, "dX");
+    if (dx->rows != inputs || dx->cols != tokens) {
+      throw ShapeError("dX is " + shape(dx->rows, dx->cols) + ", expected " +
+                       shape(inputs, tokens));
+    }
+    if (overlap(*dx, dy)) throw ShapeError("dX overlaps dY in memory");
+  }
+}
+
+void check_kind(const StreamHeader& h, bool need_values) {
+  if (h.kind == StreamKind::gradient || (need_values && h.kind != StreamKind::weights)) {
+    throw ShapeError(std::string("this backward pass needs a ") +
+                     (need_values ? "weights" : "weights or mask") + " stream, got a " +
+                     to_string(h.kind) + " stream");
+  }
+}
+
+}  // namespace
+
+WeightStream Engine::backward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
+                              ConstMatrixView dy, MutableMatrixView* dx) {
+  const StreamHeader& h = weights.header();
+  check_kind(h, dx != nullptr);
+  check_view(x, "X");
+  check_backward(h, placement, x.rows, x.cols, dy, dx);
+  if (dx != nullptr && overlap(*dx, x)) throw ShapeError("dX overlaps X in memory");
+  return backward_impl(weights, placement, &x, dy, dx);
+}
+
+void Engine::backward_data(StreamSource& weights, const Placement& placement, ConstMatrixView dy,
+                           MutableMatrixView dx) {
+  const StreamHeader& h = weights.header();
+  check_kind(h, true);
+  check_backward(h, placement, dx.rows, dy.cols, dy, &dx);
+  backward_impl(weights, placement, nullptr, dy, &dx);
+}
+
+}  // namespace sluice

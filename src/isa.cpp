@@ -1,0 +1,68 @@
+#include "sluice/isa.hpp"
+
+#include <cstdlib>
+
+#include "sluice/error.hpp"
+
+namespace sluice {
+
+const char* to_string(Isa isa) {
+  switch (isa) {
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "scalar") return Isa::scalar;
+  if (name == "avx2") return Isa::avx2;
+  if (name == "avx512") return Isa::avx512;
+  throw ShapeError("unknown ISA '" + name + "' (expected scalar, avx2 or avx512)");
+}
+
+bool cpu_supports(Isa isa) {
+  // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
+  switch (isa) {
+    case Isa::scalar:
+      return true;
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+  }
+  return false;
+}
+
+Isa detected_isa() {
+  static const Isa detected = [] {
+    if (cpu_supports(Isa::avx512)) return Isa::avx512;
+    if (cpu_supports(Isa::avx2)) return Isa::avx2;
+    return Isa::scalar;
+  }();
+  return detected;
+}
+
+Isa default_isa() {
+  const Isa best = detected_isa();
+  const char* cap = std::getenv("SLUICE_ISA");
+  if (cap == nullptr || *cap == '\0') return best;
+  const Isa wanted = parse_isa(cap);
+  return wanted < best ? wanted : best;
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (cpu_supports(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+}  // namespace sluice

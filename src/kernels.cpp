@@ -1,0 +1,78 @@
+#include "sluice/kernels.hpp"
+
+#include <mutex>
+
+#include "sluice/engine.hpp"
+#include "sluice/error.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice {
+namespace {
+
+// One engine for the whole process: its arena and kernels are set up once. Calls are
+// serialised; a program that wants concurrent products makes a CpuEngine per thread.
+CpuEngine& shared_engine(std::unique_lock<std::mutex>& lock) {
+  static std::mutex mutex;
+  static CpuEngine engine;
+  lock = std::unique_lock(mutex);
+  return engine;
+}
+
+Placement placement_for(const CsrMatrix& w, const Engine& engine, std::int64_t tokens) {
+  const Geometry g = engine.geometry_for(w.rows(), w.cols(), tokens);
+  if (g.lanes == 1) {
+    // One lane owns everything: no need to count columns.
+    Placement p;
+    p.lanes = 1;
+    p.lane_of.assign(w.cols(), 0);
+    p.lane_nnz = {w.nnz()};
+    return p;
+  }
+  return round_robin_placement(w, g.lanes);
+}
+
+}  // namespace
+
+void spmm(const CsrMatrix& w, ConstMatrixView x, MutableMatrixView y) {
+  std::unique_lock<std::mutex> lock;
+  CpuEngine& engine = shared_engine(lock);
+  const WeightStream stream = encode_stream(w);
+  engine.forward(stream, placement_for(w, engine, x.cols), x, y);
+}
+
+DenseMatrix spmm(const CsrMatrix& w, ConstMatrixView x) {
+  DenseMatrix y(w.rows(), x.cols);
+  spmm(w, x, y.view());
+  return y;
+}
+
+void spmm_t(const CsrMatrix& w, ConstMatrixView dy, MutableMatrixView dx) {
+  std::unique_lock<std::mutex> lock;
+  CpuEngine& engine = shared_engine(lock);
+  const WeightStream stream = encode_stream(w);
+  engine.backward_data(stream, placement_for(w, engine, dy.cols), dy, dx);
+}
+
+DenseMatrix spmm_t(const CsrMatrix& w, ConstMatrixView dy) {
+  DenseMatrix dx(w.cols(), dy.cols);
+  spmm_t(w, dy, dx.view());
+  return dx;
+}
+
+std::vector<float> sddmm(const CsrMatrix& mask, ConstMatrixView dy, ConstMatrixView x) {
+  std::unique_lock<std::mutex> lock;
+  CpuEngine& engine = shared_engine(lock);
+  const WeightStream stream = encode_stream(mask, StreamKind::mask);
+  const WeightStream grad =
+      engine.backward(stream, placement_for(mask, engine, x.cols), x, dy, nullptr);
+  std::vector<float> values;
+  values.reserve(mask.nnz());
+  for (const ChunkPtr& chunk : grad.chunks) {
+    for (const Packet& p : chunk->packets) {
+      if (!is_control(p)) values.push_back(p.value);
+    }
+  }
+  return values;
+}
+
+}  // namespace sluice

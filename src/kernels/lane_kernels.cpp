@@ -1,0 +1,17 @@
+#include "kernels/lane_kernels.hpp"
+
+namespace sluice::detail {
+
+const LaneKernels& lane_kernels(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return kAvx512Kernels;
+    case Isa::avx2:
+      return kAvx2Kernels;
+    case Isa::scalar:
+      break;
+  }
+  return kScalarKernels;
+}
+
+}  // namespace sluice::detail

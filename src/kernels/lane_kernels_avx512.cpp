@@ -1,0 +1,219 @@
+// AVX-512 lane kernels. A token tile is handled in groups of up to 64 tokens (four
+// zmm registers); the accumulators stay in registers for a whole output, and two
+// independent sets of them hide the FMA latency. The last vector of a group is masked,
+// so any token count works and nothing past a row's end is touched.
+#include <immintrin.h>
+
+// GCC 12 warns falsely inside _mm512_maskz_loadu_ps (its pass-through operand is unused).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <algorithm>
+
+#include "kernels/lane_kernels.hpp"
+
+namespace sluice::detail {
+namespace {
+
+constexpr std::int64_t kGroup = 64;
+constexpr std::uint32_t kPrefetch = 16;  // packets ahead
+
+inline __mmask16 tail_mask(std::int64_t width) {
+  const std::int64_t rem = width - (width - 1) / 16 * 16;  // 1..16
+  return static_cast<__mmask16>((1U << rem) - 1U);
+}
+
+inline const float* row_of(const float* base, std::uint32_t tag, std::int64_t stride) {
+  return base + static_cast<std::int64_t>(tag) * stride;
+}
+
+template <int NV>
+inline __m512 load(const float* p, int v, __mmask16 tail) {
+  return v == NV - 1 ? _mm512_maskz_loadu_ps(tail, p + 16 * v) : _mm512_loadu_ps(p + 16 * v);
+}
+
+template <int NV>
+inline void store(float* p, int v, __m512 value, __mmask16 tail) {
+  if (v == NV - 1) {
+    _mm512_mask_storeu_ps(p + 16 * v, tail, value);
+  } else {
+    _mm512_storeu_ps(p + 16 * v, value);
+  }
+}
+
+template <int NV>
+void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y, std::int64_t ys,
+                   __mmask16 tail) {
+  const Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    __m512 a[NV], b[NV];
+    for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
+    std::uint32_t k = L.begin[r];
+    const std::uint32_t e = L.end[r];
+    for (; k + 2 <= e; k += 2) {
+      const float* x0 = row_of(x, p[k].tag, xs);
+      const float* x1 = row_of(x, p[k + 1].tag, xs);
+      const __m512 w0 = _mm512_set1_ps(p[k].value);
+      const __m512 w1 = _mm512_set1_ps(p[k + 1].value);
+      if (k + kPrefetch + 2 <= e) {
+        // The stream says which rows come next: ask for them before they are needed.
+        const float* n0 = row_of(x, p[k + kPrefetch].tag, xs);
+        const float* n1 = row_of(x, p[k + kPrefetch + 1].tag, xs);
+        for (int v = 0; v < NV; v += 4) {
+          _mm_prefetch(reinterpret_cast<const char*>(n0 + 16 * v), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(n1 + 16 * v), _MM_HINT_T0);
+        }
+      }
+      for (int v = 0; v < NV; ++v) {
+        a[v] = _mm512_fmadd_ps(w0, load<NV>(x0, v, tail), a[v]);
+        b[v] = _mm512_fmadd_ps(w1, load<NV>(x1, v, tail), b[v]);
+      }
+    }
+    if (k < e) {
+      const float* x0 = row_of(x, p[k].tag, xs);
+      const __m512 w0 = _mm512_set1_ps(p[k].value);
+      for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(w0, load<NV>(x0, v, tail), a[v]);
+    }
+    float* out = y + r * ys;
+    for (int v = 0; v < NV; ++v) store<NV>(out, v, _mm512_add_ps(a[v], b[v]), tail);
+  }
+}
+
+template <int NV>
+void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, float* dx,
+                         std::int64_t dxs, __mmask16 tail) {
+  const Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    const float* d = dy + r * dys;
+    __m512 dv[NV];
+    for (int v = 0; v < NV; ++v) dv[v] = load<NV>(d, v, tail);
+    std::uint32_t k = L.begin[r];
+    const std::uint32_t e = L.end[r];
+    // Indices are unique within an output, so the two rows never alias.
+    for (; k + 2 <= e; k += 2) {
+      float* o0 = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
+      float* o1 = dx + static_cast<std::int64_t>(p[k + 1].tag) * dxs;
+      const __m512 w0 = _mm512_set1_ps(p[k].value);
+      const __m512 w1 = _mm512_set1_ps(p[k + 1].value);
+      for (int v = 0; v < NV; ++v) {
+        store<NV>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV>(o0, v, tail)), tail);
+        store<NV>(o1, v, _mm512_fmadd_ps(w1, dv[v], load<NV>(o1, v, tail)), tail);
+      }
+    }
+    if (k < e) {
+      float* o0 = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
+      const __m512 w0 = _mm512_set1_ps(p[k].value);
+      for (int v = 0; v < NV; ++v) {
+        store<NV>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV>(o0, v, tail)), tail);
+      }
+    }
+  }
+}
+
+template <int NV>
+void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
+                           std::int64_t xs, float* grad, __mmask16 tail) {
+  const Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    const float* d = dy + r * dys;
+    __m512 dv[NV];
+    for (int v = 0; v < NV; ++v) dv[v] = load<NV>(d, v, tail);
+    std::uint32_t k = L.begin[r];
+    const std::uint32_t e = L.end[r];
+    for (; k + 2 <= e; k += 2) {
+      const float* x0 = row_of(x, p[k].tag, xs);
+      const float* x1 = row_of(x, p[k + 1].tag, xs);
+      __m512 a = _mm512_mul_ps(dv[0], load<NV>(x0, 0, tail));
+      __m512 b = _mm512_mul_ps(dv[0], load<NV>(x1, 0, tail));
+      for (int v = 1; v < NV; ++v) {
+        a = _mm512_fmadd_ps(dv[v], load<NV>(x0, v, tail), a);
+        b = _mm512_fmadd_ps(dv[v], load<NV>(x1, v, tail), b);
+      }
+      grad[k] += _mm512_reduce_add_ps(a);
+      grad[k + 1] += _mm512_reduce_add_ps(b);
+    }
+    if (k < e) {
+      const float* x0 = row_of(x, p[k].tag, xs);
+      __m512 a = _mm512_mul_ps(dv[0], load<NV>(x0, 0, tail));
+      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV>(x0, v, tail), a);
+      grad[k] += _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+// Dispatch a tile of any width to groups of at most 64 tokens.
+template <typename Fn>
+void for_each_group(std::int64_t tokens, Fn&& fn) {
+  for (std::int64_t t0 = 0; t0 < tokens; t0 += kGroup) {
+    const std::int64_t width = std::min(kGroup, tokens - t0);
+    fn(t0, static_cast<int>((width + 15) / 16), tail_mask(width));
+  }
+}
+
+void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
+  for_each_group(tokens, [&](std::int64_t t0, int nv, __mmask16 tail) {
+    const float* xg = x.data + t0;
+    float* yg = y.data + t0;
+    switch (nv) {
+      case 1:
+        forward_group<1>(L, xg, x.stride, yg, y.stride, tail);
+        break;
+      case 2:
+        forward_group<2>(L, xg, x.stride, yg, y.stride, tail);
+        break;
+      case 3:
+        forward_group<3>(L, xg, x.stride, yg, y.stride, tail);
+        break;
+      default:
+        forward_group<4>(L, xg, x.stride, yg, y.stride, tail);
+        break;
+    }
+  });
+}
+
+void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
+  for_each_group(tokens, [&](std::int64_t t0, int nv, __mmask16 tail) {
+    const float* d = dy.data + t0;
+    float* o = dx.data + t0;
+    switch (nv) {
+      case 1:
+        backward_data_group<1>(L, d, dy.stride, o, dx.stride, tail);
+        break;
+      case 2:
+        backward_data_group<2>(L, d, dy.stride, o, dx.stride, tail);
+        break;
+      case 3:
+        backward_data_group<3>(L, d, dy.stride, o, dx.stride, tail);
+        break;
+      default:
+        backward_data_group<4>(L, d, dy.stride, o, dx.stride, tail);
+        break;
+    }
+  });
+}
+
+void backward_weight(const LaneRuns& L, Tile dy, Tile x, float* grad, std::int64_t tokens) {
+  for_each_group(tokens, [&](std::int64_t t0, int nv, __mmask16 tail) {
+    const float* d = dy.data + t0;
+    const float* xg = x.data + t0;
+    switch (nv) {
+      case 1:
+        backward_weight_group<1>(L, d, dy.stride, xg, x.stride, grad, tail);
+        break;
+      case 2:
+        backward_weight_group<2>(L, d, dy.stride, xg, x.stride, grad, tail);
+        break;
+      case 3:
+        backward_weight_group<3>(L, d, dy.stride, xg, x.stride, grad, tail);
+        break;
+      default:
+        backward_weight_group<4>(L, d, dy.stride, xg, x.stride, grad, tail);
+        break;
+    }
+  });
+}
+
+}  // namespace
+
+const LaneKernels kAvx512Kernels{forward, backward_data, backward_weight};
+
+}  // namespace sluice::detail

@@ -1,0 +1,410 @@
+#include "sluice/stream.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+
+#include "crc32.hpp"
+#include "sluice/error.hpp"
+#include "stream_check.hpp"
+
+namespace sluice {
+
+const char* to_string(StreamKind kind) {
+  switch (kind) {
+    case StreamKind::weights:
+      return "weights";
+    case StreamKind::mask:
+      return "mask";
+    case StreamKind::gradient:
+      return "gradient";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+std::string describe_chunk(const StreamChunk& chunk, std::uint64_t chunk_index) {
+  return "stream chunk " + std::to_string(chunk_index) + " (outputs " +
+         std::to_string(chunk.first_output) + ".." +
+         std::to_string(std::uint64_t{chunk.first_output} + chunk.outputs) + ")";
+}
+
+ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
+                       std::uint64_t chunk_index) {
+  auto fail = [&](std::size_t k, const std::string& what) {
+    throw FormatError(describe_chunk(chunk, chunk_index) + ", packet " + std::to_string(k) + ": " +
+                      what);
+  };
+  const bool check_values = header.kind != StreamKind::mask;
+  ChunkFacts facts;
+  std::uint64_t closed = 0;
+  std::int64_t previous = -1;  // last input index in the current output
+  const Packet* p = chunk.packets.data();
+  const std::size_t n = chunk.packets.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::uint32_t tag = p[k].tag;
+    if ((tag & kControlBit) == 0) {
+      if (tag >= header.inputs) {
+        fail(k, "input index " + std::to_string(tag) + " out of range (layer has " +
+                    std::to_string(header.inputs) + " inputs)");
+      }
+      if (static_cast<std::int64_t>(tag) <= previous) {
+        fail(k, "input index " + std::to_string(tag) +
+                    (tag == previous ? " repeated" : " unsorted") + " in output " +
+                    std::to_string(chunk.first_output + closed) +
+                    " (indices must increase within an output)");
+      }
+      if (check_values && !std::isfinite(p[k].value)) {
+        fail(k, "non-finite value in output " + std::to_string(chunk.first_output + closed));
+      }
+      if (closed == chunk.outputs) {
+        fail(k, "weight after the chunk's last carriage return (missing carriage return?)");
+      }
+      previous = tag;
+      ++facts.weights;
+    } else if (tag == kCarriageReturn) {
+      if (closed == chunk.outputs) {
+        fail(k, "more carriage returns than the chunk's " + std::to_string(chunk.outputs) +
+                    " outputs");
+      }
+      ++closed;
+      previous = -1;
+    } else if (tag == kEndOfLayer) {
+      if (k + 1 != n) fail(k, "packets after end-of-layer");
+      if (previous != -1) fail(k, "end-of-layer before the last output's carriage return");
+      facts.ends_layer = true;
+    } else {
+      fail(
+          k, "unknown control packet 0x" + [&] {
+            char buf[16];
+            std::snprintf(buf, sizeof buf, "%08x", tag);
+            return std::string(buf);
+          }());
+    }
+  }
+  if (closed != chunk.outputs) {
+    throw FormatError(describe_chunk(chunk, chunk_index) + ": " + std::to_string(closed) +
+                      " carriage returns for " + std::to_string(chunk.outputs) +
+                      " outputs (truncated or missing carriage return)");
+  }
+  return facts;
+}
+
+void check_sequence(const StreamHeader& header, const StreamChunk& chunk, std::uint64_t chunk_index,
+                    std::uint64_t outputs_closed, bool ended) {
+  if (ended) {
+    throw FormatError(describe_chunk(chunk, chunk_index) + ": data after end-of-layer");
+  }
+  if (chunk.first_output != outputs_closed) {
+    throw FormatError(describe_chunk(chunk, chunk_index) + ": expected first output " +
+                      std::to_string(outputs_closed) + " (chunk lost or out of order)");
+  }
+  if (std::uint64_t{chunk.first_output} + chunk.outputs > header.outputs) {
+    throw FormatError(describe_chunk(chunk, chunk_index) + ": layer has only " +
+                      std::to_string(header.outputs) + " outputs");
+  }
+}
+
+void check_finished(const StreamHeader& header, std::uint64_t outputs_closed, std::uint64_t weights,
+                    bool ended) {
+  if (!ended) {
+    throw FormatError("stream ended without end-of-layer after " + std::to_string(outputs_closed) +
+                      " of " + std::to_string(header.outputs) + " outputs (truncated)");
+  }
+  if (outputs_closed != header.outputs) {
+    throw FormatError("stream closed " + std::to_string(outputs_closed) + " outputs, header says " +
+                      std::to_string(header.outputs));
+  }
+  if (weights != header.nnz) {
+    throw FormatError("stream carried " + std::to_string(weights) + " weights, header says " +
+                      std::to_string(header.nnz));
+  }
+}
+
+}  // namespace detail
+
+StreamValidator::StreamValidator(const StreamHeader& header) : header_(header) {}
+
+void StreamValidator::check(const StreamChunk& chunk) {
+  detail::check_sequence(header_, chunk, chunks_seen_, outputs_closed_, ended_);
+  const detail::ChunkFacts facts = detail::check_chunk(header_, chunk, chunks_seen_);
+  ++chunks_seen_;
+  outputs_closed_ += chunk.outputs;
+  weights_seen_ += facts.weights;
+  ended_ = facts.ends_layer;
+  if (weights_seen_ > header_.nnz) {
+    throw FormatError("stream carries more than the header's " + std::to_string(header_.nnz) +
+                      " weights (at chunk " + std::to_string(chunks_seen_ - 1) + ")");
+  }
+}
+
+void StreamValidator::finish() const {
+  detail::check_finished(header_, outputs_closed_, weights_seen_, ended_);
+}
+
+void WeightStream::validate() const {
+  StreamValidator validator(header);
+  for (const ChunkPtr& chunk : chunks) {
+    if (!chunk) throw FormatError("stream has a missing (null) chunk");
+    validator.check(*chunk);
+  }
+  validator.finish();
+}
+
+std::uint64_t WeightStream::packet_count() const {
+  std::uint64_t n = 0;
+  for (const ChunkPtr& chunk : chunks) n += chunk->packets.size();
+  return n;
+}
+
+WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t chunk_packets) {
+  if (matrix.rows() > 0xFFFF'FFFFLL || matrix.cols() >= kControlBit) {
+    throw ShapeError("matrix too large for a stream: " + std::to_string(matrix.rows()) + "x" +
+                     std::to_string(matrix.cols()));
+  }
+  if (kind == StreamKind::gradient) {
+    throw ShapeError("encode_stream: a gradient stream comes from an engine, not from weights");
+  }
+  WeightStream stream;
+  stream.header = {kind, static_cast<std::uint32_t>(matrix.rows()),
+                   static_cast<std::uint32_t>(matrix.cols()),
+                   static_cast<std::uint64_t>(matrix.nnz())};
+  const auto& offsets = matrix.row_offsets();
+  const auto& idx = matrix.col_indices();
+  const auto& val = matrix.values();
+  const bool send_values = kind == StreamKind::weights;
+  const std::int64_t rows = matrix.rows();
+  std::int64_t r = 0;
+  do {
+    // Whole outputs per chunk, about chunk_packets packets (at least one output).
+    std::int64_t r_end = r;
+    std::size_t packets = 0;
+    while (r_end < rows &&
+           (r_end == r || packets + (offsets[r_end + 1] - offsets[r_end]) + 1 <= chunk_packets)) {
+      packets += offsets[r_end + 1] - offsets[r_end] + 1;
+      ++r_end;
+    }
+    const bool last = r_end == rows;
+    auto chunk = std::make_shared<StreamChunk>();
+    chunk->first_output = static_cast<std::uint32_t>(r);
+    chunk->outputs = static_cast<std::uint32_t>(r_end - r);
+    chunk->packets.resize(packets + (last ? 1 : 0));
+    Packet* out = chunk->packets.data();
+    for (std::int64_t row = r; row < r_end; ++row) {
+      for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
+        *out++ = {idx[k], send_values ? val[k] : 0.0F};
+      }
+      *out++ = {kCarriageReturn, 0.0F};
+    }
+    if (last) *out++ = {kEndOfLayer, 0.0F};
+    stream.chunks.push_back(std::move(chunk));
+    r = r_end;
+  } while (r < rows);
+  return stream;
+}
+
+CsrMatrix decode_stream(const WeightStream& stream) {
+  stream.validate();
+  std::vector<std::int64_t> offsets;
+  offsets.reserve(stream.header.outputs + 1);
+  offsets.push_back(0);
+  std::vector<std::uint32_t> idx;
+  std::vector<float> val;
+  idx.reserve(stream.header.nnz);
+  val.reserve(stream.header.nnz);
+  for (const ChunkPtr& chunk : stream.chunks) {
+    for (const Packet& p : chunk->packets) {
+      if (!is_control(p)) {
+        idx.push_back(p.tag);
+        val.push_back(p.value);
+      } else if (p.tag == kCarriageReturn) {
+        offsets.push_back(static_cast<std::int64_t>(idx.size()));
+      }
+    }
+  }
+  return CsrMatrix(stream.header.outputs, stream.header.inputs, std::move(offsets), std::move(idx),
+                   std::move(val));
+}
+
+// --- serialisation -------------------------------------------------------------------
+// Little-endian. "SLWS" u32 version | u32 kind | u32 outputs | u32 inputs | u64 nnz |
+// u64 chunk count | u32 CRC-32 of all that | per chunk: u32 first_output | u32 outputs | u64 packet
+// count | packets (u32 tag, f32 value) | u32 CRC-32 of the chunk's fields and packets.
+namespace {
+
+constexpr char kMagic[4] = {'S', 'L', 'W', 'S'};
+constexpr std::uint32_t kVersion = 1;
+
+template <typename T>
+void put(std::vector<std::byte>& out, T v) {
+  const auto* b = reinterpret_cast<const std::byte*>(&v);
+  out.insert(out.end(), b, b + sizeof v);
+}
+
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> bytes) : bytes_(bytes) {}
+  template <typename T>
+  T get(const char* what) {
+    need(sizeof(T), what);
+    T v;
+    std::memcpy(&v, bytes_.data() + pos_, sizeof v);
+    pos_ += sizeof v;
+    return v;
+  }
+  void need(std::uint64_t n, const char* what) const {
+    if (n > bytes_.size() - pos_) {
+      throw FormatError("serialized stream truncated at byte " + std::to_string(pos_) +
+                        " while reading " + what);
+    }
+  }
+  const std::byte* here() const { return bytes_.data() + pos_; }
+  void skip(std::size_t n) { pos_ += n; }
+  std::size_t left() const { return bytes_.size() - pos_; }
+  std::size_t pos() const { return pos_; }
+
+ private:
+  std::span<const std::byte> bytes_;
+  std::size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::byte> serialize_stream(const WeightStream& stream) {
+  std::vector<std::byte> out;
+  out.reserve(48 + stream.byte_size() + stream.chunks.size() * 20);
+  for (char c : kMagic) out.push_back(static_cast<std::byte>(c));
+  put(out, kVersion);
+  put(out, static_cast<std::uint32_t>(stream.header.kind));
+  put(out, stream.header.outputs);
+  put(out, stream.header.inputs);
+  put(out, stream.header.nnz);
+  put(out, static_cast<std::uint64_t>(stream.chunks.size()));
+  put(out, crc32(std::span<const std::byte>(out.data(), out.size())));
+  for (const ChunkPtr& chunk : stream.chunks) {
+    const std::size_t start = out.size();
+    put(out, chunk->first_output);
+    put(out, chunk->outputs);
+    put(out, static_cast<std::uint64_t>(chunk->packets.size()));
+    const auto* b = reinterpret_cast<const std::byte*>(chunk->packets.data());
+    out.insert(out.end(), b, b + chunk->packets.size() * sizeof(Packet));
+    put(out, crc32(std::span<const std::byte>(out.data() + start, out.size() - start)));
+  }
+  return out;
+}
+
+WeightStream deserialize_stream(std::span<const std::byte> bytes) {
+  Reader in(bytes);
+  in.need(4, "magic");
+  if (std::memcmp(in.here(), kMagic, 4) != 0) {
+    throw FormatError("not a serialized sluice stream (bad magic)");
+  }
+  in.skip(4);
+  const auto version = in.get<std::uint32_t>("version");
+  if (version != kVersion) {
+    throw FormatError("serialized stream version " + std::to_string(version) + ", expected " +
+                      std::to_string(kVersion));
+  }
+  WeightStream stream;
+  const auto kind = in.get<std::uint32_t>("kind");
+  if (kind < 1 || kind > 3)
+    throw FormatError("serialized stream: unknown kind " + std::to_string(kind));
+  stream.header.kind = static_cast<StreamKind>(kind);
+  stream.header.outputs = in.get<std::uint32_t>("outputs");
+  stream.header.inputs = in.get<std::uint32_t>("inputs");
+  stream.header.nnz = in.get<std::uint64_t>("nnz");
+  const auto chunks = in.get<std::uint64_t>("chunk count");
+  const std::uint32_t header_crc = crc32(bytes.first(in.pos()));
+  if (in.get<std::uint32_t>("header checksum") != header_crc) {
+    throw FormatError("serialized stream: header checksum mismatch");
+  }
+  // Every chunk takes at least 20 bytes: refuse counts the data cannot hold before allocating.
+  if (chunks > in.left() / 20 + 1) {
+    throw FormatError("serialized stream claims " + std::to_string(chunks) +
+                      " chunks, more than its size allows");
+  }
+  StreamValidator validator(stream.header);
+  for (std::uint64_t c = 0; c < chunks; ++c) {
+    const std::size_t start = in.pos();
+    const std::byte* start_ptr = in.here();
+    auto chunk = std::make_shared<StreamChunk>();
+    chunk->first_output = in.get<std::uint32_t>("chunk header");
+    chunk->outputs = in.get<std::uint32_t>("chunk header");
+    const auto n = in.get<std::uint64_t>("chunk header");
+    if (n > in.left() / sizeof(Packet)) {
+      throw FormatError("serialized stream truncated in chunk " + std::to_string(c) + ": " +
+                        std::to_string(n) + " packets announced");
+    }
+    chunk->packets.resize(n);
+    std::memcpy(chunk->packets.data(), in.here(), n * sizeof(Packet));
+    in.skip(n * sizeof(Packet));
+    const std::uint32_t computed = crc32(std::span<const std::byte>(start_ptr, in.pos() - start));
+    const auto stored = in.get<std::uint32_t>("chunk checksum");
+    if (stored != computed) {
+      throw FormatError("serialized stream: checksum mismatch in chunk " + std::to_string(c));
+    }
+    validator.check(*chunk);
+    stream.chunks.push_back(std::move(chunk));
+  }
+  if (in.left() != 0) {
+    throw FormatError("serialized stream: " + std::to_string(in.left()) +
+                      " stray bytes after the last chunk");
+  }
+  validator.finish();
+  return stream;
+}
+
+// --- channel -------------------------------------------------------------------------
+struct StreamChannel::State {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<ChunkPtr> queue;
+  std::size_t capacity;
+  bool closed = false;
+  std::exception_ptr error;
+};
+
+StreamChannel::StreamChannel(std::size_t capacity) : state_(std::make_unique<State>()) {
+  state_->capacity = std::max<std::size_t>(1, capacity);
+}
+StreamChannel::~StreamChannel() = default;
+
+void StreamChannel::push(ChunkPtr chunk) {
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] {
+    return state_->queue.size() < state_->capacity || state_->closed || state_->error;
+  });
+  if (state_->closed || state_->error) throw Error("StreamChannel: push after close");
+  state_->queue.push_back(std::move(chunk));
+  state_->changed.notify_all();
+}
+
+void StreamChannel::close() {
+  std::lock_guard lock(state_->mutex);
+  state_->closed = true;
+  state_->changed.notify_all();
+}
+
+void StreamChannel::fail(std::exception_ptr error) {
+  std::lock_guard lock(state_->mutex);
+  state_->error = std::move(error);
+  state_->changed.notify_all();
+}
+
+ChunkPtr StreamChannel::pop() {
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock,
+                       [&] { return !state_->queue.empty() || state_->closed || state_->error; });
+  if (state_->error) std::rethrow_exception(state_->error);
+  if (state_->queue.empty()) return nullptr;
+  ChunkPtr chunk = std::move(state_->queue.front());
+  state_->queue.pop_front();
+  state_->changed.notify_all();
+  return chunk;
+}
+
+}  // namespace sluice

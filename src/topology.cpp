@@ -1,0 +1,89 @@
+#include "sluice/topology.hpp"
+
+#include <hwloc.h>
+
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace sluice {
+namespace {
+
+struct HwlocTopology {
+  hwloc_topology_t handle = nullptr;
+  HwlocTopology() {
+    if (hwloc_topology_init(&handle) != 0) {
+      handle = nullptr;
+      return;
+    }
+    if (hwloc_topology_load(handle) != 0) {
+      hwloc_topology_destroy(handle);
+      handle = nullptr;
+    }
+  }
+  ~HwlocTopology() {
+    if (handle != nullptr) hwloc_topology_destroy(handle);
+  }
+};
+
+HwlocTopology& hwloc() {
+  static HwlocTopology instance;
+  return instance;
+}
+
+std::int64_t cache_size(hwloc_topology_t t, hwloc_obj_type_t type) {
+  hwloc_obj_t obj = hwloc_get_obj_by_type(t, type, 0);
+  return obj != nullptr && obj->attr != nullptr ? static_cast<std::int64_t>(obj->attr->cache.size)
+                                                : 0;
+}
+
+}  // namespace
+
+std::string Topology::to_string() const {
+  std::ostringstream s;
+  s << packages << " package(s), " << cores << " core(s), " << hardware_threads
+    << " hardware thread(s), " << numa_nodes << " NUMA node(s); L1d " << l1d_bytes / 1024
+    << " KiB, L2 " << l2_bytes / 1024 << " KiB per core, L3 " << l3_bytes / 1024 << " KiB";
+  return s.str();
+}
+
+const Topology& topology() {
+  static const Topology detected = [] {
+    Topology t;
+    hwloc_topology_t h = hwloc().handle;
+    if (h != nullptr) {
+      t.packages = hwloc_get_nbobjs_by_type(h, HWLOC_OBJ_PACKAGE);
+      t.cores = hwloc_get_nbobjs_by_type(h, HWLOC_OBJ_CORE);
+      t.hardware_threads = hwloc_get_nbobjs_by_type(h, HWLOC_OBJ_PU);
+      t.numa_nodes = hwloc_get_nbobjs_by_type(h, HWLOC_OBJ_NUMANODE);
+      t.l1d_bytes = cache_size(h, HWLOC_OBJ_L1CACHE);
+      t.l2_bytes = cache_size(h, HWLOC_OBJ_L2CACHE);
+      t.l3_bytes = cache_size(h, HWLOC_OBJ_L3CACHE);
+    }
+    // Conservative defaults where hwloc saw nothing.
+    const auto hw = static_cast<std::int32_t>(std::max(1U, std::thread::hardware_concurrency()));
+    if (t.cores <= 0) t.cores = hw;
+    if (t.hardware_threads <= 0) t.hardware_threads = hw;
+    if (t.packages <= 0) t.packages = 1;
+    if (t.numa_nodes <= 0) t.numa_nodes = 1;
+    if (t.l1d_bytes <= 0) t.l1d_bytes = 32 << 10;
+    if (t.l2_bytes <= 0) t.l2_bytes = 512 << 10;
+    if (t.l3_bytes <= 0) t.l3_bytes = 8 << 20;
+    return t;
+  }();
+  return detected;
+}
+
+bool pin_current_thread_to_core(std::int32_t core) {
+  static std::mutex mutex;  // hwloc calls on one topology object are not all thread-safe
+  std::lock_guard lock(mutex);
+  hwloc_topology_t h = hwloc().handle;
+  if (h == nullptr) return false;
+  const int cores = hwloc_get_nbobjs_by_type(h, HWLOC_OBJ_CORE);
+  if (cores <= 0) return false;
+  hwloc_obj_t obj = hwloc_get_obj_by_type(h, HWLOC_OBJ_CORE, core % cores);
+  if (obj == nullptr || obj->cpuset == nullptr) return false;
+  return hwloc_set_cpubind(h, obj->cpuset, HWLOC_CPUBIND_THREAD) == 0;
+}
+
+}  // namespace sluice

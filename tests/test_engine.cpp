@@ -1,0 +1,267 @@
+// The engine against a float64 dense reference: forward, backward-data and
+// backward-weight, on odd shapes, every ISA this CPU runs and many geometries.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <tuple>
+
+#include "reference.hpp"
+#include "sluice/engine.hpp"
+#include "sluice/error.hpp"
+#include "sluice/kernels.hpp"
+#include "sluice/planner.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice {
+namespace {
+
+using testing::backward_data_error;
+using testing::backward_weight_error;
+using testing::forward_error;
+using testing::random_dense;
+
+constexpr double kTolerance = 1e-5;  // relative to sum |w x|: a wrong or lost term is ~1
+
+struct Case {
+  std::int64_t out, in, tokens;
+  double sparsity;
+  RowDistribution distribution = RowDistribution::uniform;
+};
+
+std::string name(const Case& c) {
+  return std::to_string(c.out) + "x" + std::to_string(c.in) + "x" + std::to_string(c.tokens) +
+         " s=" + std::to_string(c.sparsity);
+}
+
+std::vector<float> gradient_values(const WeightStream& g) {
+  std::vector<float> v;
+  for (const auto& chunk : g.chunks) {
+    for (const Packet& p : chunk->packets) {
+      if (!is_control(p)) v.push_back(p.value);
+    }
+  }
+  return v;
+}
+
+// Runs forward and both backward products on one engine and checks them.
+void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::size_t chunk,
+                  std::uint64_t seed) {
+  SCOPED_TRACE(name(c) + " lanes=" + std::to_string(lanes) + " chunk=" + std::to_string(chunk) +
+               " isa=" + to_string(engine.isa()));
+  const CsrMatrix w = CsrMatrix::random(c.out, c.in, c.sparsity, seed, c.distribution);
+  const DenseMatrix x = random_dense(c.in, c.tokens, seed + 1);
+  const DenseMatrix dy = random_dense(c.out, c.tokens, seed + 2);
+  const WeightStream stream = encode_stream(w, StreamKind::weights, chunk);
+  const Placement placement = round_robin_placement(w, lanes);
+
+  DenseMatrix y(c.out, c.tokens);
+  y.fill(NAN);  // every element must be written
+  engine.forward(stream, placement, x.view(), y.view());
+  EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+
+  DenseMatrix dx(c.in, c.tokens);
+  dx.fill(NAN);
+  MutableMatrixView dx_view = dx.view();
+  const WeightStream grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view);
+  EXPECT_LE(backward_data_error(w, dy.view(), dx.view()), kTolerance);
+  ASSERT_EQ(grad.header.kind, StreamKind::gradient);
+  EXPECT_NO_THROW(grad.validate());
+  const std::vector<float> g = gradient_values(grad);
+  ASSERT_EQ(static_cast<std::int64_t>(g.size()), w.nnz());
+  EXPECT_LE(backward_weight_error(w, dy.view(), x.view(), g), kTolerance);
+
+  // The mask alone suffices for the weight gradient, and gives the same numbers.
+  const WeightStream mask = encode_stream(w, StreamKind::mask, chunk);
+  const std::vector<float> g_mask =
+      gradient_values(engine.backward(mask, placement, x.view(), dy.view(), nullptr));
+  EXPECT_EQ(g_mask, g);
+}
+
+const Case kCases[] = {
+    {1, 1, 1, 0.0},
+    {1, 1, 3, 0.0},
+    {7, 5, 17, 0.5},
+    {5, 7, 1, 0.3},
+    {33, 19, 17, 0.9},
+    {16, 16, 16, 0.0},
+    {64, 48, 1000, 0.9},
+    {40, 70, 3, 1.0},
+    {31, 64, 33, 0.95},
+    {128, 256, 65, 0.9, RowDistribution::powerlaw},
+    {200, 100, 129, 0.98, RowDistribution::powerlaw},
+};
+
+class EngineByIsa : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(EngineByIsa, MatchesReferenceOnOddShapesAndGeometries) {
+  std::uint64_t seed = 11;
+  for (std::int32_t lanes = 1; lanes <= 4; ++lanes) {
+    for (std::int32_t blocks = 1; blocks <= 3; ++blocks) {
+      EngineOptions options;
+      options.isa = GetParam();
+      options.geometry.lanes = lanes;
+      options.geometry.blocks = blocks;
+      options.threads = 2;
+      CpuEngine engine(options);
+      for (const Case& c : kCases) {
+        // Small chunks so outputs spread over many chunks; default size too.
+        check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed);
+        ++seed;
+      }
+    }
+  }
+}
+
+TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
+  for (std::int32_t tile : {1, 5, 16, 17, 31, 48, 64, 100}) {
+    EngineOptions options;
+    options.isa = GetParam();
+    options.geometry.tile_tokens = tile;
+    CpuEngine engine(options);
+    check_engine(engine, {23, 41, 131, 0.7}, 2, 64, 100 + tile);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, EngineByIsa, ::testing::ValuesIn(supported_isas()),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST(Engine, EmptyRowsAndColumnsAndAllZero) {
+  // Rows 0 and 2 empty, column 1 empty.
+  const CsrMatrix w(3, 3, {0, 0, 2, 2}, {0, 2}, {2.0F, -1.0F});
+  const DenseMatrix x = random_dense(3, 5, 3);
+  CpuEngine engine;
+  for (std::int32_t lanes : {1, 2, 3}) {
+    DenseMatrix y(3, 5);
+    y.fill(NAN);
+    engine.forward(encode_stream(w), round_robin_placement(w, lanes), x.view(), y.view());
+    for (std::int64_t t = 0; t < 5; ++t) {
+      EXPECT_EQ(y(0, t), 0.0F);
+      EXPECT_FLOAT_EQ(y(1, t), 2.0F * x(0, t) - x(2, t));
+      EXPECT_EQ(y(2, t), 0.0F);
+    }
+  }
+}
+
+TEST(Engine, BitwiseReproducibleAcrossRuns) {
+  const CsrMatrix w = CsrMatrix::random(300, 200, 0.8, 5, RowDistribution::powerlaw);
+  const DenseMatrix x = random_dense(200, 77, 6);
+  EngineOptions options;
+  options.geometry = {3, 2, 16};
+  CpuEngine engine(options);
+  const Placement placement = round_robin_placement(w, 3);
+  DenseMatrix first(300, 77);
+  engine.forward(encode_stream(w), placement, x.view(), first.view());
+  for (int run = 0; run < 5; ++run) {
+    DenseMatrix again(300, 77);
+    engine.forward(encode_stream(w), placement, x.view(), again.view());
+    for (std::int64_t r = 0; r < 300; ++r) {
+      ASSERT_EQ(0, std::memcmp(first.row(r), again.row(r), 77 * sizeof(float))) << "row " << r;
+    }
+  }
+}
+
+TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
+  // Any next-layer placement gives the same numbers (only where the sum ends changes).
+  const CsrMatrix w = CsrMatrix::random(50, 60, 0.5, 8);
+  const DenseMatrix x = random_dense(60, 9, 9);
+  CpuEngine engine;
+  const Placement placement = round_robin_placement(w, 3);
+  const Placement next = round_robin_placement(CsrMatrix::random(10, 50, 0.5, 10), 3);
+  DenseMatrix y(50, 9);
+  engine.forward(encode_stream(w), placement, x.view(), y.view(), &next);
+  EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+}
+
+TEST(Engine, RejectsWrongShapes) {
+  const CsrMatrix w = CsrMatrix::random(8, 6, 0.5, 1);
+  const WeightStream s = encode_stream(w);
+  CpuEngine engine;
+  const Placement p = round_robin_placement(w, 2);
+  DenseMatrix x(6, 4), y(8, 4), bad_x(5, 4), bad_y(8, 3);
+  EXPECT_THROW(engine.forward(s, p, bad_x.view(), y.view()), ShapeError);
+  EXPECT_THROW(engine.forward(s, p, x.view(), bad_y.view()), ShapeError);
+  EXPECT_THROW(engine.forward(s, round_robin_placement(CsrMatrix::random(8, 7, 0.5, 1), 2),
+                              x.view(), y.view()),
+               ShapeError);
+  EXPECT_THROW(engine.forward(encode_stream(w, StreamKind::mask), p, x.view(), y.view()),
+               ShapeError);
+  MutableMatrixView alias{x.data(), 6, 4, x.stride()};
+  EXPECT_THROW(engine.backward(s, p, x.view(), y.view(), &alias), ShapeError);
+}
+
+TEST(Engine, RefusesCorruptStreamsAtIntake) {
+  const CsrMatrix w = CsrMatrix::random(20, 10, 0.5, 2);
+  CpuEngine engine;
+  const Placement p = round_robin_placement(w, 2);
+  DenseMatrix x = random_dense(10, 3, 1), y(20, 3);
+  auto corrupt = [&](auto mutate) {
+    WeightStream s = encode_stream(w, StreamKind::weights, 8);
+    auto chunk = std::make_shared<StreamChunk>(*s.chunks[1]);
+    mutate(*chunk, s);
+    s.chunks[1] = chunk;
+    return s;
+  };
+  // Index out of range.
+  EXPECT_THROW(engine.forward(corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 10; }),
+                              p, x.view(), y.view()),
+               FormatError);
+  // Missing carriage return.
+  EXPECT_THROW(engine.forward(corrupt([](StreamChunk& c, WeightStream&) {
+                                for (auto& pk : c.packets) {
+                                  if (pk.tag == kCarriageReturn) {
+                                    pk = {0, 1.0F};
+                                    break;
+                                  }
+                                }
+                              }),
+                              p, x.view(), y.view()),
+               FormatError);
+  // A lost chunk.
+  EXPECT_THROW(engine.forward(corrupt([](StreamChunk&, WeightStream& s) {
+                                s.chunks.erase(s.chunks.begin() + 2);
+                              }),
+                              p, x.view(), y.view()),
+               FormatError);
+  // Truncated: no end-of-layer.
+  EXPECT_THROW(engine.forward(corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); }),
+                              p, x.view(), y.view()),
+               FormatError);
+  // A NaN weight.
+  EXPECT_THROW(
+      engine.forward(corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; }), p,
+                     x.view(), y.view()),
+      FormatError);
+}
+
+TEST(Engine, ConsumesALiveChannel) {
+  const CsrMatrix w = CsrMatrix::random(120, 90, 0.7, 4);
+  const DenseMatrix x = random_dense(90, 20, 5);
+  const WeightStream s = encode_stream(w, StreamKind::weights, 64);
+  StreamChannel channel(2);
+  std::thread producer([&] {
+    for (const auto& c : s.chunks) channel.push(c);
+    channel.close();
+  });
+  ChannelStreamSource source(s.header, channel);
+  CpuEngine engine;
+  DenseMatrix y(120, 20);
+  engine.forward(source, round_robin_placement(w, 2), x.view(), y.view());
+  producer.join();
+  EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+}
+
+TEST(Kernels, SpmmSpmmTSddmmMatchReference) {
+  const CsrMatrix w = CsrMatrix::random(70, 45, 0.8, 12, RowDistribution::powerlaw);
+  const DenseMatrix x = random_dense(45, 19, 13);
+  const DenseMatrix dy = random_dense(70, 19, 14);
+  EXPECT_LE(forward_error(w, x.view(), spmm(w, x.view()).view()), kTolerance);
+  EXPECT_LE(backward_data_error(w, dy.view(), spmm_t(w, dy.view()).view()), kTolerance);
+  EXPECT_LE(backward_weight_error(w, dy.view(), x.view(), sddmm(w, dy.view(), x.view())),
+            kTolerance);
+}
+
+}  // namespace
+}  // namespace sluice

@@ -1,0 +1,241 @@
+// `sluice spmm`: the streamed sparse forward (and backward) against oneDNN's dense sgemm
+// on the same operands, over one sparsity or a sweep.
+#include <cstdio>
+#include <iostream>
+#include <optional>
+
+#include "dense_baseline.hpp"
+#include "measure.hpp"
+#include "reference.hpp"
+#include "sluice/csr_matrix.hpp"
+#include "sluice/engine.hpp"
+#include "sluice/json.hpp"
+#include "sluice/planner.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice::cli {
+namespace {
+
+struct SpmmOptions {
+  std::string matrix;
+  std::string shape = "4096x4096";
+  std::string sparsity;
+  std::string distribution = "uniform";
+  std::int64_t tokens = 256;
+  int threads = 0;
+  int repeat = 5;
+  std::uint64_t seed = 1;
+  bool check = false;
+  bool json = false;
+  bool backward = false;
+  Geometry geometry;
+};
+
+struct SpmmResult {
+  std::int64_t out = 0, in = 0, tokens = 0, nnz = 0;
+  double sparsity = 0;
+  int threads = 0;
+  std::string isa, geometry;
+  double sparse_ms = 0, dense_ms = 0, prepare_ms = 0, balance = 1;
+  std::optional<double> max_rel_error;
+  // --backward
+  double backward_ms = 0, bwd_data_ms = 0, bwd_weight_ms = 0, dense_backward_ms = 0;
+  std::optional<double> max_rel_error_bwd;
+
+  double useful_gflops() const { return 2.0 * nnz * tokens / (sparse_ms * 1e6); }
+  double acceleration() const { return dense_ms / sparse_ms; }
+};
+
+SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
+  EngineOptions eo;
+  eo.threads = o.threads;
+  eo.geometry = o.geometry;
+  CpuEngine engine(eo);
+  baseline::set_dense_threads(engine.threads());
+  const DenseMatrix x = testing::random_dense(w.cols(), o.tokens, o.seed + 101);
+  DenseMatrix y(w.rows(), o.tokens);
+
+  SpmmResult r;
+  r.out = w.rows();
+  r.in = w.cols();
+  r.tokens = o.tokens;
+  r.nnz = w.nnz();
+  r.sparsity = w.sparsity();
+  r.threads = engine.threads();
+  r.isa = to_string(engine.isa());
+  const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens);
+  r.geometry = g.to_string();
+
+  // Preparing the layer (planning + encoding the stream) happens once per layer in
+  // ModelMemory, so it is reported apart from the product.
+  WeightStream stream;
+  Placement placement;
+  r.prepare_ms = 1e3 * median_seconds(
+                           [&] {
+                             placement = round_robin_placement(w, g.lanes);
+                             stream = encode_stream(w);
+                           },
+                           1);
+  r.balance = placement.balance();
+  r.sparse_ms = 1e3 * median_seconds([&] { engine.forward(stream, placement, x.view(), y.view()); },
+                                     o.repeat);
+  const DenseMatrix w_dense = w.to_dense();
+  DenseMatrix y_dense(w.rows(), o.tokens);
+  r.dense_ms =
+      1e3 *
+      median_seconds(
+          [&] { baseline::dense_sgemm(w_dense.view(), false, x.view(), false, y_dense.view()); },
+          o.repeat);
+  if (o.check) r.max_rel_error = testing::forward_error(w, x.view(), y.view());
+
+  if (o.backward) {
+    const DenseMatrix dy = testing::random_dense(w.rows(), o.tokens, o.seed + 202);
+    DenseMatrix dx(w.cols(), o.tokens);
+    MutableMatrixView dx_view = dx.view();
+    const WeightStream mask = encode_stream(w, StreamKind::mask);
+    WeightStream grad;
+    r.backward_ms =
+        1e3 * median_seconds(
+                  [&] { grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view); },
+                  o.repeat);
+    r.bwd_data_ms =
+        1e3 * median_seconds([&] { engine.backward_data(stream, placement, dy.view(), dx_view); },
+                             o.repeat);
+    r.bwd_weight_ms =
+        1e3 *
+        median_seconds([&] { engine.backward(mask, placement, x.view(), dy.view(), nullptr); },
+                       o.repeat);
+    DenseMatrix dx_dense(w.cols(), o.tokens), dw_dense(w.rows(), w.cols());
+    r.dense_backward_ms =
+        1e3 * median_seconds(
+                  [&] {
+                    baseline::dense_sgemm(w_dense.view(), true, dy.view(), false, dx_dense.view());
+                    baseline::dense_sgemm(dy.view(), false, x.view(), true, dw_dense.view());
+                  },
+                  o.repeat);
+    if (o.check) {
+      std::vector<float> g;
+      g.reserve(w.nnz());
+      for (const auto& chunk : grad.chunks) {
+        for (const Packet& p : chunk->packets) {
+          if (!is_control(p)) g.push_back(p.value);
+        }
+      }
+      r.max_rel_error_bwd = std::max(testing::backward_data_error(w, dy.view(), dx.view()),
+                                     testing::backward_weight_error(w, dy.view(), x.view(), g));
+    }
+  }
+  return r;
+}
+
+void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
+  j.begin_object();
+  j.field("out", r.out).field("in", r.in).field("tokens", r.tokens).field("nnz", r.nnz);
+  j.field("sparsity", r.sparsity).field("threads", r.threads).field("isa", r.isa);
+  j.field("geometry", r.geometry).field("sparse_ms", r.sparse_ms).field("dense_ms", r.dense_ms);
+  j.field("prepare_ms", r.prepare_ms).field("useful_gflops", r.useful_gflops());
+  j.field("acceleration", r.acceleration()).field("balance", r.balance);
+  j.key("max_rel_error");
+  r.max_rel_error ? j.value(*r.max_rel_error) : j.null();
+  if (backward) {
+    j.field("backward_ms", r.backward_ms).field("bwd_data_ms", r.bwd_data_ms);
+    j.field("bwd_weight_ms", r.bwd_weight_ms).field("dense_backward_ms", r.dense_backward_ms);
+    j.field("backward_acceleration", r.dense_backward_ms / r.backward_ms);
+    j.key("max_rel_error_bwd");
+    r.max_rel_error_bwd ? j.value(*r.max_rel_error_bwd) : j.null();
+  }
+  j.field("peak_rss_bytes", peak_resident_bytes());
+  j.end_object();
+}
+
+void print_table(const std::vector<SpmmResult>& results, bool backward, bool check) {
+  const SpmmResult& first = results.front();
+  std::printf("sluice spmm: %lld x %lld weights, %lld tokens, %d threads, ISA %s, geometry %s\n",
+              static_cast<long long>(first.out), static_cast<long long>(first.in),
+              static_cast<long long>(first.tokens), first.threads, first.isa.c_str(),
+              first.geometry.c_str());
+  std::printf("%9s %10s %10s %10s %9s %8s %8s", "sparsity", "nnz", "sparse_ms", "dense_ms",
+              "GFLOP/s", "accel", "balance");
+  if (check) std::printf(" %9s", "rel_err");
+  if (backward)
+    std::printf(" %10s %9s %9s %10s %7s", "bwd_ms", "bwd_dX", "bwd_dW", "dense_bwd", "accel");
+  if (backward && check) std::printf(" %9s", "err_bwd");
+  std::printf("\n");
+  for (const SpmmResult& r : results) {
+    std::printf("%9.4f %10lld %10.3f %10.3f %9.1f %7.2fx %8.3f", r.sparsity,
+                static_cast<long long>(r.nnz), r.sparse_ms, r.dense_ms, r.useful_gflops(),
+                r.acceleration(), r.balance);
+    if (check) std::printf(" %9.2e", *r.max_rel_error);
+    if (backward) {
+      std::printf(" %10.3f %9.3f %9.3f %10.3f %6.2fx", r.backward_ms, r.bwd_data_ms,
+                  r.bwd_weight_ms, r.dense_backward_ms, r.dense_backward_ms / r.backward_ms);
+    }
+    if (backward && check) std::printf(" %9.2e", *r.max_rel_error_bwd);
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+
+Command add_spmm_command(CLI::App& app) {
+  auto o = std::make_shared<SpmmOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "spmm", "Time the streamed sparse product against oneDNN dense sgemm on the same W and X");
+  auto* matrix = cmd->add_option("--matrix", o->matrix, "Weight mask/matrix file (.smtx or .mtx)");
+  auto* shape = cmd->add_option("--shape", o->shape, "OUTxIN of a random W (default 4096x4096)");
+  auto* sparsity = cmd->add_option(
+      "--sparsity", o->sparsity,
+      "Sparsity of a random W, or a comma-separated list (default: a sweep 0 ... 0.999)");
+  cmd->add_option("--distribution", o->distribution, "Row counts: uniform or powerlaw")
+      ->check(CLI::IsMember({"uniform", "powerlaw"}));
+  matrix->excludes(shape)->excludes(sparsity);
+  cmd->add_option("--tokens", o->tokens, "Tokens (columns of X)")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--threads", o->threads, "Threads (default: all cores)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--repeat", o->repeat, "Timed repetitions (median)")
+      ->check(CLI::Range(1, 100000));
+  cmd->add_option("--seed", o->seed, "Seed for W, X and values");
+  cmd->add_option("--lanes", o->geometry.lanes, "Engine lanes P (default: chosen)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--blocks", o->geometry.blocks, "Token blocks Q (default: chosen)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--tile", o->geometry.tile_tokens, "Tokens per tile (default: chosen)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_flag("--check", o->check, "Check against a float64 reference");
+  cmd->add_flag("--backward", o->backward, "Also time (and check) backward-data and -weight");
+  cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
+
+  return [o] {
+    std::vector<CsrMatrix> layers;
+    if (!o->matrix.empty()) {
+      layers.push_back(read_matrix(o->matrix, o->seed));
+    } else {
+      const auto [out, in] = parse_shape(o->shape);
+      const auto distribution =
+          o->distribution == "powerlaw" ? RowDistribution::powerlaw : RowDistribution::uniform;
+      const std::vector<double> sparsities = parse_sparsities(
+          o->sparsity.empty() ? "0,0.5,0.75,0.9,0.95,0.98,0.99,0.999" : o->sparsity);
+      for (double s : sparsities) {
+        layers.push_back(CsrMatrix::random(out, in, s, o->seed, distribution));
+      }
+    }
+    std::vector<SpmmResult> results;
+    for (const CsrMatrix& w : layers) results.push_back(measure(w, *o));
+    if (o->json) {
+      JsonWriter j(2);
+      if (results.size() == 1) {
+        write_json(j, results[0], o->backward);
+      } else {
+        j.begin_object().key("runs").begin_array();
+        for (const auto& r : results) write_json(j, r, o->backward);
+        j.end_array().end_object();
+      }
+      std::cout << j.str() << "\n";
+    } else {
+      print_table(results, o->backward, o->check);
+    }
+    return 0;
+  };
+}
+
+}  // namespace sluice::cli

@@ -1,0 +1,50 @@
+// sluice: sweeps, training and wafer-scale prediction from the command line.
+#include <exception>
+#include <iostream>
+#include <utility>
+#include <vector>
+
+#include "commands.hpp"
+#include "sluice/error.hpp"
+
+int main(int argc, char** argv) {
+  using namespace sluice::cli;
+  CLI::App app{"sluice: sparse neural-network layers by weight streaming"};
+  app.require_subcommand(1);
+  std::vector<std::pair<CLI::App*, Command>> commands;
+  auto add = [&](Command (*adder)(CLI::App&)) {
+    const auto before = app.get_subcommands({}).size();
+    Command run = adder(app);
+    commands.emplace_back(app.get_subcommands({}).at(before), std::move(run));
+  };
+  add(add_spmm_command);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "sluice: " << e.what() << "\n\n" << app.help();
+    return 2;
+  }
+  try {
+    for (auto& [sub, run] : commands) {
+      if (sub->parsed()) return run();
+    }
+    return 2;
+  } catch (const UsageError& e) {
+    std::cerr << "sluice: " << e.what() << "\n";
+    return 2;
+  } catch (const sluice::ShapeError& e) {
+    std::cerr << "sluice: " << e.what() << "\n";
+    return 2;
+  } catch (const sluice::Error& e) {
+    std::cerr << "sluice: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "sluice: internal error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,37 @@
+#pragma once
+// Small helpers the subcommands share: timing, shapes, number lists.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "commands.hpp"
+
+namespace sluice::cli {
+
+/// Median wall time of `repeats` calls of fn, after one untimed warm-up call.
+template <typename Fn>
+double median_seconds(Fn&& fn, int repeats) {
+  fn();
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
+/// "4096x1024" -> {4096, 1024}; UsageError unless both are positive integers.
+std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text);
+
+/// "0,0.5,0.9" -> {0, 0.5, 0.9}; UsageError unless each is in [0, 1).
+std::vector<double> parse_sparsities(const std::string& text);
+
+/// Peak resident memory of this process (bytes), from getrusage.
+std::int64_t peak_resident_bytes();
+
+}  // namespace sluice::cli
