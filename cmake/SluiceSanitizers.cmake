@@ -9,3 +9,12 @@ elseif(SLUICE_SANITIZER STREQUAL "thread")
 elseif(NOT SLUICE_SANITIZER STREQUAL "")
   message(FATAL_ERROR "SLUICE_SANITIZER must be '', 'address' or 'thread', not '${SLUICE_SANITIZER}'")
 endif()
+
+# Fuzz targets need clang's libFuzzer; the library is instrumented for coverage too.
+option(SLUICE_BUILD_FUZZERS "Build the libFuzzer targets in fuzz/ (clang only)" OFF)
+if(SLUICE_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "SLUICE_BUILD_FUZZERS needs clang (CXX=clang++)")
+  endif()
+  add_compile_options(-fsanitize=fuzzer-no-link)
+endif()

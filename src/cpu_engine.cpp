@@ -126,33 +126,29 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
   std::vector<char> ends(taken.size());
   tbb::parallel_for(std::size_t{0}, taken.size(), [&](std::size_t c) {
     const StreamChunk& chunk = *taken[c].chunk;
-    const detail::ChunkFacts facts = detail::check_chunk(header, chunk, c);
-    weights[c] = facts.weights;
-    ends[c] = facts.ends_layer ? 1 : 0;
     auto& shares = taken[c].lanes;
     shares.resize(lanes);
     for (auto& s : shares) {
       s.begin.resize(chunk.outputs);
       s.end.resize(chunk.outputs);
-      if (lanes > 1) s.packets.reserve(facts.weights / lanes + facts.weights / (4 * lanes) + 16);
-      if (lanes > 1 && keep_origin) s.origin.reserve(s.packets.capacity());
+    }
+    // One lane: the runs lie between the carriage returns the check finds anyway.
+    const detail::ChunkFacts facts =
+        detail::check_chunk(header, chunk, c, lanes == 1 ? shares[0].end.data() : nullptr);
+    weights[c] = facts.weights;
+    ends[c] = facts.ends_layer ? 1 : 0;
+    if (lanes == 1) {
+      auto& s = shares[0];
+      for (std::uint32_t r = 0; r < chunk.outputs; ++r) s.begin[r] = r == 0 ? 0 : s.end[r - 1] + 1;
+      return;
+    }
+    for (auto& s : shares) {
+      s.packets.reserve(facts.weights / lanes + facts.weights / (4 * lanes) + 16);
+      if (keep_origin) s.origin.reserve(s.packets.capacity());
     }
     const Packet* p = chunk.packets.data();
     const std::size_t n = chunk.packets.size();
     std::uint32_t r = 0;
-    if (lanes == 1) {
-      auto& s = shares[0];
-      std::uint32_t start = 0;
-      for (std::size_t k = 0; k < n; ++k) {
-        if (p[k].tag == kCarriageReturn) {
-          s.begin[r] = start;
-          s.end[r] = static_cast<std::uint32_t>(k);
-          ++r;
-          start = static_cast<std::uint32_t>(k + 1);
-        }
-      }
-      return;
-    }
     const std::int32_t* lane_of = placement.lane_of.data();
     if (chunk.outputs > 0) {
       for (auto& s : shares) s.begin[0] = 0;

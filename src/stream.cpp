@@ -34,7 +34,7 @@ std::string describe_chunk(const StreamChunk& chunk, std::uint64_t chunk_index) 
 }
 
 ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
-                       std::uint64_t chunk_index) {
+                       std::uint64_t chunk_index, std::uint32_t* carriage_returns) {
   auto fail = [&](std::size_t k, const std::string& what) {
     throw FormatError(describe_chunk(chunk, chunk_index) + ", packet " + std::to_string(k) + ": " +
                       what);
@@ -71,6 +71,7 @@ ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
         fail(k, "more carriage returns than the chunk's " + std::to_string(chunk.outputs) +
                     " outputs");
       }
+      if (carriage_returns != nullptr) carriage_returns[closed] = static_cast<std::uint32_t>(k);
       ++closed;
       previous = -1;
     } else if (tag == kEndOfLayer) {
@@ -340,7 +341,7 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
                         std::to_string(n) + " packets announced");
     }
     chunk->packets.resize(n);
-    std::memcpy(chunk->packets.data(), in.here(), n * sizeof(Packet));
+    if (n > 0) std::memcpy(chunk->packets.data(), in.here(), n * sizeof(Packet));
     in.skip(n * sizeof(Packet));
     const std::uint32_t computed = crc32(std::span<const std::byte>(start_ptr, in.pos() - start));
     const auto stored = in.get<std::uint32_t>("chunk checksum");

@@ -15,9 +15,11 @@ struct ChunkFacts {
 
 /// Everything that can be checked from the chunk alone: tags in range, indices strictly
 /// increasing within an output, `outputs` carriage returns, end-of-layer only last,
-/// finite values (unless a mask). `chunk_index` is for the message.
+/// finite values (unless a mask). `chunk_index` is for the message. If given,
+/// `carriage_returns` (room for chunk.outputs) receives the position of each carriage
+/// return, which is all a single-lane engine needs to find its runs.
 ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
-                       std::uint64_t chunk_index);
+                       std::uint64_t chunk_index, std::uint32_t* carriage_returns = nullptr);
 
 /// What depends on the order: the chunk starts where the previous one ended, nothing
 /// follows end-of-layer, the outputs do not overrun the header.

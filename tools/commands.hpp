@@ -19,5 +19,6 @@ using Command = std::function<int()>;
 /// Each adds its subcommand to `app` and returns what runs it.
 Command add_spmm_command(CLI::App& app);
 Command add_predict_command(CLI::App& app);
+Command add_train_command(CLI::App& app);
 
 }  // namespace sluice::cli

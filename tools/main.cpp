@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
     commands.emplace_back(app.get_subcommands({}).at(before), std::move(run));
   };
   add(add_spmm_command);
+  add(add_predict_command);
 
   try {
     app.parse(argc, argv);
