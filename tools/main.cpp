@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   };
   add(add_spmm_command);
   add(add_predict_command);
+  add(add_train_command);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,59 @@
+#pragma once
+// Labelled data sets for training and evaluation: features x samples (one sample per
+// column, as the engines want tokens), integer class labels.
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "sluice/dense.hpp"
+
+namespace sluice {
+
+struct Dataset {
+  DenseMatrix features;     ///< features x samples
+  std::vector<int> labels;  ///< one per sample, in [0, classes)
+  int classes = 0;
+  std::int64_t samples() const { return features.cols(); }
+};
+
+/// Reads a CSV of numbers, one sample per line, the last column its integer label
+/// (>= 0); gzip'd files are read transparently. Every row must have as many columns as
+/// the first. Blank lines are skipped. FormatError names the file, line and column of a
+/// bad row; IoError if the file cannot be opened.
+Dataset load_csv(const std::filesystem::path& path);
+
+/// The UCI optical-digits set as scikit-learn ships it (sklearn/datasets/data/
+/// digits.csv.gz: 1797 rows, 64 pixel values 0..16, then the label 0..9).
+/// FormatError unless the file has that shape.
+Dataset load_digits(const std::filesystem::path& path);
+
+/// Where the digits file is: `explicit_path` if given, else $SLUICE_DIGITS, else the
+/// first of these that exists:
+///   $XDG_DATA_HOME/sluice/digits.csv.gz (or ~/.local/share/sluice/digits.csv.gz),
+///   data/digits.csv.gz beside the running program (where scripts/sluice-setup puts it),
+///   /usr/local/share/sluice/digits.csv.gz, /usr/share/sluice/digits.csv.gz,
+///   /usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz (python3-sklearn).
+std::optional<std::filesystem::path> find_digits_file(
+    const std::optional<std::filesystem::path>& explicit_path = std::nullopt);
+
+/// A teacher-student task: Gaussian inputs labelled by the argmax of a random sparse
+/// two-layer ReLU teacher network (features -> 4*classes hidden -> classes). Seeded: the
+/// same arguments give the same data.
+Dataset make_synthetic_dataset(std::int64_t samples, std::int64_t features, int classes,
+                               std::uint64_t seed);
+
+/// A fixed held-out split: a seeded shuffle, then the first round(test_fraction * n)
+/// samples are the test set. Returns {train, test}.
+std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fraction,
+                                          std::uint64_t seed);
+
+/// Scales every feature to mean 0, standard deviation 1 using the training set's
+/// statistics, applied to both sets (constant features are only centred).
+void standardize(Dataset& train, Dataset& test);
+
+/// The samples [begin, end) of a data set as a view, and their labels.
+ConstMatrixView sample_view(const Dataset& data, std::int64_t begin, std::int64_t end);
+
+}  // namespace sluice

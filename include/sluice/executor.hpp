@@ -1,0 +1,136 @@
+#pragma once
+// The LayerStreamingExecutor drives a stack of sparse linear layers (weights in
+// ModelMemory) through forward and backward passes on a Fabric's engines.
+//
+// Forward: layer by layer, ModelMemory streams the weights into a bounded channel from a
+// producer task (capacity = prefetch depth) while the engines take them in; the next
+// layer's producer starts while the engines still work on this one. Every engine keeps
+// its pre-activations Z and activations A of every layer resident for the backward pass.
+// Backward: the weights stream again (the first layer: the mask alone, no dX); the fabric
+// sums the engines' gradient streams; the executor hands each layer's gradient to
+// ModelMemory::submit_gradient on a task of its own, so the optimizer works on layer l
+// while the engines work on layer l-1; commit_step() ends the step.
+//
+// A batch is split over the engines by tokens, in contiguous ranges. The loss is the mean
+// over all tokens of the batch, so the gradients the fabric sums are those of that mean
+// and N engines compute the same math as one.
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "sluice/dense.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/model_memory.hpp"
+
+namespace sluice {
+
+enum class Activation {
+  none,
+  relu,
+  /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+  gelu,
+};
+const char* to_string(Activation activation);
+
+enum class Loss {
+  /// Softmax cross-entropy against integer labels: mean over tokens of -log p[label].
+  softmax_cross_entropy,
+  /// Mean over tokens of 0.5 * sum over outputs of (y - target)^2.
+  mse,
+};
+
+/// A batch: features x tokens, with integer labels (cross-entropy) or dense targets
+/// (outputs x tokens, MSE).
+struct Batch {
+  ConstMatrixView features;
+  std::vector<int> labels;
+  std::optional<ConstMatrixView> targets;
+};
+
+struct ExecutorOptions {
+  /// One per layer; empty = ReLU on every hidden layer, none on the last.
+  std::vector<Activation> activations;
+  Loss loss = Loss::softmax_cross_entropy;
+  /// Chunks the weight stream may run ahead of the engines (the channel's capacity).
+  std::size_t prefetch_depth = 4;
+  std::size_t chunk_packets = kDefaultChunkPackets;
+  /// Bytes the resident activations may take over all engines; 0 = no limit.
+  std::int64_t memory_budget_bytes = 0;
+};
+
+/// Counters of one step, or summed over all steps (see LayerStreamingExecutor::totals).
+struct StepMetrics {
+  double wall_seconds = 0;
+  double engine_busy_seconds = 0;    ///< EngineCounters::busy_seconds over all engines
+  double engine_thread_seconds = 0;  ///< wall_seconds x engine threads (the busy fraction's base)
+  double stream_wait_seconds = 0;    ///< time the engines' intake waited for the next chunk
+  double optimizer_seconds = 0;      ///< StepReport::seconds
+  std::uint64_t stream_packets = 0;  ///< packets streamed out of ModelMemory
+  std::uint64_t stream_bytes = 0;
+  std::int64_t tokens = 0;
+
+  double engine_busy() const {
+    return engine_thread_seconds > 0 ? engine_busy_seconds / engine_thread_seconds : 0;
+  }
+  double packets_per_second() const { return wall_seconds > 0 ? stream_packets / wall_seconds : 0; }
+  double bytes_per_second() const { return wall_seconds > 0 ? stream_bytes / wall_seconds : 0; }
+  double tokens_per_second() const { return wall_seconds > 0 ? tokens / wall_seconds : 0; }
+  StepMetrics& operator+=(const StepMetrics& other);
+};
+
+struct StepResult {
+  double loss = 0;
+  double accuracy = 0;  ///< fraction of argmax == label (cross-entropy only)
+  StepReport report;
+  StepMetrics metrics;
+};
+
+struct Evaluation {
+  double loss = 0;
+  double accuracy = 0;
+  std::int64_t tokens = 0;
+};
+
+/// One layer's gradient summed over the batch (as ModelMemory receives it).
+struct LayerGradient {
+  CsrMatrix weights;
+  std::vector<float> bias;
+};
+
+class LayerStreamingExecutor {
+ public:
+  /// The model is every layer in `memory`, in order; shapes must chain
+  /// (layer l's rows = layer l+1's columns), else ShapeError.
+  LayerStreamingExecutor(ModelMemory& memory, Fabric& fabric, ExecutorOptions options = {});
+  ~LayerStreamingExecutor();
+
+  /// Forward, backward, gradients to ModelMemory, commit_step.
+  StepResult train_step(const Batch& batch);
+  /// Forward and backward only: the gradients of the batch's mean loss, per layer.
+  std::vector<LayerGradient> gradients(const Batch& batch, double* loss = nullptr);
+  /// The last layer's output (outputs x tokens) after its activation.
+  DenseMatrix infer(ConstMatrixView features);
+  /// Mean loss and accuracy over a data set, in batches of `batch_tokens`.
+  Evaluation evaluate(const Batch& data, std::int64_t batch_tokens = 1024);
+
+  /// Bytes of resident activations (Z and A of every layer, two backward buffers) that a
+  /// batch of `tokens` needs over all engines.
+  std::int64_t activation_bytes(std::int64_t tokens, bool training = true) const;
+
+  const StepMetrics& totals() const { return totals_; }
+  std::int32_t layer_count() const;
+  std::int64_t input_features() const;
+  std::int64_t output_features() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  StepMetrics totals_;
+};
+
+/// Adds a sparse MLP to `memory`: layer l is sizes[l+1] x sizes[l] at `sparsity`, random
+/// pattern, He-scaled uniform values (variance 2 / expected fan-in), zero biases. Seeded.
+void build_sparse_mlp(ModelMemory& memory, const std::vector<std::int64_t>& sizes, double sparsity,
+                      std::uint64_t seed);
+
+}  // namespace sluice

@@ -1,0 +1,587 @@
+// HostModelMemory checkpoints: save_impl and load_impl.
+//
+// File format (version 1; also in notes/checkpoint_format.md). Little-endian throughout.
+//
+//   magic      8 bytes  "SLUICECK"
+//   version    u32      1
+//   sections, each:
+//     tag      u32      four ASCII characters, first character in the lowest byte
+//     length   u64      payload bytes
+//     crc      u32      CRC-32 (IEEE, as zlib) of the payload
+//     payload  length bytes
+//
+// Sections, in this order, nothing before, between or after:
+//   "HEAD"  once:
+//       u32 layer_count, i64 step, u64 seed,
+//       u32 optimizer kind (0 sgd, 1 adam, 2 adamw),
+//       f64 learning_rate, momentum, beta1, beta2, epsilon, weight_decay, clip_global_norm,
+//       u32 non-finite policy (0 skip_step, 1 error),
+//       u32 1 if a learning-rate schedule was set (the function itself is not saved)
+//   "LAYR"  layer_count times, layer i in the i-th:
+//       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
+//       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
+//       i64 updates applied to the layer (Adam's bias-correction t),
+//       i64 row_offsets[rows + 1], u32 col_indices[nnz], f32 values[nnz], f32 bias[bias size],
+//       f32 state[slots][nnz], f32 bias_state[slots][bias size]
+//   "END "  once, empty payload.
+//
+// Saving writes "<path>.tmp.<pid>", fsyncs it, renames it over <path> and fsyncs the
+// directory, so a crash at any moment leaves either the old or the new checkpoint.
+// Loading checks every length against the bytes left in the file before allocating,
+// every CRC, and every invariant, into a new State; only then does it replace the
+// current one, so a failed load changes nothing. The learning-rate schedule is code,
+// not data: load keeps the schedule this ModelMemory already has.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "crc32.hpp"
+#include "host_model_memory_state.hpp"
+#include "optimizer_kernels.hpp"
+
+namespace sluice {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "checkpoints are written in host byte order, which must be little-endian");
+
+constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
+constexpr std::uint32_t kFormatVersion = 1;
+
+constexpr std::uint32_t fourcc(const char (&s)[5]) {
+  return static_cast<std::uint32_t>(static_cast<unsigned char>(s[0])) |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(s[1])) << 8 |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(s[2])) << 16 |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(s[3])) << 24;
+}
+constexpr std::uint32_t kHeadTag = fourcc("HEAD");
+constexpr std::uint32_t kLayerTag = fourcc("LAYR");
+constexpr std::uint32_t kEndTag = fourcc("END ");
+
+constexpr std::size_t kSectionHeaderBytes = 4 + 8 + 4;
+constexpr std::size_t kHeadBytes = 4 + 8 + 8 + 4 + 7 * 8 + 4 + 4;
+constexpr std::size_t kLayerFixedBytes = 4 + 8 + 8 + 8 + 8 + 4 + 8;
+
+std::string tag_name(std::uint32_t tag) {
+  std::string s;
+  for (int i = 0; i < 4; ++i) {
+    const auto c = static_cast<char>((tag >> (8 * i)) & 0xFFU);
+    s += (c >= 0x20 && c < 0x7F) ? c : '?';
+  }
+  return "'" + s + "'";
+}
+
+std::uint32_t encode_kind(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::sgd:
+      return 0;
+    case OptimizerKind::adam:
+      return 1;
+    case OptimizerKind::adamw:
+      return 2;
+  }
+  return 0xFFFF'FFFFU;
+}
+
+template <typename T>
+std::span<const std::byte> bytes_of(const std::vector<T>& v) {
+  return std::as_bytes(std::span<const T>(v));
+}
+
+// --- writing -------------------------------------------------------------------------
+
+// Little-endian scalar fields of a section, built in memory (at most a few dozen bytes).
+class FieldWriter {
+ public:
+  template <typename T>
+  void put(T value) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    if (size_ + sizeof(T) > bytes_.size()) throw Error("checkpoint: section fields overflow");
+    std::memcpy(bytes_.data() + size_, &value, sizeof(T));
+    size_ += sizeof(T);
+  }
+  std::span<const std::byte> bytes() const { return {bytes_.data(), size_}; }
+
+ private:
+  std::array<std::byte, 128> bytes_{};
+  std::size_t size_ = 0;
+};
+
+// A section's payload as pieces that already exist in memory: no copy of the arrays.
+struct Section {
+  std::uint32_t tag = 0;
+  FieldWriter fields;
+  std::vector<std::span<const std::byte>> arrays;
+
+  std::uint64_t length() const {
+    std::uint64_t n = fields.bytes().size();
+    for (const auto& a : arrays) n += a.size();
+    return n;
+  }
+  std::uint32_t crc() const {
+    std::uint32_t c = crc32(fields.bytes());
+    for (const auto& a : arrays) c = crc32(a, c);
+    return c;
+  }
+};
+
+std::string os_error(const std::string& what, const std::filesystem::path& path) {
+  return what + " " + path.string() + ": " + std::strerror(errno);
+}
+
+// POSIX file output with a buffer; every failure is an IoError naming the file.
+class FileWriter {
+ public:
+  explicit FileWriter(std::filesystem::path path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw IoError(os_error("save checkpoint: cannot create", path_));
+    buffer_.reserve(kBufferBytes);
+  }
+  ~FileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+
+  void write(std::span<const std::byte> bytes) {
+    if (bytes.size() >= kBufferBytes) {
+      flush();
+      write_all(bytes);
+      return;
+    }
+    if (buffer_.size() + bytes.size() > kBufferBytes) flush();
+    buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
+  }
+  template <typename T>
+  void put(T value) {
+    write(std::as_bytes(std::span<const T>(&value, 1)));
+  }
+
+  /// Flushes, fsyncs and closes: after this the bytes are on disk.
+  void commit() {
+    flush();
+    if (::fsync(fd_) != 0) throw IoError(os_error("save checkpoint: cannot fsync", path_));
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) throw IoError(os_error("save checkpoint: cannot close", path_));
+  }
+
+ private:
+  static constexpr std::size_t kBufferBytes = 1 << 20;
+
+  void flush() {
+    write_all(buffer_);
+    buffer_.clear();
+  }
+  void write_all(std::span<const std::byte> bytes) {
+    const std::byte* p = bytes.data();
+    std::size_t left = bytes.size();
+    while (left > 0) {
+      const ssize_t n = ::write(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(os_error("save checkpoint: cannot write", path_));
+      }
+      p += n;
+      left -= static_cast<std::size_t>(n);
+    }
+  }
+
+  std::filesystem::path path_;
+  int fd_ = -1;
+  std::vector<std::byte> buffer_;
+};
+
+void write_section(FileWriter& out, const Section& s) {
+  out.put(s.tag);
+  out.put(s.length());
+  out.put(s.crc());
+  out.write(s.fields.bytes());
+  for (const auto& a : s.arrays) out.write(a);
+}
+
+void write_checkpoint(FileWriter& out, const detail::HostState& st, std::uint64_t seed) {
+  out.write(std::as_bytes(std::span(kMagic)));
+  out.put(kFormatVersion);
+
+  Section head;
+  head.tag = kHeadTag;
+  const OptimizerConfig& c = st.config;
+  head.fields.put(static_cast<std::uint32_t>(st.layers.size()));
+  head.fields.put(st.step);
+  head.fields.put(seed);
+  head.fields.put(encode_kind(c.kind));
+  for (double x : {c.learning_rate, c.momentum, c.beta1, c.beta2, c.epsilon, c.weight_decay,
+                   c.clip_global_norm}) {
+    head.fields.put(x);
+  }
+  head.fields.put(static_cast<std::uint32_t>(st.policy == NonFinitePolicy::error ? 1 : 0));
+  head.fields.put(static_cast<std::uint32_t>(c.schedule ? 1 : 0));
+  write_section(out, head);
+
+  const int slots = detail::optimizer_slot_count(c.kind);
+  for (std::size_t i = 0; i < st.layers.size(); ++i) {
+    const detail::HostLayer& l = *st.layers[i];
+    Section s;
+    s.tag = kLayerTag;
+    s.fields.put(static_cast<std::uint32_t>(i));
+    s.fields.put(l.weights.rows());
+    s.fields.put(l.weights.cols());
+    s.fields.put(l.weights.nnz());
+    s.fields.put(static_cast<std::int64_t>(l.bias.size()));
+    s.fields.put(static_cast<std::uint32_t>(slots));
+    s.fields.put(l.updates);
+    s.arrays.push_back(bytes_of(l.weights.row_offsets()));
+    s.arrays.push_back(bytes_of(l.weights.col_indices()));
+    s.arrays.push_back(bytes_of(l.weights.values()));
+    s.arrays.push_back(bytes_of(l.bias));
+    for (int k = 0; k < slots; ++k) s.arrays.push_back(bytes_of(l.state[k]));
+    for (int k = 0; k < slots; ++k) s.arrays.push_back(bytes_of(l.bias_state[k]));
+    write_section(out, s);
+  }
+
+  Section end;
+  end.tag = kEndTag;
+  write_section(out, end);
+}
+
+void fsync_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw IoError(os_error("save checkpoint: cannot open directory", dir));
+  const int rc = ::fsync(fd);
+  const int saved_errno = errno;
+  ::close(fd);
+  if (rc != 0) {
+    errno = saved_errno;
+    throw IoError(os_error("save checkpoint: cannot fsync directory", dir));
+  }
+}
+
+// --- reading -------------------------------------------------------------------------
+
+// Reads a file front to back; knows how many bytes are left, so no length read from the
+// file is trusted (or allocated) before it has been checked against them.
+class FileReader {
+ public:
+  explicit FileReader(std::filesystem::path path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw IoError(os_error("load checkpoint: cannot open", path_));
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) {
+      const int saved_errno = errno;
+      ::close(fd_);
+      errno = saved_errno;
+      throw IoError(os_error("load checkpoint: cannot stat", path_));
+    }
+    size_ = static_cast<std::uint64_t>(info.st_size);
+  }
+  ~FileReader() { ::close(fd_); }
+  FileReader(const FileReader&) = delete;
+  FileReader& operator=(const FileReader&) = delete;
+
+  std::uint64_t position() const { return pos_; }
+  std::uint64_t remaining() const { return size_ - pos_; }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw FormatError("load checkpoint " + path_.string() + ": " + what);
+  }
+
+  void read(std::span<std::byte> out, const char* what) {
+    if (out.size() > remaining()) {
+      fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
+           std::to_string(out.size()) + " bytes, " + std::to_string(remaining()) + " left");
+    }
+    std::byte* p = out.data();
+    std::size_t left = out.size();
+    while (left > 0) {
+      const ssize_t n = ::read(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(os_error("load checkpoint: cannot read", path_));
+      }
+      if (n == 0) fail("the file shrank while being read, at byte " + std::to_string(pos_));
+      p += n;
+      left -= static_cast<std::size_t>(n);
+      pos_ += static_cast<std::uint64_t>(n);
+    }
+  }
+  template <typename T>
+  T get(const char* what) {
+    T value{};
+    read(std::as_writable_bytes(std::span<T>(&value, 1)), what);
+    return value;
+  }
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+  std::uint64_t pos_ = 0;
+};
+
+// One section's payload: reads pieces and keeps the CRC; `expect_end` checks that the
+// section's length was used exactly.
+class SectionReader {
+ public:
+  SectionReader(FileReader& in, std::uint32_t expected_tag, const std::string& name)
+      : in_(in), name_(name) {
+    start_ = in.position();
+    const auto tag = in.get<std::uint32_t>("section header");
+    length_ = in.get<std::uint64_t>("section header");
+    crc_ = in.get<std::uint32_t>("section header");
+    if (tag != expected_tag) {
+      in.fail("section at byte " + std::to_string(start_) + ": tag " + tag_name(tag) +
+              ", expected " + tag_name(expected_tag) + " (" + name_ + ")");
+    }
+    if (length_ > in.remaining()) {
+      in.fail("truncated: " + name_ + " at byte " + std::to_string(start_) + " claims " +
+              std::to_string(length_) + " bytes, " + std::to_string(in.remaining()) + " left");
+    }
+    left_ = length_;
+  }
+
+  std::uint64_t length() const { return length_; }
+
+  template <typename T>
+  T get(const char* what) {
+    T value{};
+    read(std::as_writable_bytes(std::span<T>(&value, 1)), what);
+    return value;
+  }
+  /// Reads `count` elements; the caller has checked `count` against the section length.
+  template <typename T>
+  std::vector<T> get_array(std::uint64_t count, const char* what) {
+    std::vector<T> v(static_cast<std::size_t>(count));
+    read(std::as_writable_bytes(std::span<T>(v)), what);
+    return v;
+  }
+
+  /// Checks that the payload was read exactly and that its CRC matches.
+  void finish() {
+    if (left_ != 0) {
+      in_.fail(name_ + " at byte " + std::to_string(start_) + ": " + std::to_string(left_) +
+               " unexpected bytes at its end");
+    }
+    if (computed_ != crc_) {
+      in_.fail(name_ + " at byte " + std::to_string(start_) + ": CRC mismatch (stored " +
+               std::to_string(crc_) + ", computed " + std::to_string(computed_) +
+               "): the file is corrupt");
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    in_.fail(name_ + " at byte " + std::to_string(start_) + ": " + what);
+  }
+
+ private:
+  void read(std::span<std::byte> out, const char* what) {
+    if (out.size() > left_) {
+      fail(std::string(what) + " runs past the section's end (length " + std::to_string(length_) +
+           ")");
+    }
+    in_.read(out, what);
+    computed_ = crc32(out, computed_);
+    left_ -= out.size();
+  }
+
+  FileReader& in_;
+  std::string name_;
+  std::uint64_t start_ = 0, length_ = 0, left_ = 0;
+  std::uint32_t crc_ = 0, computed_ = 0;
+};
+
+// `count` elements of `size` bytes, if that fits in `budget` bytes; false otherwise (also on
+// overflow). Used before allocating anything a file asks for.
+bool fits(std::uint64_t count, std::uint64_t size, std::uint64_t& budget) {
+  if (count > budget / size) return false;
+  budget -= count * size;
+  return true;
+}
+
+void check_finite(const std::vector<float>& v, const SectionReader& s, const std::string& what,
+                  bool non_negative = false) {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(v[i]) || (non_negative && v[i] < 0)) {
+      s.fail(what + "[" + std::to_string(i) + "] = " + std::to_string(v[i]) + " is invalid");
+    }
+  }
+}
+
+std::unique_ptr<detail::HostLayer> read_layer(FileReader& in, std::uint32_t index,
+                                              const OptimizerConfig& config) {
+  SectionReader s(in, kLayerTag, "layer " + std::to_string(index));
+  if (s.length() < kLayerFixedBytes) s.fail("too short for its fixed fields");
+  const auto stored_index = s.get<std::uint32_t>("layer index");
+  const auto rows = s.get<std::int64_t>("rows");
+  const auto cols = s.get<std::int64_t>("cols");
+  const auto nnz = s.get<std::int64_t>("nnz");
+  const auto bias_size = s.get<std::int64_t>("bias size");
+  const auto slots = s.get<std::uint32_t>("optimizer slots");
+  const auto updates = s.get<std::int64_t>("updates");
+  if (stored_index != index) s.fail("holds layer " + std::to_string(stored_index));
+  if (rows < 0 || cols < 0 || nnz < 0 || updates < 0) {
+    s.fail("negative shape or count: " + std::to_string(rows) + "x" + std::to_string(cols) +
+           ", nnz " + std::to_string(nnz) + ", updates " + std::to_string(updates));
+  }
+  if (bias_size != 0 && bias_size != rows) {
+    s.fail("bias size " + std::to_string(bias_size) + " is neither 0 nor rows (" +
+           std::to_string(rows) + ")");
+  }
+  const int expected_slots = detail::optimizer_slot_count(config.kind);
+  if (slots != static_cast<std::uint32_t>(expected_slots)) {
+    s.fail(std::to_string(slots) + " optimizer state slots, " + to_string(config.kind) + " keeps " +
+           std::to_string(expected_slots));
+  }
+  // All arrays must fit in the section exactly; checked before any allocation.
+  std::uint64_t budget = s.length() - kLayerFixedBytes;
+  const auto n = static_cast<std::uint64_t>(nnz);
+  const auto b = static_cast<std::uint64_t>(bias_size);
+  const bool ok = fits(static_cast<std::uint64_t>(rows) + 1, 8, budget) && fits(n, 4, budget) &&
+                  fits(n, 4, budget) && fits(b, 4, budget) && fits(n, 4ULL * slots, budget) &&
+                  fits(b, 4 * slots, budget);
+  if (!ok || budget != 0) {
+    s.fail("length " + std::to_string(s.length()) + " does not match a " + std::to_string(rows) +
+           "x" + std::to_string(cols) + " layer with " + std::to_string(nnz) + " non-zeros, bias " +
+           std::to_string(bias_size) + " and " + std::to_string(slots) + " state slots");
+  }
+
+  auto layer = std::make_unique<detail::HostLayer>();
+  auto offsets = s.get_array<std::int64_t>(static_cast<std::uint64_t>(rows) + 1, "row offsets");
+  auto indices = s.get_array<std::uint32_t>(n, "column indices");
+  auto values = s.get_array<float>(n, "values");
+  layer->bias = s.get_array<float>(b, "bias");
+  for (int k = 0; k < expected_slots; ++k) layer->state[k] = s.get_array<float>(n, "state");
+  for (int k = 0; k < expected_slots; ++k) {
+    layer->bias_state[k] = s.get_array<float>(b, "bias state");
+  }
+  s.finish();  // the CRC, before trusting any of it
+
+  try {
+    layer->weights =
+        CsrMatrix(rows, cols, std::move(offsets), std::move(indices), std::move(values));
+  } catch (const Error& e) {
+    s.fail(std::string("weights: ") + e.what());
+  }
+  if (layer->weights.nnz() != nnz) s.fail("nnz does not match the row offsets");
+  if (rows > std::numeric_limits<std::uint32_t>::max() ||
+      cols > static_cast<std::int64_t>(kControlBit)) {
+    s.fail("shape " + std::to_string(rows) + "x" + std::to_string(cols) + " too large");
+  }
+  check_finite(layer->bias, s, "bias");
+  for (int k = 0; k < expected_slots; ++k) {
+    // Adam's second moment (slot 1) is a mean of squares: never negative.
+    const bool second_moment = config.kind != OptimizerKind::sgd && k == 1;
+    check_finite(layer->state[k], s, "optimizer state " + std::to_string(k), second_moment);
+    check_finite(layer->bias_state[k], s, "bias optimizer state " + std::to_string(k),
+                 second_moment);
+  }
+  layer->updates = updates;
+  return layer;
+}
+
+// Fills `st` (fresh) and `seed` from the file, or throws.
+void read_checkpoint(FileReader& in, detail::HostState& st, std::uint64_t& seed) {
+  char magic[8];
+  in.read(std::as_writable_bytes(std::span(magic)), "magic");
+  if (std::memcmp(magic, kMagic, sizeof magic) != 0) {
+    in.fail("not a sluice checkpoint (magic is not SLUICECK)");
+  }
+  const auto version = in.get<std::uint32_t>("version");
+  if (version != kFormatVersion) {
+    in.fail("version " + std::to_string(version) + ", expected " + std::to_string(kFormatVersion));
+  }
+
+  SectionReader head(in, kHeadTag, "header section");
+  if (head.length() != kHeadBytes) {
+    head.fail("length " + std::to_string(head.length()) + ", expected " +
+              std::to_string(kHeadBytes));
+  }
+  const auto layer_count = head.get<std::uint32_t>("layer count");
+  st.step = head.get<std::int64_t>("step");
+  seed = head.get<std::uint64_t>("seed");
+  const auto kind = head.get<std::uint32_t>("optimizer kind");
+  OptimizerConfig& c = st.config;
+  for (double* x : {&c.learning_rate, &c.momentum, &c.beta1, &c.beta2, &c.epsilon, &c.weight_decay,
+                    &c.clip_global_norm}) {
+    *x = head.get<double>("optimizer config");
+  }
+  const auto policy = head.get<std::uint32_t>("non-finite policy");
+  head.get<std::uint32_t>("schedule flag");
+  head.finish();
+
+  if (kind > 2) head.fail("unknown optimizer kind " + std::to_string(kind));
+  c.kind = kind == 0 ? OptimizerKind::sgd : kind == 1 ? OptimizerKind::adam : OptimizerKind::adamw;
+  if (policy > 1) head.fail("unknown non-finite policy " + std::to_string(policy));
+  st.policy = policy == 1 ? NonFinitePolicy::error : NonFinitePolicy::skip_step;
+  if (st.step < 0) head.fail("negative step " + std::to_string(st.step));
+  if (layer_count > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max())) {
+    head.fail("layer count " + std::to_string(layer_count));
+  }
+  try {
+    detail::validate_optimizer_config(c);
+  } catch (const ShapeError& e) {
+    head.fail(e.what());
+  }
+  // Every layer section takes at least its header and fixed fields: a huge count in a
+  // small file is refused before reserving anything.
+  if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {
+    in.fail("truncated: " + std::to_string(layer_count) + " layers cannot fit in the " +
+            std::to_string(in.remaining()) + " bytes left");
+  }
+
+  st.layers.reserve(layer_count);
+  for (std::uint32_t i = 0; i < layer_count; ++i) st.layers.push_back(read_layer(in, i, c));
+
+  SectionReader end(in, kEndTag, "end section");
+  end.finish();
+  if (in.remaining() != 0) {
+    in.fail(std::to_string(in.remaining()) + " bytes after the end section");
+  }
+}
+
+}  // namespace
+
+void HostModelMemory::save_impl(const std::filesystem::path& path) const {
+  std::filesystem::path tmp = path;
+  tmp += ".tmp." + std::to_string(::getpid());
+  bool renamed = false;
+  try {
+    {
+      FileWriter out(tmp);
+      write_checkpoint(out, *state_, seed);
+      out.commit();
+    }
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      throw IoError(os_error("save checkpoint: cannot rename " + tmp.string() + " to", path));
+    }
+    renamed = true;
+    // The rename is durable only once the directory entry is.
+    const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+    fsync_directory(dir);
+  } catch (...) {
+    if (!renamed) ::unlink(tmp.c_str());
+    throw;
+  }
+}
+
+void HostModelMemory::load_impl(const std::filesystem::path& path) {
+  FileReader in(path);
+  std::uint64_t new_seed = 0;
+  auto loaded = std::make_unique<State>();
+  read_checkpoint(in, *loaded, new_seed);
+  // Everything checked out: from here on nothing can fail.
+  loaded->config.schedule.swap(state_->config.schedule);
+  state_ = std::move(loaded);
+  seed = new_seed;
+}
+
+}  // namespace sluice

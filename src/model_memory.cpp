@@ -1,0 +1,613 @@
+#include "sluice/model_memory.hpp"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "host_model_memory_state.hpp"
+#include "optimizer_kernels.hpp"
+
+namespace sluice {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string layer_name(std::int32_t layer) {
+  return "layer " + std::to_string(layer);
+}
+
+void check_stream_kind(StreamKind kind, const char* where) {
+  if (kind != StreamKind::weights && kind != StreamKind::mask) {
+    throw ShapeError(std::string(where) + ": ModelMemory streams weights or masks, not kind " +
+                     std::to_string(static_cast<std::uint32_t>(kind)));
+  }
+}
+
+// One chunk of the layer's stream: outputs [first, last), each closed by a carriage
+// return, and end-of-layer after them if `last_chunk`. Same packets as encode_stream.
+ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
+                      std::int64_t last, bool last_chunk) {
+  const auto& offsets = matrix.row_offsets();
+  const auto& indices = matrix.col_indices();
+  const auto& values = matrix.values();
+  const bool send_values = kind == StreamKind::weights;
+  auto chunk = std::make_shared<StreamChunk>();
+  chunk->first_output = static_cast<std::uint32_t>(first);
+  chunk->outputs = static_cast<std::uint32_t>(last - first);
+  const auto weights = static_cast<std::size_t>(offsets[last] - offsets[first]);
+  chunk->packets.resize(weights + static_cast<std::size_t>(last - first) + (last_chunk ? 1 : 0));
+  Packet* out = chunk->packets.data();
+  for (std::int64_t row = first; row < last; ++row) {
+    for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
+      *out++ = {indices[k], send_values ? values[k] : 0.0F};
+    }
+    *out++ = {kCarriageReturn, 0.0F};
+  }
+  if (last_chunk) *out++ = {kEndOfLayer, 0.0F};
+  return chunk;
+}
+
+// The end of the chunk that starts at output `first`: whole outputs, about
+// `chunk_packets` packets, at least one output (the rule encode_stream follows).
+std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets) {
+  const auto& offsets = matrix.row_offsets();
+  std::int64_t last = first;
+  std::size_t packets = 0;
+  while (last < matrix.rows()) {
+    const auto need = static_cast<std::size_t>(offsets[last + 1] - offsets[last]) + 1;
+    if (last > first && packets + need > chunk_packets) break;
+    packets += need;
+    ++last;
+  }
+  return last;
+}
+
+std::string describe_packet(const Packet& p) {
+  if (p.tag == kCarriageReturn) return "a carriage return";
+  if (p.tag == kEndOfLayer) return "end-of-layer";
+  if (is_control(p)) return "control packet 0x" + std::to_string(p.tag);
+  return "tag " + std::to_string(p.tag);
+}
+
+struct ChunkScan {
+  double sum_of_squares = 0;
+  std::string error;  // empty if the chunk matched the mask
+};
+
+// Copies one gradient chunk into `gradient` (CSR order) while checking that its packets
+// are exactly the mask's: the same tags in the same order, a carriage return after each
+// output, end-of-layer after the last.
+ChunkScan scan_gradient_chunk(std::int32_t layer, const CsrMatrix& mask, const StreamChunk& chunk,
+                              std::size_t chunk_index, bool last_chunk, float* gradient) {
+  ChunkScan scan;
+  const auto& offsets = mask.row_offsets();
+  const auto& indices = mask.col_indices();
+  const Packet* packets = chunk.packets.data();
+  const std::size_t count = chunk.packets.size();
+  std::size_t pos = 0;
+  double sum = 0;
+  auto fail = [&](const std::string& what) {
+    scan.error = "submit_gradient: " + layer_name(layer) + ", chunk " +
+                 std::to_string(chunk_index) + ": " + what;
+    return scan;
+  };
+  const std::int64_t first = chunk.first_output;
+  const std::int64_t last = first + chunk.outputs;
+  for (std::int64_t o = first; o < last; ++o) {
+    const std::int64_t begin = offsets[o];
+    const std::int64_t end = offsets[o + 1];
+    for (std::int64_t k = begin; k < end; ++k) {
+      if (pos == count || packets[pos].tag != indices[k]) {
+        const std::string found =
+            pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos]);
+        return fail("output " + std::to_string(o) + ", position " + std::to_string(k - begin) +
+                    ": found " + found + " where the mask has input " +
+                    std::to_string(indices[k]));
+      }
+      const float g = packets[pos++].value;
+      gradient[k] = g;
+      sum += static_cast<double>(g) * g;
+    }
+    if (pos == count || packets[pos].tag != kCarriageReturn) {
+      return fail(
+          "output " + std::to_string(o) + ", position " + std::to_string(end - begin) +
+          ": expected the carriage return after its " + std::to_string(end - begin) +
+          " gradients, found " +
+          (pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos])));
+    }
+    ++pos;
+  }
+  if (last_chunk) {
+    if (pos == count || packets[pos].tag != kEndOfLayer) {
+      return fail(
+          "expected end-of-layer after output " + std::to_string(last - 1) + ", found " +
+          (pos == count ? std::string("the end of the stream") : describe_packet(packets[pos])));
+    }
+    ++pos;
+  }
+  if (pos != count) {
+    return fail(std::to_string(count - pos) + " packet(s) after the chunk's last output " +
+                std::to_string(last - 1) + ", the first is " + describe_packet(packets[pos]));
+  }
+  scan.sum_of_squares = sum;
+  return scan;
+}
+
+}  // namespace
+
+// --- ModelMemory: argument checks, then the implementation ---------------------------
+
+void ModelMemory::check_layer(std::int32_t layer) const {
+  const std::int32_t count = layer_count_impl();
+  if (layer < 0 || layer >= count) {
+    throw ShapeError("ModelMemory: " + layer_name(layer) + " out of range (" +
+                     std::to_string(count) + " layers)");
+  }
+}
+
+std::int32_t ModelMemory::add_layer(CsrMatrix weights, std::vector<float> bias) {
+  weights.validate();
+  if (weights.rows() > std::numeric_limits<std::uint32_t>::max() ||
+      weights.cols() > static_cast<std::int64_t>(kControlBit)) {
+    throw ShapeError("add_layer: " + std::to_string(weights.rows()) + "x" +
+                     std::to_string(weights.cols()) +
+                     " is too large for a stream (at most 2^32-1 outputs and 2^31 inputs)");
+  }
+  if (!bias.empty() && static_cast<std::int64_t>(bias.size()) != weights.rows()) {
+    throw ShapeError("add_layer: bias has " + std::to_string(bias.size()) +
+                     " elements, the weights have " + std::to_string(weights.rows()) + " rows");
+  }
+  for (std::size_t i = 0; i < bias.size(); ++i) {
+    if (!std::isfinite(bias[i])) {
+      throw FormatError("add_layer: bias[" + std::to_string(i) + "] = " + std::to_string(bias[i]) +
+                        " is not finite");
+    }
+  }
+  if (layer_count_impl() == std::numeric_limits<std::int32_t>::max()) {
+    throw ResourceError("add_layer: too many layers");
+  }
+  return add_layer_impl(std::move(weights), std::move(bias));
+}
+
+const CsrMatrix& ModelMemory::weights(std::int32_t layer) const {
+  check_layer(layer);
+  return weights_impl(layer);
+}
+
+const std::vector<float>& ModelMemory::bias(std::int32_t layer) const {
+  check_layer(layer);
+  return bias_impl(layer);
+}
+
+const Placement& ModelMemory::placement(std::int32_t layer, std::int32_t lanes) {
+  check_layer(layer);
+  if (lanes < 1) {
+    throw ShapeError("placement: " + layer_name(layer) + ": needs at least one lane, got " +
+                     std::to_string(lanes));
+  }
+  return placement_impl(layer, lanes);
+}
+
+StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind) const {
+  check_layer(layer);
+  if (kind != StreamKind::weights && kind != StreamKind::mask && kind != StreamKind::gradient) {
+    throw ShapeError("stream_header: unknown stream kind " +
+                     std::to_string(static_cast<std::uint32_t>(kind)));
+  }
+  const CsrMatrix& w = weights_impl(layer);
+  return {kind, static_cast<std::uint32_t>(w.rows()), static_cast<std::uint32_t>(w.cols()),
+          static_cast<std::uint64_t>(w.nnz())};
+}
+
+WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind) const {
+  check_layer(layer);
+  check_stream_kind(kind, "stream");
+  return encode_stream(weights_impl(layer), kind);
+}
+
+void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& channel,
+                            std::size_t chunk_packets) const {
+  try {
+    check_layer(layer);
+    check_stream_kind(kind, "stream_to");
+    if (chunk_packets == 0) throw ShapeError("stream_to: chunk_packets must be at least 1");
+    const CsrMatrix& w = weights_impl(layer);
+    // One chunk at a time: the channel's capacity bounds the memory in flight, and the
+    // consumer starts on the first chunk while the rest are still being encoded.
+    std::int64_t first = 0;
+    do {
+      const std::int64_t last = chunk_end(w, first, chunk_packets);
+      channel.push(encode_chunk(w, kind, first, last, last == w.rows()));
+      first = last;
+    } while (first < w.rows());
+    channel.close();
+  } catch (...) {
+    channel.fail(std::current_exception());
+  }
+}
+
+void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradient,
+                                  std::span<const float> bias_gradient) {
+  check_layer(layer);
+  const CsrMatrix& w = weights_impl(layer);
+  const StreamHeader& h = gradient.header;
+  if (h.kind != StreamKind::gradient) {
+    throw FormatError("submit_gradient: " + layer_name(layer) + ": stream kind " +
+                      std::to_string(static_cast<std::uint32_t>(h.kind)) +
+                      " is not a gradient stream");
+  }
+  if (h.outputs != static_cast<std::uint64_t>(w.rows()) ||
+      h.inputs != static_cast<std::uint64_t>(w.cols()) ||
+      h.nnz != static_cast<std::uint64_t>(w.nnz())) {
+    throw FormatError("submit_gradient: " + layer_name(layer) + ": gradient stream is " +
+                      std::to_string(h.outputs) + "x" + std::to_string(h.inputs) + " with " +
+                      std::to_string(h.nnz) + " non-zeros, the layer is " +
+                      std::to_string(w.rows()) + "x" + std::to_string(w.cols()) + " with " +
+                      std::to_string(w.nnz()));
+  }
+  const std::size_t bias_size = bias_impl(layer).size();
+  if (bias_gradient.size() != bias_size) {
+    throw ShapeError("submit_gradient: " + layer_name(layer) + ": bias gradient has " +
+                     std::to_string(bias_gradient.size()) + " elements, the bias has " +
+                     std::to_string(bias_size));
+  }
+  submit_gradient_impl(layer, gradient, bias_gradient);
+}
+
+StepReport ModelMemory::commit_step() {
+  return commit_step_impl();
+}
+
+void ModelMemory::set_optimizer(const OptimizerConfig& config) {
+  detail::validate_optimizer_config(config);
+  set_optimizer_impl(config);
+}
+
+const OptimizerConfig& ModelMemory::optimizer() const {
+  return optimizer_impl();
+}
+
+void ModelMemory::set_non_finite_policy(NonFinitePolicy policy) {
+  if (policy != NonFinitePolicy::skip_step && policy != NonFinitePolicy::error) {
+    throw ShapeError("set_non_finite_policy: unknown policy " +
+                     std::to_string(static_cast<int>(policy)));
+  }
+  set_non_finite_policy_impl(policy);
+}
+
+std::int64_t ModelMemory::step() const {
+  return step_impl();
+}
+
+void ModelMemory::save(const std::filesystem::path& path) const {
+  if (path.empty()) throw ShapeError("save: empty checkpoint path");
+  save_impl(path);
+}
+
+void ModelMemory::load(const std::filesystem::path& path) {
+  if (path.empty()) throw ShapeError("load: empty checkpoint path");
+  load_impl(path);
+}
+
+// --- HostModelMemory -----------------------------------------------------------------
+
+namespace detail {
+
+void reset_optimizer_state(HostLayer& layer, int slots) {
+  const auto nnz = static_cast<std::size_t>(layer.weights.nnz());
+  for (int s = 0; s < kMaxOptimizerSlots; ++s) {
+    if (s < slots) {
+      layer.state[s].assign(nnz, 0.0F);
+      layer.bias_state[s].assign(layer.bias.size(), 0.0F);
+    } else {
+      layer.state[s] = {};
+      layer.bias_state[s] = {};
+    }
+  }
+  layer.updates = 0;
+}
+
+namespace {
+
+constexpr std::size_t kOptimizerGrain = 1 << 14;
+
+// Computes the layer's update from pending.gradient into the pending buffers; records
+// whether everything stayed finite.
+void compute_update(HostLayer& layer, const OptimizerConfig& config, double learning_rate,
+                    double gradient_scale) {
+  PendingUpdate& p = layer.pending;
+  const int slots = optimizer_slot_count(config.kind);
+  const auto nnz = layer.weights.values().size();
+  const auto bias_size = layer.bias.size();
+  p.new_values.resize(nnz);
+  p.new_bias.resize(bias_size);
+  for (int s = 0; s < slots; ++s) {
+    p.new_state[s].resize(nnz);
+    p.new_bias_state[s].resize(bias_size);
+  }
+  const UpdateScalars scalars =
+      make_update_scalars(config, learning_rate, layer.updates + 1, gradient_scale);
+
+  UpdateArrays weights;
+  weights.weights = layer.weights.values().data();
+  weights.gradient = p.gradient.data();
+  weights.new_weights = p.new_values.data();
+  UpdateArrays bias;
+  bias.weights = layer.bias.data();
+  bias.gradient = p.bias_gradient.data();
+  bias.new_weights = p.new_bias.data();
+  for (int s = 0; s < slots; ++s) {
+    weights.state[s] = layer.state[s].data();
+    weights.new_state[s] = p.new_state[s].data();
+    bias.state[s] = layer.bias_state[s].data();
+    bias.new_state[s] = p.new_bias_state[s].data();
+  }
+
+  std::atomic<bool> finite{true};
+  if (nnz <= kOptimizerGrain) {
+    finite = optimizer_update(scalars, weights, 0, nnz);
+  } else {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, nnz, kOptimizerGrain),
+                      [&](const tbb::blocked_range<std::size_t>& r) {
+                        if (!optimizer_update(scalars, weights, r.begin(), r.end())) {
+                          finite.store(false, std::memory_order_relaxed);
+                        }
+                      });
+  }
+  const bool bias_finite = optimizer_update(scalars, bias, 0, bias_size);
+  p.finite = finite.load() && bias_finite;
+  p.computed = true;
+}
+
+void discard(PendingUpdate& p) {
+  p.submitted = false;
+  p.computed = false;
+  p.finite = true;
+  p.sum_of_squares = 0;
+  p.seconds = 0;
+}
+
+}  // namespace
+}  // namespace detail
+
+HostModelMemory::HostModelMemory() : state_(std::make_unique<State>()) {}
+HostModelMemory::~HostModelMemory() = default;
+
+std::int32_t HostModelMemory::add_layer_impl(CsrMatrix weights, std::vector<float> bias) {
+  auto layer = std::make_unique<detail::HostLayer>();
+  layer->weights = std::move(weights);
+  layer->bias = std::move(bias);
+  detail::reset_optimizer_state(*layer, detail::optimizer_slot_count(state_->config.kind));
+  state_->layers.push_back(std::move(layer));
+  return static_cast<std::int32_t>(state_->layers.size() - 1);
+}
+
+std::int32_t HostModelMemory::layer_count_impl() const {
+  return static_cast<std::int32_t>(state_->layers.size());
+}
+
+const CsrMatrix& HostModelMemory::weights_impl(std::int32_t layer) const {
+  return state_->layers[layer]->weights;
+}
+
+const std::vector<float>& HostModelMemory::bias_impl(std::int32_t layer) const {
+  return state_->layers[layer]->bias;
+}
+
+const Placement& HostModelMemory::placement_impl(std::int32_t layer, std::int32_t lanes) {
+  detail::HostLayer& l = *state_->layers[layer];
+  std::lock_guard lock(l.placement_mutex);
+  auto it = l.placements.find(lanes);
+  if (it == l.placements.end()) {
+    it = l.placements.emplace(lanes, round_robin_placement(l.weights, lanes)).first;
+  }
+  return it->second;
+}
+
+void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                           std::span<const float> bias_gradient) {
+  const auto start = Clock::now();
+  detail::HostLayer& l = *state_->layers[layer];
+  std::lock_guard lock(l.pending_mutex);
+  detail::PendingUpdate& p = l.pending;
+  if (p.submitted) {
+    throw ShapeError("submit_gradient: " + layer_name(layer) +
+                     " already has a gradient for this step (commit_step first)");
+  }
+
+  // The chunks' outputs must follow each other and cover the layer; then each chunk can
+  // be checked and copied on its own, in parallel.
+  const auto& chunks = gradient.chunks;
+  if (chunks.empty()) {
+    throw FormatError("submit_gradient: " + layer_name(layer) + ": the gradient stream is empty");
+  }
+  const std::int64_t rows = l.weights.rows();
+  std::int64_t next_output = 0;
+  for (std::size_t c = 0; c < chunks.size(); ++c) {
+    if (!chunks[c]) {
+      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
+                        " is null");
+    }
+    if (chunks[c]->first_output != next_output) {
+      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
+                        " starts at output " + std::to_string(chunks[c]->first_output) +
+                        ", expected " + std::to_string(next_output));
+    }
+    next_output += chunks[c]->outputs;
+    if (next_output > rows) {
+      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
+                        " runs to output " + std::to_string(next_output - 1) + ", the layer has " +
+                        std::to_string(rows) + " outputs");
+    }
+  }
+  if (next_output != rows) {
+    throw FormatError("submit_gradient: " + layer_name(layer) + ": the chunks cover " +
+                      std::to_string(next_output) + " of " + std::to_string(rows) + " outputs");
+  }
+
+  p.gradient.resize(l.weights.values().size());
+  std::vector<ChunkScan> scans(chunks.size());
+  auto scan = [&](std::size_t c) {
+    scans[c] = scan_gradient_chunk(layer, l.weights, *chunks[c], c, c + 1 == chunks.size(),
+                                   p.gradient.data());
+  };
+  if (chunks.size() == 1) {
+    scan(0);
+  } else {
+    tbb::parallel_for(std::size_t{0}, chunks.size(), scan);
+  }
+  double sum_of_squares = 0;
+  for (const ChunkScan& s : scans) {
+    if (!s.error.empty()) throw FormatError(s.error);
+    sum_of_squares += s.sum_of_squares;
+  }
+  p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
+  for (float g : bias_gradient) sum_of_squares += static_cast<double>(g) * g;
+
+  p.sum_of_squares = sum_of_squares;
+  p.finite = std::isfinite(sum_of_squares);
+  p.computed = false;
+  const OptimizerConfig& config = state_->config;
+  if (p.finite && config.clip_global_norm == 0) {
+    // No clipping: this layer's update does not depend on the others, so compute it now,
+    // while the engines work on the next layer.
+    detail::compute_update(l, config, detail::scheduled_learning_rate(config, state_->step + 1),
+                           1.0);
+  }
+  p.seconds = seconds_since(start);
+  p.submitted = true;
+}
+
+StepReport HostModelMemory::commit_step_impl() {
+  const auto start = Clock::now();
+  State& st = *state_;
+  StepReport report;
+  report.step = st.step;
+
+  std::vector<std::int32_t> submitted;
+  double sum_of_squares = 0;
+  double submit_seconds = 0;
+  for (std::size_t i = 0; i < st.layers.size(); ++i) {
+    detail::HostLayer& l = *st.layers[i];
+    std::lock_guard lock(l.pending_mutex);
+    if (!l.pending.submitted) continue;
+    submitted.push_back(static_cast<std::int32_t>(i));
+    sum_of_squares += l.pending.sum_of_squares;
+    submit_seconds += l.pending.seconds;
+    if (!l.pending.finite) report.bad_layers.push_back(static_cast<std::int32_t>(i));
+  }
+  report.gradient_norm = std::sqrt(sum_of_squares);
+  auto discard_all = [&] {
+    for (std::int32_t i : submitted) detail::discard(st.layers[i]->pending);
+  };
+  auto finish = [&] { report.seconds = submit_seconds + seconds_since(start); };
+  // Nothing submitted: nothing to apply, and the step count stays.
+  if (submitted.empty()) {
+    finish();
+    return report;
+  }
+
+  const OptimizerConfig& config = st.config;
+  if (report.bad_layers.empty()) {
+    if (config.clip_global_norm > 0) {
+      // Clipping needs the norm over all layers, known only now.
+      try {
+        const double scale = std::min(1.0, config.clip_global_norm / (report.gradient_norm + 1e-6));
+        const double learning_rate = detail::scheduled_learning_rate(config, st.step + 1);
+        for (std::int32_t i : submitted) {
+          detail::compute_update(*st.layers[i], config, learning_rate, scale);
+        }
+      } catch (...) {
+        discard_all();
+        throw;
+      }
+    }
+    // An update can overflow even from a finite gradient; such a layer is bad too.
+    for (std::int32_t i : submitted) {
+      const detail::PendingUpdate& p = st.layers[i]->pending;
+      if (!p.computed) {
+        discard_all();
+        throw Error("commit_step: internal error: update of " + layer_name(i) + " not computed");
+      }
+      if (!p.finite) report.bad_layers.push_back(i);
+    }
+  }
+
+  if (!report.bad_layers.empty()) {
+    discard_all();
+    finish();
+    if (st.policy == NonFinitePolicy::error) {
+      std::string names;
+      for (std::int32_t i : report.bad_layers)
+        names += (names.empty() ? "" : ", ") + std::to_string(i);
+      throw NumericError("commit_step: non-finite gradient or update in layer(s) " + names +
+                         "; step " + std::to_string(st.step + 1) +
+                         " skipped, weights and optimizer state unchanged");
+    }
+    return report;
+  }
+
+  const int slots = detail::optimizer_slot_count(config.kind);
+  for (std::int32_t i : submitted) {
+    detail::HostLayer& l = *st.layers[i];
+    detail::PendingUpdate& p = l.pending;
+    // Swapping keeps the old arrays as next step's staging buffers.
+    std::swap(l.weights.values(), p.new_values);
+    std::swap(l.bias, p.new_bias);
+    for (int s = 0; s < slots; ++s) {
+      std::swap(l.state[s], p.new_state[s]);
+      std::swap(l.bias_state[s], p.new_bias_state[s]);
+    }
+    ++l.updates;
+    detail::discard(p);
+  }
+  ++st.step;
+  report.applied = true;
+  report.step = st.step;
+  finish();
+  return report;
+}
+
+void HostModelMemory::set_optimizer_impl(const OptimizerConfig& config) {
+  State& st = *state_;
+  for (std::size_t i = 0; i < st.layers.size(); ++i) {
+    std::lock_guard lock(st.layers[i]->pending_mutex);
+    if (st.layers[i]->pending.submitted) {
+      throw ShapeError("set_optimizer: " + layer_name(static_cast<std::int32_t>(i)) +
+                       " has a gradient waiting for commit_step");
+    }
+  }
+  // Adam and AdamW keep the same moments, so switching between them keeps the state;
+  // switching to or from SGD starts the new optimizer from zero.
+  const int slots = detail::optimizer_slot_count(config.kind);
+  if (slots != detail::optimizer_slot_count(st.config.kind)) {
+    for (auto& layer : st.layers) detail::reset_optimizer_state(*layer, slots);
+  }
+  st.config = config;
+}
+
+const OptimizerConfig& HostModelMemory::optimizer_impl() const {
+  return state_->config;
+}
+
+void HostModelMemory::set_non_finite_policy_impl(NonFinitePolicy policy) {
+  state_->policy = policy;
+}
+
+std::int64_t HostModelMemory::step_impl() const {
+  return state_->step;
+}
+
+}  // namespace sluice

@@ -1,0 +1,565 @@
+// ModelMemory checkpoints: bit-exact round trips, corrupt files refused without touching
+// the target, and a save killed at a random moment never destroys the last good one.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "crc32.hpp"
+#include "sluice/model_memory.hpp"
+
+namespace sluice {
+namespace {
+
+namespace fs = std::filesystem;
+
+// --- helpers ------------------------------------------------------------------------------
+
+fs::path temp_dir() {
+  static const fs::path dir = [] {
+    fs::path d =
+        fs::temp_directory_path() / ("sluice_test_checkpoint_" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+std::vector<char> read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const fs::path& p, const std::vector<char>& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+WeightStream gradient_stream(const CsrMatrix& mask, const std::vector<float>& gradient) {
+  WeightStream s;
+  s.header = {StreamKind::gradient, static_cast<std::uint32_t>(mask.rows()),
+              static_cast<std::uint32_t>(mask.cols()), static_cast<std::uint64_t>(mask.nnz())};
+  auto chunk = std::make_shared<StreamChunk>();
+  chunk->outputs = static_cast<std::uint32_t>(mask.rows());
+  for (std::int64_t o = 0; o < mask.rows(); ++o) {
+    for (std::int64_t k = mask.row_offsets()[o]; k < mask.row_offsets()[o + 1]; ++k) {
+      chunk->packets.push_back({mask.col_indices()[k], gradient[k]});
+    }
+    chunk->packets.push_back({kCarriageReturn, 0.0F});
+  }
+  chunk->packets.push_back({kEndOfLayer, 0.0F});
+  s.chunks.push_back(std::move(chunk));
+  return s;
+}
+
+void train(ModelMemory& mm, int steps, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0F, 1.0F);
+  for (int s = 0; s < steps; ++s) {
+    for (std::int32_t l = 0; l < mm.layer_count(); ++l) {
+      std::vector<float> g(static_cast<std::size_t>(mm.weights(l).nnz()));
+      for (float& x : g) x = n(rng);
+      std::vector<float> b(mm.bias(l).size());
+      for (float& x : b) x = n(rng);
+      mm.submit_gradient(l, gradient_stream(mm.weights(l), g), b);
+    }
+    ASSERT_TRUE(mm.commit_step().applied);
+  }
+}
+
+OptimizerConfig odd_config() {
+  OptimizerConfig c;
+  c.kind = OptimizerKind::adamw;
+  c.learning_rate = 0.0123;
+  c.momentum = 0.25;  // unused by AdamW, but must survive the round trip
+  c.beta1 = 0.85;
+  c.beta2 = 0.995;
+  c.epsilon = 3e-7;
+  c.weight_decay = 0.07;
+  c.clip_global_norm = 5.5;
+  c.schedule = [](std::int64_t step) { return 1.0 / static_cast<double>(step); };
+  return c;
+}
+
+// Odd shapes: bias and none, a matrix without non-zeros, one without rows. `small` keeps
+// the file around a kilobyte, for tests that try every byte.
+void build(HostModelMemory& mm, std::uint64_t seed, const OptimizerConfig& config,
+           bool small = false) {
+  mm.set_optimizer(config);
+  std::mt19937 rng(static_cast<std::uint32_t>(seed));
+  std::uniform_real_distribution<float> u(-1.0F, 1.0F);
+  const std::int64_t rows = small ? 7 : 23;
+  std::vector<float> bias(static_cast<std::size_t>(rows));
+  for (float& b : bias) b = u(rng);
+  mm.add_layer(CsrMatrix::random(rows, small ? 6 : 17, 0.5, seed), bias);
+  mm.add_layer(CsrMatrix::random(small ? 3 : 9, rows, 0.3, seed + 1));
+  mm.add_layer(CsrMatrix(3, 4, {0, 0, 0, 0}, {}, {}), std::vector<float>(3, 0.5F));
+  mm.add_layer(CsrMatrix(0, 5, {0}, {}, {}));
+  mm.seed = seed * 1000 + 7;
+}
+
+// Bit-exact equality of everything a checkpoint holds that the API shows; the optimizer
+// state is compared by the test through the bytes of a second save (see RoundTrip).
+void expect_same(const ModelMemory& a, const ModelMemory& b) {
+  ASSERT_EQ(a.layer_count(), b.layer_count());
+  EXPECT_EQ(a.step(), b.step());
+  EXPECT_EQ(a.seed, b.seed);
+  const OptimizerConfig& x = a.optimizer();
+  const OptimizerConfig& y = b.optimizer();
+  EXPECT_EQ(x.kind, y.kind);
+  EXPECT_EQ(x.learning_rate, y.learning_rate);
+  EXPECT_EQ(x.momentum, y.momentum);
+  EXPECT_EQ(x.beta1, y.beta1);
+  EXPECT_EQ(x.beta2, y.beta2);
+  EXPECT_EQ(x.epsilon, y.epsilon);
+  EXPECT_EQ(x.weight_decay, y.weight_decay);
+  EXPECT_EQ(x.clip_global_norm, y.clip_global_norm);
+  for (std::int32_t l = 0; l < a.layer_count(); ++l) {
+    const CsrMatrix& p = a.weights(l);
+    const CsrMatrix& q = b.weights(l);
+    EXPECT_EQ(p.rows(), q.rows());
+    EXPECT_EQ(p.cols(), q.cols());
+    EXPECT_EQ(p.row_offsets(), q.row_offsets());
+    EXPECT_EQ(p.col_indices(), q.col_indices());
+    ASSERT_EQ(p.values().size(), q.values().size());
+    EXPECT_EQ(std::memcmp(p.values().data(), q.values().data(), p.values().size() * 4), 0);
+    ASSERT_EQ(a.bias(l).size(), b.bias(l).size());
+    EXPECT_EQ(std::memcmp(a.bias(l).data(), b.bias(l).data(), a.bias(l).size() * 4), 0);
+  }
+}
+
+// --- CRC-32 ---------------------------------------------------------------------------------
+
+TEST(Crc32, KnownValuesAndChaining) {
+  const std::string check = "123456789";
+  const auto bytes = std::as_bytes(std::span(check.data(), check.size()));
+  EXPECT_EQ(crc32(bytes), 0xCBF43926U);
+  EXPECT_EQ(crc32({}), 0U);
+  const std::string fox = "The quick brown fox jumps over the lazy dog";
+  EXPECT_EQ(crc32(std::as_bytes(std::span(fox.data(), fox.size()))), 0x414FA339U);
+  // Chaining at every split point, across the 8-byte fast path.
+  for (std::size_t cut = 0; cut <= fox.size(); ++cut) {
+    const auto all = std::as_bytes(std::span(fox.data(), fox.size()));
+    EXPECT_EQ(crc32(all.subspan(cut), crc32(all.first(cut))), 0x414FA339U) << cut;
+  }
+}
+
+TEST(Crc32, MatchesBitwiseReferenceOnRandomData) {
+  std::mt19937 rng(5);
+  std::vector<std::byte> data(1000);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  for (std::size_t n : {0, 1, 7, 8, 9, 63, 64, 1000}) {
+    std::uint32_t c = 0xFFFFFFFFU;
+    for (std::size_t i = 0; i < n; ++i) {
+      c ^= static_cast<std::uint32_t>(data[i]);
+      for (int k = 0; k < 8; ++k) c = (c & 1U) ? 0xEDB88320U ^ (c >> 1) : c >> 1;
+    }
+    EXPECT_EQ(crc32(std::span(data).first(n)), ~c) << n;
+  }
+}
+
+// --- round trips --------------------------------------------------------------------------
+
+TEST(Checkpoint, RoundTripIsBitExact) {
+  HostModelMemory a;
+  build(a, 3, odd_config());
+  a.set_non_finite_policy(NonFinitePolicy::error);
+  train(a, 3, 10);
+  const fs::path path = temp_dir() / "roundtrip.ck";
+  a.save(path);
+  EXPECT_FALSE(fs::exists(path.string() + ".tmp." + std::to_string(::getpid())));
+
+  HostModelMemory b;
+  OptimizerConfig with_schedule;
+  with_schedule.schedule = odd_config().schedule;  // code is not saved: the target keeps its own
+  b.set_optimizer(with_schedule);
+  b.load(path);
+  expect_same(a, b);
+  EXPECT_TRUE(static_cast<bool>(b.optimizer().schedule));
+
+  // Optimizer state, per-layer update counts and the policy: a second save is the same file.
+  const fs::path again = temp_dir() / "roundtrip2.ck";
+  b.save(again);
+  EXPECT_TRUE(read_bytes(path) == read_bytes(again));
+
+  // And both train on identically.
+  train(a, 1, 20);
+  train(b, 1, 20);
+  expect_same(a, b);
+
+  // The policy came back too: a NaN step throws.
+  std::vector<float> nan_gradient(static_cast<std::size_t>(b.weights(1).nnz()),
+                                  std::numeric_limits<float>::quiet_NaN());
+  b.submit_gradient(1, gradient_stream(b.weights(1), nan_gradient), {});
+  EXPECT_THROW(b.commit_step(), NumericError);
+}
+
+TEST(Checkpoint, EveryOptimizerKindRoundTrips) {
+  for (OptimizerKind kind : {OptimizerKind::sgd, OptimizerKind::adam, OptimizerKind::adamw}) {
+    SCOPED_TRACE(to_string(kind));
+    OptimizerConfig c;
+    c.kind = kind;
+    c.momentum = 0.9;
+    HostModelMemory a;
+    build(a, 4, c);
+    train(a, 2, 30);
+    const fs::path path = temp_dir() / "kinds.ck";
+    a.save(path);
+    HostModelMemory b;
+    b.load(path);
+    expect_same(a, b);
+    EXPECT_FALSE(static_cast<bool>(b.optimizer().schedule));
+    train(a, 1, 31);
+    train(b, 1, 31);
+    expect_same(a, b);
+  }
+}
+
+TEST(Checkpoint, EmptyModelRoundTrips) {
+  HostModelMemory a;
+  a.seed = 99;
+  const fs::path path = temp_dir() / "empty.ck";
+  a.save(path);
+  HostModelMemory b;
+  build(b, 5, OptimizerConfig{});
+  b.load(path);
+  EXPECT_EQ(b.layer_count(), 0);
+  EXPECT_EQ(b.seed, 99U);
+  EXPECT_EQ(b.step(), 0);
+}
+
+TEST(Checkpoint, SaveReplacesAnExistingFile) {
+  HostModelMemory a, b;
+  build(a, 6, OptimizerConfig{});
+  build(b, 7, OptimizerConfig{});
+  const fs::path path = temp_dir() / "replace.ck";
+  a.save(path);
+  b.save(path);
+  HostModelMemory c;
+  c.load(path);
+  expect_same(b, c);
+}
+
+// --- refused files ------------------------------------------------------------------------
+
+class CorruptCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    HostModelMemory source;
+    build(source, 8, odd_config(), /*small=*/true);
+    train(source, 2, 40);
+    good_path = temp_dir() / "good.ck";
+    source.save(good_path);
+    good = read_bytes(good_path);
+    // The target has different contents, which a failed load must leave alone.
+    OptimizerConfig c;
+    c.kind = OptimizerKind::sgd;
+    c.learning_rate = 0.5;
+    target.set_optimizer(c);
+    target.add_layer(CsrMatrix::random(6, 6, 0.5, 77));
+    train(target, 1, 50);
+    target.seed = 4242;
+    target_values = target.weights(0).values();
+    const fs::path before_path = temp_dir() / "target_before.ck";
+    target.save(before_path);
+    target_before = read_bytes(before_path);
+  }
+
+  // Loads `bytes` into the target: must throw E and leave the target as it was.
+  template <typename E = FormatError>
+  std::string expect_refused(const std::vector<char>& bytes) {
+    const fs::path p = temp_dir() / "bad.ck";
+    // A fresh file each time: ext4 flushes a file that is truncated and rewritten on close,
+    // which would make the thousands of cases here slow.
+    fs::remove(p);
+    write_bytes(p, bytes);
+    std::string message;
+    try {
+      target.load(p);
+      ADD_FAILURE() << "a corrupt file of " << bytes.size() << " bytes was accepted";
+    } catch (const E& e) {
+      message = e.what();
+    }
+    // Cheap checks every time; the full comparison once in TearDown.
+    EXPECT_EQ(target.layer_count(), 1);
+    EXPECT_EQ(target.step(), 1);
+    EXPECT_EQ(target.seed, 4242U);
+    EXPECT_EQ(target.optimizer().kind, OptimizerKind::sgd);
+    EXPECT_TRUE(target.weights(0).values() == target_values);
+    return message;
+  }
+
+  void TearDown() override {
+    const fs::path after_path = temp_dir() / "target_after.ck";
+    target.save(after_path);
+    EXPECT_TRUE(read_bytes(after_path) == target_before) << "a failed load changed the target";
+  }
+
+  // Rewrites the CRC of the section that starts at `offset` (after an edit of its payload).
+  void fix_crc(std::vector<char>& bytes, std::size_t offset) {
+    std::uint64_t length = 0;
+    std::memcpy(&length, bytes.data() + offset + 4, 8);
+    const auto payload = std::as_bytes(std::span(bytes.data() + offset + 16, length));
+    const std::uint32_t crc = crc32(payload);
+    std::memcpy(bytes.data() + offset + 12, &crc, 4);
+  }
+  // Offset of the first section with this tag.
+  std::size_t section(const std::vector<char>& bytes, const char* tag) {
+    std::size_t at = 12;
+    while (at + 16 <= bytes.size()) {
+      if (std::memcmp(bytes.data() + at, tag, 4) == 0) return at;
+      std::uint64_t length = 0;
+      std::memcpy(&length, bytes.data() + at + 4, 8);
+      at += 16 + length;
+    }
+    ADD_FAILURE() << "no section " << tag;
+    return 0;
+  }
+
+  fs::path good_path;
+  std::vector<char> good;
+  HostModelMemory target;
+  std::vector<float> target_values;
+  std::vector<char> target_before;
+};
+
+TEST_F(CorruptCheckpoint, TheGoodFileLoads) {
+  HostModelMemory m;
+  EXPECT_NO_THROW(m.load(good_path));
+}
+
+TEST_F(CorruptCheckpoint, EveryTruncationIsRefused) {
+  ASSERT_LT(good.size(), 2000U) << "keep the file small: every length is tried";
+  for (std::size_t n = 0; n < good.size(); ++n) {
+    SCOPED_TRACE(n);
+    expect_refused(std::vector<char>(good.begin(), good.begin() + static_cast<long>(n)));
+    if (HasFailure()) break;
+  }
+}
+
+TEST_F(CorruptCheckpoint, EveryFlippedByteIsRefused) {
+  for (std::size_t i = 0; i < good.size(); ++i) {
+    SCOPED_TRACE(i);
+    std::vector<char> bad = good;
+    bad[i] = static_cast<char>(bad[i] ^ (1 << (i % 8)));
+    expect_refused(bad);
+    if (HasFailure()) break;
+  }
+}
+
+TEST_F(CorruptCheckpoint, WrongMagic) {
+  std::vector<char> bad = good;
+  std::memcpy(bad.data(), "SLUICEXX", 8);
+  EXPECT_NE(expect_refused(bad).find("magic"), std::string::npos);
+  EXPECT_NE(expect_refused(std::vector<char>(1000, 'x')).find("magic"), std::string::npos);
+}
+
+TEST_F(CorruptCheckpoint, WrongVersion) {
+  std::vector<char> bad = good;
+  const std::uint32_t version = 2;
+  std::memcpy(bad.data() + 8, &version, 4);
+  const std::string message = expect_refused(bad);
+  EXPECT_NE(message.find("version 2, expected 1"), std::string::npos) << message;
+}
+
+TEST_F(CorruptCheckpoint, TrailingBytes) {
+  std::vector<char> bad = good;
+  bad.push_back(0);
+  expect_refused(bad);
+}
+
+TEST_F(CorruptCheckpoint, HugeLengthsAreRefusedBeforeAllocating) {
+  // A section length beyond the file.
+  std::vector<char> bad = good;
+  const std::size_t layer = section(bad, "LAYR");
+  const std::uint64_t huge = std::uint64_t{1} << 62;
+  std::memcpy(bad.data() + layer + 4, &huge, 8);
+  EXPECT_NE(expect_refused(bad).find("claims"), std::string::npos);
+
+  // A non-zero count that would need exabytes, with a valid CRC: refused by the length check.
+  bad = good;
+  std::memcpy(bad.data() + layer + 16 + 20, &huge, 8);
+  fix_crc(bad, layer);
+  EXPECT_NE(expect_refused(bad).find("does not match"), std::string::npos);
+
+  // A layer count far beyond what the file can hold.
+  bad = good;
+  const std::size_t head = section(bad, "HEAD");
+  const std::uint32_t many = 0x7FFFFFFF;
+  std::memcpy(bad.data() + head + 16, &many, 4);
+  fix_crc(bad, head);
+  expect_refused(bad);
+}
+
+TEST_F(CorruptCheckpoint, InvalidContentWithValidCrcIsRefused) {
+  const std::size_t layer = section(good, "LAYR");
+  std::int64_t rows = 0, nnz = 0;
+  std::memcpy(&rows, good.data() + layer + 16 + 4, 8);
+  std::memcpy(&nnz, good.data() + layer + 16 + 20, 8);
+  const std::size_t fixed = 16 + 4 + 8 * 4 + 4 + 8;
+  const std::size_t indices = layer + fixed + static_cast<std::size_t>(rows + 1) * 8;
+  const std::size_t values = indices + static_cast<std::size_t>(nnz) * 4;
+  ASSERT_GE(nnz, 2);
+
+  std::vector<char> bad = good;  // column index out of range
+  const std::uint32_t col = 1000;
+  std::memcpy(bad.data() + indices, &col, 4);
+  fix_crc(bad, layer);
+  EXPECT_NE(expect_refused(bad).find("layer 0"), std::string::npos);
+
+  bad = good;  // indices not increasing within a row (the first row with two or more)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::int64_t begin = 0, end = 0;
+    std::memcpy(&begin, good.data() + layer + fixed + static_cast<std::size_t>(r) * 8, 8);
+    std::memcpy(&end, good.data() + layer + fixed + static_cast<std::size_t>(r + 1) * 8, 8);
+    if (end - begin < 2) continue;
+    const std::size_t at = indices + static_cast<std::size_t>(begin) * 4;
+    std::memcpy(bad.data() + at + 4, bad.data() + at, 4);
+    break;
+  }
+  ASSERT_TRUE(bad != good);
+  fix_crc(bad, layer);
+  expect_refused(bad);
+
+  bad = good;  // a NaN weight
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bad.data() + values, &nan, 4);
+  fix_crc(bad, layer);
+  expect_refused(bad);
+
+  bad = good;  // row offsets not monotone
+  const std::int64_t offset = nnz + 5;
+  std::memcpy(bad.data() + layer + fixed + 8, &offset, 8);
+  fix_crc(bad, layer);
+  expect_refused(bad);
+
+  bad = good;  // an unknown optimizer kind in the header
+  const std::size_t head = section(bad, "HEAD");
+  const std::uint32_t kind = 9;
+  std::memcpy(bad.data() + head + 16 + 20, &kind, 4);
+  fix_crc(bad, head);
+  EXPECT_NE(expect_refused(bad).find("optimizer kind"), std::string::npos);
+}
+
+TEST_F(CorruptCheckpoint, MissingFileIsAnIoError) {
+  EXPECT_THROW(target.load(temp_dir() / "does_not_exist.ck"), IoError);
+  EXPECT_EQ(target.seed, 4242U);
+}
+
+TEST(Checkpoint, SaveIntoMissingDirectoryIsAnIoErrorAndLeavesNothing) {
+  HostModelMemory a;
+  build(a, 9, OptimizerConfig{});
+  const fs::path dir = temp_dir() / "no_such_dir";
+  EXPECT_THROW(a.save(dir / "x.ck"), IoError);
+  EXPECT_FALSE(fs::exists(dir));
+}
+
+TEST(Checkpoint, StrayTemporaryFileIsNotMistakenForTheCheckpoint) {
+  HostModelMemory a;
+  build(a, 10, OptimizerConfig{});
+  const fs::path path = temp_dir() / "stray.ck";
+  a.save(path);
+  // A half-written file from a crashed saver (another pid), next to the real one.
+  std::vector<char> half = read_bytes(path);
+  half.resize(half.size() / 2);
+  write_bytes(path.string() + ".tmp.999999", half);
+  HostModelMemory b;
+  b.load(path);
+  expect_same(a, b);
+  EXPECT_THROW(b.load(path.string() + ".tmp.999999"), FormatError);
+  expect_same(a, b);
+}
+
+// --- crash safety ---------------------------------------------------------------------------
+
+// A child saves large checkpoints over the file in a loop and is killed with SIGKILL at a
+// random moment; the file must then load and be one of the saved states.
+TEST(Checkpoint, SaveKilledAtARandomMomentLeavesAGoodCheckpoint) {
+  // About 24 MB: 1.5M non-zeros with Adam state (values, indices, m, v).
+  CsrMatrix pattern = CsrMatrix::random(1500, 2000, 0.5, 123);
+  HostModelMemory a, b;
+  a.set_optimizer(OptimizerConfig{});
+  b.set_optimizer(OptimizerConfig{});
+  a.add_layer(pattern);
+  pattern.fill_values(456);
+  b.add_layer(pattern);
+  a.seed = 1;
+  b.seed = 2;
+  const std::vector<float>& a_values = a.weights(0).values();
+  const std::vector<float>& b_values = b.weights(0).values();
+  ASSERT_NE(a_values, b_values);
+
+  const fs::path dir = temp_dir() / "kill";
+  fs::create_directories(dir);
+  const fs::path path = dir / "model.ck";
+  const auto t0 = std::chrono::steady_clock::now();
+  a.save(path);
+  const double save_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_GT(fs::file_size(path), 20'000'000U);
+
+  std::mt19937 rng(2024);
+  std::uniform_real_distribution<double> delay(0.0, 2.5 * save_ms + 1.0);
+  int saw_a = 0, saw_b = 0;
+  for (int iteration = 0; iteration < 6; ++iteration) {
+    SCOPED_TRACE(iteration);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      // The child only saves, alternating B and A, until it is killed.
+      try {
+        for (;;) {
+          b.save(path);
+          a.save(path);
+        }
+      } catch (...) {
+        ::_exit(3);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(delay(rng)));
+    ASSERT_EQ(::kill(child, SIGKILL), 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the saver exited by itself, status " << status;
+
+    HostModelMemory loaded;
+    ASSERT_NO_THROW(loaded.load(path));
+    ASSERT_EQ(loaded.layer_count(), 1);
+    const std::vector<float>& v = loaded.weights(0).values();
+    const bool is_a = loaded.seed == 1 && v == a_values;
+    const bool is_b = loaded.seed == 2 && v == b_values;
+    EXPECT_TRUE(is_a || is_b) << "the checkpoint is neither of the saved states";
+    saw_a += is_a;
+    saw_b += is_b;
+  }
+  // The killed saver leaves its temporary file behind; it never replaced the checkpoint.
+  int strays = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path() == path) continue;
+    EXPECT_NE(entry.path().filename().string().find("model.ck.tmp."), std::string::npos)
+        << entry.path();
+    ++strays;
+    fs::remove(entry.path());
+  }
+  std::cout << "[          ] save " << save_ms << " ms; checkpoint was A " << saw_a << "x, B "
+            << saw_b << "x; " << strays << " stray temporary file(s)\n";
+}
+
+struct CleanUp : ::testing::Environment {
+  void TearDown() override { fs::remove_all(temp_dir()); }
+};
+const auto* const clean_up = ::testing::AddGlobalTestEnvironment(new CleanUp);
+
+}  // namespace
+}  // namespace sluice

@@ -1,0 +1,93 @@
+// Data sets: CSV (plain and gzip'd), the digits shape check, errors with line numbers,
+// the seeded synthetic task, the fixed split and standardization.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "sluice/dataset.hpp"
+#include "sluice/error.hpp"
+
+namespace sluice {
+namespace {
+
+std::filesystem::path temp(const std::string& name) {
+  return std::filesystem::temp_directory_path() / ("sluice_dataset_" + name);
+}
+
+void write(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream(p) << text;
+}
+
+TEST(Dataset, ReadsPlainAndGzippedCsv) {
+  const std::string text = "1,2,3,0\n4,5,6,2\n\n7, 8 ,9,1\n";
+  write(temp("plain.csv"), text);
+  gzFile gz = gzopen(temp("packed.csv.gz").c_str(), "wb");
+  ASSERT_NE(gz, nullptr);
+  gzwrite(gz, text.data(), static_cast<unsigned>(text.size()));
+  gzclose(gz);
+  for (const char* name : {"plain.csv", "packed.csv.gz"}) {
+    const Dataset d = load_csv(temp(name));
+    ASSERT_EQ(d.features.rows(), 3);
+    ASSERT_EQ(d.samples(), 3);
+    EXPECT_EQ(d.classes, 3);
+    EXPECT_EQ(d.labels, (std::vector<int>{0, 2, 1}));
+    EXPECT_EQ(d.features(1, 2), 8.0F);
+    EXPECT_EQ(d.features(2, 1), 6.0F);
+  }
+}
+
+TEST(Dataset, BadRowsNameTheLine) {
+  write(temp("bad1.csv"), "1,2,0\n1,x,1\n");
+  write(temp("bad2.csv"), "1,2,0\n1,2\n1,2,3,4\n");
+  write(temp("bad3.csv"), "1,2,0\n1,2,-1\n");
+  for (const char* name : {"bad1.csv", "bad2.csv", "bad3.csv"}) {
+    try {
+      load_csv(temp(name));
+      FAIL() << name;
+    } catch (const FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(":2"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(load_csv(temp("does_not_exist.csv")), IoError);
+  write(temp("small.csv"), "1,2,0\n");
+  EXPECT_THROW(load_digits(temp("small.csv")), FormatError);  // not 64 pixels
+}
+
+TEST(Dataset, FindsTheDigitsFile) {
+  EXPECT_EQ(find_digits_file(std::filesystem::path("/x/y.csv")), std::filesystem::path("/x/y.csv"));
+  setenv("SLUICE_DIGITS", "/some/digits.csv.gz", 1);
+  EXPECT_EQ(find_digits_file(), std::filesystem::path("/some/digits.csv.gz"));
+  unsetenv("SLUICE_DIGITS");
+}
+
+TEST(Dataset, SyntheticIsSeededAndSplitIsFixed) {
+  const Dataset a = make_synthetic_dataset(500, 16, 4, 3);
+  const Dataset b = make_synthetic_dataset(500, 16, 4, 3);
+  EXPECT_EQ(a.labels, b.labels);
+  std::vector<int> counts(4, 0);
+  for (int l : a.labels) ++counts[static_cast<std::size_t>(l)];
+  for (int c : counts) EXPECT_GT(c, 0);  // the teacher uses every class
+  auto [train, test] = split_dataset(a, 0.2, 9);
+  auto [train2, test2] = split_dataset(a, 0.2, 9);
+  EXPECT_EQ(test.samples(), 100);
+  EXPECT_EQ(train.samples(), 400);
+  EXPECT_EQ(test.labels, test2.labels);
+  EXPECT_EQ(train.features(3, 7), train2.features(3, 7));
+  standardize(train, test);
+  for (std::int64_t f = 0; f < train.features.rows(); ++f) {
+    double sum = 0, sq = 0;
+    for (std::int64_t s = 0; s < train.samples(); ++s) sum += train.features(f, s);
+    for (std::int64_t s = 0; s < train.samples(); ++s)
+      sq += std::pow(train.features(f, s) - sum / 400, 2);
+    EXPECT_NEAR(sum / 400, 0.0, 1e-5);
+    EXPECT_NEAR(sq / 400, 1.0, 1e-4);
+  }
+  EXPECT_THROW(split_dataset(a, 1.0, 1), ShapeError);
+  EXPECT_THROW(sample_view(a, 10, 501), ShapeError);
+}
+
+}  // namespace
+}  // namespace sluice

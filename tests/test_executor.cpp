@@ -1,0 +1,483 @@
+// The executor against a float64 dense-masked reference trainer, over 1-3 engines and
+// several lane geometries; determinism; a finite-difference gradient check; the fabric's
+// reduction; the memory budget.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "sluice/error.hpp"
+#include "sluice/executor.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/model_memory.hpp"
+
+namespace sluice {
+namespace {
+
+const std::vector<std::int64_t> kSizes = {13, 17, 11, 5};
+constexpr std::int64_t kBatch = 24;
+constexpr int kSteps = 20;
+
+struct Data {
+  std::vector<DenseMatrix> x;
+  std::vector<std::vector<int>> labels;
+};
+
+Data make_data(std::int64_t inputs, int classes, std::uint64_t seed) {
+  Data d;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (int s = 0; s < kSteps; ++s) {
+    DenseMatrix x(inputs, kBatch);
+    std::vector<int> y;
+    for (std::int64_t t = 0; t < kBatch; ++t) {
+      for (std::int64_t i = 0; i < inputs; ++i) x(i, t) = normal(rng);
+      y.push_back(static_cast<int>(rng() % classes));
+    }
+    d.x.push_back(std::move(x));
+    d.labels.push_back(std::move(y));
+  }
+  return d;
+}
+
+// ---- the float64 reference: dense weights with a mask, ReLU/GELU, softmax CE --------
+struct RefLayer {
+  std::int64_t out, in;
+  std::vector<double> w, mask, b, state_w1, state_w2, state_b1, state_b2;
+};
+
+double act(Activation a, double z) {
+  if (a == Activation::relu) return z > 0 ? z : 0;
+  if (a == Activation::gelu)
+    return 0.5 * z * (1 + std::tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
+  return z;
+}
+double slope(Activation a, double z) {
+  if (a == Activation::relu) return z > 0 ? 1 : 0;
+  if (a == Activation::gelu) {
+    const double c = 0.7978845608028654, th = std::tanh(c * (z + 0.044715 * z * z * z));
+    return 0.5 * (1 + th) + 0.5 * z * (1 - th * th) * c * (1 + 3 * 0.044715 * z * z);
+  }
+  return 1;
+}
+
+struct Reference {
+  std::vector<RefLayer> layers;
+  std::vector<Activation> acts;
+  OptimizerConfig opt;
+  std::int64_t step = 0;
+
+  Reference(const ModelMemory& m, std::vector<Activation> a, OptimizerConfig o)
+      : acts(std::move(a)), opt(std::move(o)) {
+    for (std::int32_t l = 0; l < m.layer_count(); ++l) {
+      const CsrMatrix& w = m.weights(l);
+      RefLayer r{w.rows(), w.cols(), {}, {}, {}, {}, {}, {}, {}};
+      r.w.assign(w.rows() * w.cols(), 0);
+      r.mask.assign(w.rows() * w.cols(), 0);
+      for (std::int64_t o = 0; o < w.rows(); ++o) {
+        for (auto k = w.row_offsets()[o]; k < w.row_offsets()[o + 1]; ++k) {
+          r.w[o * w.cols() + w.col_indices()[k]] = w.values()[k];
+          r.mask[o * w.cols() + w.col_indices()[k]] = 1;
+        }
+      }
+      r.b.assign(m.bias(l).begin(), m.bias(l).end());
+      r.state_w1.assign(r.w.size(), 0);
+      r.state_w2.assign(r.w.size(), 0);
+      r.state_b1.assign(r.b.size(), 0);
+      r.state_b2.assign(r.b.size(), 0);
+      layers.push_back(std::move(r));
+    }
+  }
+
+  void update(std::vector<double>& w, const std::vector<double>& g, std::vector<double>& s1,
+              std::vector<double>& s2, const std::vector<double>* mask) {
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      if (mask && (*mask)[i] == 0) continue;
+      if (opt.kind == OptimizerKind::sgd) {
+        s1[i] = opt.momentum * s1[i] + g[i];
+        w[i] -= opt.learning_rate * s1[i];
+      } else {
+        s1[i] = opt.beta1 * s1[i] + (1 - opt.beta1) * g[i];
+        s2[i] = opt.beta2 * s2[i] + (1 - opt.beta2) * g[i] * g[i];
+        const double mh = s1[i] / (1 - std::pow(opt.beta1, step));
+        const double vh = s2[i] / (1 - std::pow(opt.beta2, step));
+        w[i] -= opt.learning_rate * mh / (std::sqrt(vh) + opt.epsilon);
+      }
+    }
+  }
+
+  double train_step(const DenseMatrix& x, const std::vector<int>& labels) {
+    const std::int64_t T = x.cols();
+    std::vector<std::vector<double>> A(layers.size() + 1), Z(layers.size());
+    A[0].resize(x.rows() * T);
+    for (std::int64_t i = 0; i < x.rows(); ++i)
+      for (std::int64_t t = 0; t < T; ++t) A[0][i * T + t] = x(i, t);
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      const RefLayer& L = layers[l];
+      Z[l].assign(L.out * T, 0);
+      A[l + 1].assign(L.out * T, 0);
+      for (std::int64_t o = 0; o < L.out; ++o)
+        for (std::int64_t t = 0; t < T; ++t) {
+          double acc = L.b.empty() ? 0 : L.b[o];
+          for (std::int64_t i = 0; i < L.in; ++i) acc += L.w[o * L.in + i] * A[l][i * T + t];
+          Z[l][o * T + t] = acc;
+          A[l + 1][o * T + t] = act(acts[l], acc);
+        }
+    }
+    const std::int64_t C = layers.back().out;
+    std::vector<double> d(C * T);
+    double loss = 0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      double peak = -1e300;
+      for (std::int64_t o = 0; o < C; ++o) peak = std::max(peak, A.back()[o * T + t]);
+      double sum = 0;
+      for (std::int64_t o = 0; o < C; ++o) sum += std::exp(A.back()[o * T + t] - peak);
+      const double lse = std::log(sum) + peak;
+      loss += lse - A.back()[labels[t] * T + t];
+      for (std::int64_t o = 0; o < C; ++o)
+        d[o * T + t] = (std::exp(A.back()[o * T + t] - lse) - (o == labels[t])) / T;
+    }
+    ++step;
+    for (std::size_t l = layers.size(); l-- > 0;) {
+      RefLayer& L = layers[l];
+      for (std::int64_t k = 0; k < L.out * T; ++k) d[k] *= slope(acts[l], Z[l][k]);
+      std::vector<double> gw(L.w.size(), 0), gb(L.out, 0), dx(L.in * T, 0);
+      for (std::int64_t o = 0; o < L.out; ++o)
+        for (std::int64_t t = 0; t < T; ++t) {
+          gb[o] += d[o * T + t];
+          for (std::int64_t i = 0; i < L.in; ++i) {
+            gw[o * L.in + i] += d[o * T + t] * A[l][i * T + t] * L.mask[o * L.in + i];
+            dx[i * T + t] += L.w[o * L.in + i] * d[o * T + t];
+          }
+        }
+      update(L.w, gw, L.state_w1, L.state_w2, &L.mask);
+      update(L.b, gb, L.state_b1, L.state_b2, nullptr);
+      d = std::move(dx);
+    }
+    return loss / T;
+  }
+};
+
+OptimizerConfig sgd_momentum() {
+  OptimizerConfig o;
+  o.kind = OptimizerKind::sgd;
+  o.learning_rate = 0.05;
+  o.momentum = 0.9;
+  return o;
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<CsrMatrix> weights;
+  std::vector<std::vector<float>> biases;
+};
+
+RunResult run_sluice(std::int32_t engines, Geometry geometry, const OptimizerConfig& opt,
+                     const std::vector<Activation>& acts, const Data& data,
+                     Reference* reference = nullptr) {
+  HostModelMemory memory;
+  build_sparse_mlp(memory, kSizes, 0.5, 42);
+  memory.set_optimizer(opt);
+  if (reference) *reference = Reference(memory, acts, opt);
+  LocalFabricOptions fo;
+  fo.engines = engines;
+  fo.engine.geometry = geometry;
+  fo.engine.threads = 1;
+  LocalFabric fabric(fo);
+  ExecutorOptions eo;
+  eo.activations = acts;
+  eo.prefetch_depth = 2;
+  eo.chunk_packets = 16;  // many chunks: exercises the channel and the broadcast
+  LayerStreamingExecutor exec(memory, fabric, eo);
+  RunResult r;
+  for (int s = 0; s < kSteps; ++s) {
+    Batch b{data.x[s].view(), data.labels[s], {}};
+    const StepResult res = exec.train_step(b);
+    EXPECT_TRUE(res.report.applied);
+    r.losses.push_back(res.loss);
+  }
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+    r.weights.push_back(memory.weights(l));
+    r.biases.push_back(memory.bias(l));
+  }
+  return r;
+}
+
+void expect_matches(const RunResult& r, const std::vector<double>& ref_losses,
+                    const Reference& ref) {
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_NEAR(r.losses[s], ref_losses[s], 1e-4 * std::abs(ref_losses[s])) << "step " << s;
+  }
+  for (std::size_t l = 0; l < r.weights.size(); ++l) {
+    const CsrMatrix& w = r.weights[l];
+    const RefLayer& L = ref.layers[l];
+    for (std::int64_t o = 0; o < w.rows(); ++o) {
+      for (auto k = w.row_offsets()[o]; k < w.row_offsets()[o + 1]; ++k) {
+        const double want = L.w[o * L.in + w.col_indices()[k]];
+        ASSERT_NEAR(w.values()[k], want, 1e-4 * std::max(1.0, std::abs(want)))
+            << "layer " << l << " row " << o;
+      }
+      ASSERT_NEAR(r.biases[l][o], L.b[o], 1e-4) << "bias layer " << l << " row " << o;
+    }
+  }
+}
+
+const std::vector<Activation> kRelu = {Activation::relu, Activation::relu, Activation::none};
+
+TEST(Executor, MatchesFloat64ReferenceOverEnginesAndGeometries) {
+  const Data data = make_data(kSizes.front(), static_cast<int>(kSizes.back()), 5);
+  Reference ref(HostModelMemory{}, kRelu, sgd_momentum());
+  {
+    HostModelMemory m;
+    build_sparse_mlp(m, kSizes, 0.5, 42);
+    ref = Reference(m, kRelu, sgd_momentum());
+  }
+  std::vector<double> ref_losses;
+  for (int s = 0; s < kSteps; ++s) ref_losses.push_back(ref.train_step(data.x[s], data.labels[s]));
+  const std::vector<Geometry> geometries = {Geometry{}, Geometry{1, 2, 4}, Geometry{3, 1, 8}};
+  for (std::int32_t engines : {1, 2, 3}) {
+    for (const Geometry& g : geometries) {
+      SCOPED_TRACE("engines " + std::to_string(engines) + " geometry " + g.to_string());
+      expect_matches(run_sluice(engines, g, sgd_momentum(), kRelu, data), ref_losses, ref);
+    }
+  }
+  EXPECT_LT(ref_losses.back(), ref_losses.front());  // it does learn
+}
+
+TEST(Executor, AdamWithGeluMatchesReference) {
+  const Data data = make_data(kSizes.front(), static_cast<int>(kSizes.back()), 6);
+  const std::vector<Activation> acts = {Activation::gelu, Activation::gelu, Activation::none};
+  OptimizerConfig adam;
+  adam.kind = OptimizerKind::adam;
+  adam.learning_rate = 1e-2;
+  HostModelMemory m;
+  build_sparse_mlp(m, kSizes, 0.5, 42);
+  Reference ref(m, acts, adam);
+  std::vector<double> ref_losses;
+  for (int s = 0; s < kSteps; ++s) ref_losses.push_back(ref.train_step(data.x[s], data.labels[s]));
+  for (std::int32_t engines : {1, 2}) {
+    SCOPED_TRACE("engines " + std::to_string(engines));
+    expect_matches(run_sluice(engines, Geometry{2, 1, 0}, adam, acts, data), ref_losses, ref);
+  }
+}
+
+TEST(Executor, SameGeometryAndSeedGiveBitwiseIdenticalWeights) {
+  const Data data = make_data(kSizes.front(), static_cast<int>(kSizes.back()), 7);
+  for (std::int32_t engines : {1, 3}) {
+    const RunResult a = run_sluice(engines, Geometry{2, 2, 0}, sgd_momentum(), kRelu, data);
+    const RunResult b = run_sluice(engines, Geometry{2, 2, 0}, sgd_momentum(), kRelu, data);
+    for (std::size_t l = 0; l < a.weights.size(); ++l) {
+      ASSERT_EQ(a.weights[l].values().size(), b.weights[l].values().size());
+      EXPECT_EQ(0, std::memcmp(a.weights[l].values().data(), b.weights[l].values().data(),
+                               a.weights[l].values().size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(a.biases[l].data(), b.biases[l].data(),
+                               a.biases[l].size() * sizeof(float)));
+    }
+    EXPECT_EQ(a.losses, b.losses);
+  }
+}
+
+// Loss of a two-layer GELU net with the given weights, through the executor.
+double loss_of(const std::vector<CsrMatrix>& w, const std::vector<std::vector<float>>& b,
+               const Batch& batch, Fabric& fabric) {
+  HostModelMemory m;
+  for (std::size_t l = 0; l < w.size(); ++l) m.add_layer(w[l], b[l]);
+  ExecutorOptions eo;
+  eo.activations = {Activation::gelu, Activation::none};
+  LayerStreamingExecutor exec(m, fabric, eo);
+  return exec.evaluate(batch).loss;
+}
+
+TEST(Executor, GradientsMatchFiniteDifferences) {
+  HostModelMemory m;
+  build_sparse_mlp(m, {6, 9, 4}, 0.4, 3);
+  const Data data = make_data(6, 4, 8);
+  const Batch batch{data.x[0].view(), data.labels[0], {}};
+  LocalFabricOptions fo;
+  fo.engines = 2;
+  fo.engine.threads = 1;
+  LocalFabric fabric(fo);
+  ExecutorOptions eo;
+  eo.activations = {Activation::gelu, Activation::none};
+  LayerStreamingExecutor exec(m, fabric, eo);
+  double loss = 0;
+  const std::vector<LayerGradient> g = exec.gradients(batch, &loss);
+  ASSERT_EQ(g.size(), 2U);
+  std::vector<CsrMatrix> w = {m.weights(0), m.weights(1)};
+  std::vector<std::vector<float>> b = {m.bias(0), m.bias(1)};
+  EXPECT_NEAR(loss, loss_of(w, b, batch, fabric), 1e-6);
+  const double eps = 1e-2;
+  for (std::size_t l = 0; l < 2; ++l) {
+    ASSERT_EQ(g[l].weights.nnz(), w[l].nnz());
+    for (std::int64_t k = 0; k < w[l].nnz(); k += 3) {
+      const float saved = w[l].values()[k];
+      w[l].values()[k] = saved + static_cast<float>(eps);
+      const double up = loss_of(w, b, batch, fabric);
+      w[l].values()[k] = saved - static_cast<float>(eps);
+      const double down = loss_of(w, b, batch, fabric);
+      w[l].values()[k] = saved;
+      const double fd = (up - down) / (2 * eps);
+      EXPECT_NEAR(g[l].weights.values()[k], fd, 2e-3 + 2e-2 * std::abs(fd))
+          << "layer " << l << " nz " << k;
+    }
+    for (std::size_t o = 0; o < b[l].size(); o += 2) {
+      const float saved = b[l][o];
+      b[l][o] = saved + static_cast<float>(eps);
+      const double up = loss_of(w, b, batch, fabric);
+      b[l][o] = saved - static_cast<float>(eps);
+      const double down = loss_of(w, b, batch, fabric);
+      b[l][o] = saved;
+      EXPECT_NEAR(g[l].bias[o], (up - down) / (2 * eps), 2e-3) << "bias layer " << l;
+    }
+  }
+}
+
+TEST(Executor, MemoryBudgetIsEnforcedBeforeAllocating) {
+  HostModelMemory m;
+  build_sparse_mlp(m, kSizes, 0.5, 1);
+  LocalFabricOptions fo;
+  fo.engines = 2;
+  fo.engine.threads = 1;
+  LocalFabric fabric(fo);
+  ExecutorOptions eo;
+  eo.memory_budget_bytes = 1000;
+  LayerStreamingExecutor exec(m, fabric, eo);
+  // Two engines x 12 tokens (stride 16): Z 17+11+5, A 17+11 rows, 2 x 17 backward rows.
+  EXPECT_EQ(exec.activation_bytes(kBatch), 2 * (33 + 28 + 34) * 16 * 4);
+  const Data data = make_data(kSizes.front(), 5, 9);
+  try {
+    exec.train_step({data.x[0].view(), data.labels[0], {}});
+    FAIL() << "no ResourceError";
+  } catch (const ResourceError& e) {
+    EXPECT_NE(std::string(e.what()).find("memory budget"), std::string::npos) << e.what();
+  }
+  ExecutorOptions roomy;
+  roomy.memory_budget_bytes = exec.activation_bytes(kBatch);
+  LayerStreamingExecutor fits(m, fabric, roomy);
+  EXPECT_NO_THROW(fits.train_step({data.x[0].view(), data.labels[0], {}}));
+}
+
+TEST(Executor, RefusesBadBatches) {
+  HostModelMemory m;
+  build_sparse_mlp(m, kSizes, 0.5, 1);
+  LocalFabricOptions fo;
+  fo.engines = 3;
+  LocalFabric fabric(fo);
+  LayerStreamingExecutor exec(m, fabric);
+  DenseMatrix x(13, 2);
+  EXPECT_THROW(exec.train_step({x.view(), {0, 1}, {}}), ShapeError);  // 2 tokens, 3 engines
+  DenseMatrix wrong(12, 6);
+  EXPECT_THROW(exec.train_step({wrong.view(), {0, 1, 2, 3, 4, 0}, {}}), ShapeError);
+  DenseMatrix ok(13, 6);
+  EXPECT_THROW(exec.train_step({ok.view(), {0, 1, 2, 3, 4, 5}, {}}), ShapeError);  // label 5
+  EXPECT_THROW(exec.train_step({ok.view(), {0, 1}, {}}), ShapeError);
+}
+
+TEST(Executor, MseLossTrainsAndInferMatchesEngines) {
+  HostModelMemory m;
+  build_sparse_mlp(m, {8, 16, 3}, 0.5, 2);
+  OptimizerConfig adam;
+  adam.learning_rate = 1e-2;
+  m.set_optimizer(adam);
+  LocalFabricOptions fo;
+  fo.engines = 2;
+  LocalFabric fabric(fo);
+  ExecutorOptions eo;
+  eo.loss = Loss::mse;
+  LayerStreamingExecutor exec(m, fabric, eo);
+  const Data data = make_data(8, 3, 10);
+  DenseMatrix target(3, kBatch);
+  for (std::int64_t t = 0; t < kBatch; ++t)
+    for (int o = 0; o < 3; ++o) target(o, t) = 0.5F * data.x[0](o, t) - 0.25F * data.x[0](o + 3, t);
+  Batch b{data.x[0].view(), {}, target.view()};
+  const double first = exec.train_step(b).loss;
+  double last = first;
+  for (int s = 0; s < 60; ++s) last = exec.train_step(b).loss;
+  EXPECT_LT(last, 0.5 * first);
+  const DenseMatrix y = exec.infer(data.x[0].view());
+  double mse = 0;
+  for (std::int64_t t = 0; t < kBatch; ++t)
+    for (int o = 0; o < 3; ++o) mse += 0.5 * std::pow(y(o, t) - target(o, t), 2);
+  EXPECT_NEAR(mse / kBatch, exec.evaluate(b).loss, 1e-5);
+}
+
+TEST(Fabric, ReductionIsATreeAndChecksTags) {
+  const CsrMatrix w = CsrMatrix::random(7, 5, 0.3, 1);
+  auto gradient = [](const CsrMatrix& g, std::size_t chunk) {
+    WeightStream s = encode_stream(g, StreamKind::weights, chunk);
+    s.header.kind = StreamKind::gradient;
+    return s;
+  };
+  std::vector<WeightStream> streams;
+  std::vector<std::vector<float>> biases;
+  for (int k = 0; k < 5; ++k) {
+    CsrMatrix g = w;
+    // Values whose float sum depends on the order: the tree's order must be the fixed one.
+    for (auto& v : g.values()) v = k == 0 ? 1e8F : static_cast<float>(k) * 0.75F;
+    streams.push_back(gradient(g, k % 2 == 0 ? 4 : 1000));  // different chunking
+    biases.push_back({static_cast<float>(k), 1.0F});
+  }
+  ReducedGradient r = reduce_gradients(streams, biases);
+  // ((s0 + s1) + (s2 + s3)) + s4
+  const float want = ((1e8F + 0.75F) + (1.5F + 2.25F)) + 3.0F;
+  r.weights.header.kind = StreamKind::weights;
+  const CsrMatrix sum = decode_stream(r.weights);
+  for (float v : sum.values()) EXPECT_EQ(v, want);
+  EXPECT_EQ(r.bias, (std::vector<float>{10.0F, 5.0F}));
+
+  std::vector<WeightStream> bad = streams;
+  auto chunk = std::make_shared<StreamChunk>(*bad[3].chunks[0]);
+  for (Packet& p : chunk->packets) {
+    if (!is_control(p)) {
+      p.tag = p.tag == 0 ? 1 : 0;
+      break;
+    }
+  }
+  bad[3].chunks[0] = chunk;
+  EXPECT_THROW(reduce_gradients(bad, {}), FormatError);
+  bad = streams;
+  bad[1] = gradient(CsrMatrix::random(7, 6, 0.3, 1), 4);
+  EXPECT_THROW(reduce_gradients(bad, {}), FormatError);
+  EXPECT_THROW(reduce_gradients({}, {}), ShapeError);
+}
+
+TEST(Fabric, BroadcastForwardMatchesOneEngine) {
+  const CsrMatrix w = CsrMatrix::random(19, 23, 0.7, 4);
+  const WeightStream stream = encode_stream(w, StreamKind::weights, 8);
+  DenseMatrix x(23, 30);
+  std::mt19937 rng(1);
+  for (std::int64_t i = 0; i < 23; ++i)
+    for (std::int64_t t = 0; t < 30; ++t)
+      x(i, t) = std::uniform_real_distribution<float>(-1, 1)(rng);
+  CpuEngine one(EngineOptions{{1, 1, 0}, 1, {}, false, 0});
+  const Placement p1 = round_robin_placement(w, 1);
+  DenseMatrix want(19, 30);
+  one.forward(stream, p1, x.view(), want.view());
+  LocalFabricOptions fo;
+  fo.engines = 3;
+  fo.channel_capacity = 1;
+  LocalFabric fabric(fo);
+  DenseMatrix y(19, 30);
+  std::vector<const Placement*> ps(3, &p1);
+  std::vector<ConstMatrixView> xs;
+  std::vector<MutableMatrixView> ys;
+  for (int k = 0; k < 3; ++k) {
+    xs.push_back({x.data() + 10 * k, 23, 10, x.stride()});
+    ys.push_back({y.data() + 10 * k, 19, 10, y.stride()});
+  }
+  {
+    MemoryStreamSource source(stream);
+    FabricRequest<void> request = fabric.forward_async(source, ps, xs, ys);
+    request.get();
+  }
+  for (std::int64_t o = 0; o < 19; ++o)
+    for (std::int64_t t = 0; t < 30; ++t) EXPECT_NEAR(y(o, t), want(o, t), 1e-5);
+  MemoryStreamSource source(stream);
+  std::vector<const Placement*> two(2, &p1);
+  EXPECT_THROW(fabric.forward(source, two, xs, ys), ShapeError);
+}
+
+}  // namespace
+}  // namespace sluice

@@ -1,0 +1,177 @@
+// HostModelMemory as a store: layers, argument checks, placements, and the weight streams
+// it sends (whole, and chunk by chunk through a channel). The optimizer is in
+// test_optimizer.cpp, checkpoints in test_checkpoint.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sluice/model_memory.hpp"
+
+namespace sluice {
+namespace {
+
+std::vector<Packet> all_packets(const WeightStream& s) {
+  std::vector<Packet> out;
+  for (const auto& c : s.chunks) out.insert(out.end(), c->packets.begin(), c->packets.end());
+  return out;
+}
+
+// Drains a channel fed by stream_to on another thread.
+WeightStream stream_through_channel(const ModelMemory& mm, std::int32_t layer, StreamKind kind,
+                                    std::size_t chunk_packets, std::size_t capacity = 2) {
+  StreamChannel channel(capacity);
+  std::thread producer([&] { mm.stream_to(layer, kind, channel, chunk_packets); });
+  WeightStream s;
+  try {
+    while (ChunkPtr c = channel.pop()) s.chunks.push_back(std::move(c));
+  } catch (...) {
+    producer.join();
+    throw;  // the producer's error, through the channel
+  }
+  producer.join();
+  s.header = mm.stream_header(layer, kind);
+  return s;
+}
+
+void expect_same_packets(const std::vector<Packet>& a, const std::vector<Packet>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].tag, b[i].tag) << i;
+    ASSERT_EQ(a[i].value, b[i].value) << i;
+  }
+}
+
+class Layers : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    mm.add_layer(CsrMatrix::random(41, 29, 0.8, 1), std::vector<float>(41, 0.25F));
+    mm.add_layer(CsrMatrix::random(7, 41, 0.5, 2, RowDistribution::powerlaw));
+    mm.add_layer(CsrMatrix(3, 4, {0, 0, 0, 0}, {}, {}));  // no non-zeros
+    mm.add_layer(CsrMatrix(0, 3, {0}, {}, {}));           // no outputs
+  }
+  HostModelMemory mm;
+};
+
+TEST_F(Layers, HoldsWhatWasAdded) {
+  EXPECT_EQ(mm.layer_count(), 4);
+  EXPECT_EQ(mm.weights(0).rows(), 41);
+  EXPECT_EQ(mm.weights(0).values(), CsrMatrix::random(41, 29, 0.8, 1).values());
+  EXPECT_EQ(mm.bias(0), std::vector<float>(41, 0.25F));
+  EXPECT_TRUE(mm.bias(1).empty());
+  EXPECT_EQ(mm.step(), 0);
+  const StreamHeader h = mm.stream_header(1, StreamKind::gradient);
+  EXPECT_EQ(h.kind, StreamKind::gradient);
+  EXPECT_EQ(h.outputs, 7U);
+  EXPECT_EQ(h.inputs, 41U);
+  EXPECT_EQ(h.nnz, static_cast<std::uint64_t>(mm.weights(1).nnz()));
+}
+
+TEST_F(Layers, BadArgumentsAreRefused) {
+  EXPECT_THROW(mm.weights(4), ShapeError);
+  EXPECT_THROW(mm.weights(-1), ShapeError);
+  EXPECT_THROW(mm.bias(4), ShapeError);
+  EXPECT_THROW(mm.placement(4, 2), ShapeError);
+  EXPECT_THROW(mm.placement(0, 0), ShapeError);
+  EXPECT_THROW(mm.stream(4), ShapeError);
+  EXPECT_THROW(mm.stream(0, StreamKind::gradient), ShapeError);
+  EXPECT_THROW(mm.stream_header(9), ShapeError);
+  EXPECT_THROW(mm.add_layer(CsrMatrix::random(5, 5, 0.5, 3), std::vector<float>(4)), ShapeError);
+  EXPECT_THROW(mm.add_layer(CsrMatrix::random(5, 5, 0.5, 3),
+                            std::vector<float>(5, std::numeric_limits<float>::quiet_NaN())),
+               FormatError);
+  CsrMatrix nan_weights = CsrMatrix::random(5, 5, 0.5, 3);
+  ASSERT_GT(nan_weights.nnz(), 0);
+  nan_weights.values()[0] = std::numeric_limits<float>::infinity();
+  EXPECT_THROW(mm.add_layer(std::move(nan_weights)), FormatError);
+  EXPECT_EQ(mm.layer_count(), 4);
+  EXPECT_THROW(mm.save(""), ShapeError);
+}
+
+TEST_F(Layers, PlacementIsPlannedOnceAndKept) {
+  const Placement& p4 = mm.placement(0, 4);
+  const Placement expected = round_robin_placement(mm.weights(0), 4);
+  EXPECT_EQ(p4.lanes, 4);
+  EXPECT_EQ(p4.lane_of, expected.lane_of);
+  EXPECT_EQ(p4.lane_nnz, expected.lane_nnz);
+  EXPECT_EQ(&mm.placement(0, 4), &p4);  // the same object, not planned again
+  const Placement& p3 = mm.placement(0, 3);
+  EXPECT_EQ(p3.lanes, 3);
+  EXPECT_EQ(&mm.placement(0, 4), &p4);  // a second lane count does not move the first
+  EXPECT_EQ(mm.placement(2, 2).features(), 4);
+}
+
+TEST_F(Layers, PlacementFromManyThreads) {
+  std::vector<const Placement*> seen(8);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] { seen[t] = &mm.placement(1, 1 + t % 2); });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 2; t < 8; ++t) EXPECT_EQ(seen[t], seen[t % 2]);
+}
+
+TEST_F(Layers, StreamIsTheEncodedWeights) {
+  for (std::int32_t l = 0; l < mm.layer_count(); ++l) {
+    SCOPED_TRACE(l);
+    const WeightStream s = mm.stream(l);
+    EXPECT_NO_THROW(s.validate());
+    const CsrMatrix back = decode_stream(s);
+    EXPECT_EQ(back.row_offsets(), mm.weights(l).row_offsets());
+    EXPECT_EQ(back.col_indices(), mm.weights(l).col_indices());
+    EXPECT_EQ(back.values(), mm.weights(l).values());
+  }
+}
+
+TEST_F(Layers, StreamToSendsTheSamePacketsInWholeOutputChunks) {
+  for (std::int32_t l = 0; l < mm.layer_count(); ++l) {
+    for (StreamKind kind : {StreamKind::weights, StreamKind::mask}) {
+      for (std::size_t chunk_packets :
+           {std::size_t{1}, std::size_t{9}, std::size_t{64}, kDefaultChunkPackets}) {
+        SCOPED_TRACE("layer " + std::to_string(l) + ", " + to_string(kind) + ", chunks of " +
+                     std::to_string(chunk_packets));
+        const WeightStream expected = encode_stream(mm.weights(l), kind, chunk_packets);
+        const WeightStream got = stream_through_channel(mm, l, kind, chunk_packets);
+        EXPECT_NO_THROW(got.validate());
+        expect_same_packets(all_packets(got), all_packets(expected));
+        ASSERT_EQ(got.chunks.size(), expected.chunks.size());
+        std::uint32_t next = 0;
+        for (std::size_t c = 0; c < got.chunks.size(); ++c) {
+          const StreamChunk& chunk = *got.chunks[c];
+          EXPECT_EQ(chunk.first_output, next);
+          EXPECT_EQ(chunk.first_output, expected.chunks[c]->first_output);
+          EXPECT_EQ(chunk.outputs, expected.chunks[c]->outputs);
+          next += chunk.outputs;
+          // Whole outputs: at most chunk_packets packets unless one output alone is larger.
+          if (chunk.outputs > 1) {
+            EXPECT_LE(chunk.packets.size() - (c + 1 == got.chunks.size() ? 1 : 0), chunk_packets);
+          }
+          if (kind == StreamKind::mask) {
+            for (const Packet& p : chunk.packets) EXPECT_EQ(p.value, 0.0F);
+          }
+        }
+        EXPECT_EQ(next, mm.weights(l).rows());
+        EXPECT_EQ(got.chunks.back()->packets.back().tag, kEndOfLayer);
+      }
+    }
+  }
+}
+
+TEST_F(Layers, StreamToDeliversErrorsThroughTheChannel) {
+  EXPECT_THROW(stream_through_channel(mm, 7, StreamKind::weights, 64), ShapeError);
+  EXPECT_THROW(stream_through_channel(mm, 0, StreamKind::gradient, 64), ShapeError);
+  EXPECT_THROW(stream_through_channel(mm, 0, StreamKind::weights, 0), ShapeError);
+}
+
+TEST_F(Layers, StreamToWithASmallChannelMeetsAConsumerThatKeepsUp) {
+  // Capacity 1 and one output per chunk: the producer can only ever be one chunk ahead.
+  const WeightStream got = stream_through_channel(mm, 0, StreamKind::weights, 1, 1);
+  EXPECT_EQ(got.chunks.size(), 41U);
+  expect_same_packets(all_packets(got), all_packets(mm.stream(0)));
+}
+
+}  // namespace
+}  // namespace sluice

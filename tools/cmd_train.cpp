@@ -1,0 +1,232 @@
+// `sluice train`: trains a sparse MLP with the layer-streaming executor on the digits
+// set, the built-in synthetic task or a CSV file, and reports accuracy and throughput.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "measure.hpp"
+#include "sluice/dataset.hpp"
+#include "sluice/error.hpp"
+#include "sluice/executor.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/json.hpp"
+#include "sluice/model_memory.hpp"
+
+namespace sluice::cli {
+namespace {
+
+struct TrainOptions {
+  std::string dataset = "auto";
+  std::string data;
+  std::string layers;
+  double sparsity = 0.9;
+  int engines = 1;
+  int epochs = 30;
+  std::int64_t batch = 32;
+  std::string optimizer = "adam";
+  double lr = 2e-3;
+  std::uint64_t seed = 1;
+  std::string checkpoint, resume;
+  bool json = false;
+  int threads = 0;
+  std::int64_t memory_budget = 0;
+  std::size_t prefetch = 4;
+};
+
+std::vector<std::int64_t> parse_layers(const std::string& text) {
+  std::vector<std::int64_t> sizes;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      std::size_t used = 0;
+      const long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      sizes.push_back(v);
+    } catch (const std::exception&) {
+      throw UsageError("--layers: '" + item + "' is not a positive integer");
+    }
+  }
+  if (sizes.size() < 2) throw UsageError("--layers needs at least two sizes, e.g. 64,512,10");
+  return sizes;
+}
+
+Dataset load_data(const TrainOptions& o, std::string& name) {
+  const std::optional<std::filesystem::path> given =
+      o.data.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.data);
+  if (o.dataset == "digits" || o.dataset == "auto") {
+    const auto path = find_digits_file(given);
+    if (path) {
+      name = "digits";
+      return load_digits(*path);
+    }
+    if (o.dataset == "digits") {
+      throw IoError(
+          "the digits file was not found: pass --data FILE or set SLUICE_DIGITS (looked in "
+          "~/.local/share/sluice, /usr/local/share/sluice, /usr/share/sluice and python3-sklearn's "
+          "sklearn/datasets/data/digits.csv.gz)");
+    }
+  }
+  if (o.dataset == "synthetic" || o.dataset == "auto") {
+    name = "synthetic";
+    return make_synthetic_dataset(4000, 64, 10, o.seed);
+  }
+  name = o.dataset;
+  return load_csv(o.dataset);
+}
+
+}  // namespace
+
+Command add_train_command(CLI::App& app) {
+  auto o = std::make_shared<TrainOptions>();
+  CLI::App* cmd = app.add_subcommand("train", "Train a sparse MLP by weight streaming");
+  cmd->add_option("--dataset", o->dataset,
+                  "digits, synthetic or a CSV file (last column the label); default: digits if "
+                  "its file is found, else synthetic");
+  cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
+  cmd->add_option("--layers", o->layers,
+                  "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");
+  cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")->check(CLI::Range(0.0, 0.999));
+  cmd->add_option("--engines", o->engines, "Engines in the fabric")->check(CLI::Range(1, 256));
+  cmd->add_option("--epochs", o->epochs, "Epochs")->check(CLI::Range(1, 100000));
+  cmd->add_option("--batch", o->batch, "Tokens per step")->check(CLI::Range(1, 1 << 24));
+  auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
+                        ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(CLI::PositiveNumber);
+  cmd->add_option("--seed", o->seed, "Seed for weights, data split and shuffles");
+  cmd->add_option("--checkpoint", o->checkpoint, "Save the model here at the end");
+  cmd->add_option("--resume", o->resume, "Start from this checkpoint");
+  cmd->add_option("--threads", o->threads, "Threads per engine (default: cores / engines)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--memory-budget", o->memory_budget,
+                  "Bytes the activations may take (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--prefetch", o->prefetch, "Stream chunks prefetched ahead of the engines")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
+
+  return [o, optimizer, lr] {
+    std::string dataset_name;
+    Dataset all = load_data(*o, dataset_name);
+    auto [train, test] = split_dataset(all, 0.2, o->seed);
+    standardize(train, test);
+    const std::vector<std::int64_t> sizes =
+        o->layers.empty() ? std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes}
+                          : parse_layers(o->layers);
+    if (sizes.front() != all.features.rows() || sizes.back() < all.classes) {
+      throw UsageError("--layers " + o->layers +
+                       " does not fit the data: " + std::to_string(all.features.rows()) +
+                       " features, " + std::to_string(all.classes) + " classes");
+    }
+    if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
+
+    HostModelMemory memory;
+    memory.seed = o->seed;
+    build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
+    OptimizerConfig config;
+    config.kind = parse_optimizer(o->optimizer);
+    config.learning_rate = o->lr;
+    if (config.kind == OptimizerKind::sgd) config.momentum = 0.9;
+    if (config.kind == OptimizerKind::adamw) config.weight_decay = 1e-4;
+    memory.set_optimizer(config);
+    if (!o->resume.empty()) {
+      memory.load(o->resume);
+      if (memory.weights(0).cols() != all.features.rows() ||
+          memory.weights(memory.layer_count() - 1).rows() < all.classes) {
+        throw FormatError("checkpoint " + o->resume + " holds a model that does not fit the data");
+      }
+      if (optimizer->count() > 0 || lr->count() > 0) memory.set_optimizer(config);
+    }
+
+    LocalFabricOptions fo;
+    fo.engines = o->engines;
+    fo.engine.threads = o->threads;
+    LocalFabric fabric(fo);
+    ExecutorOptions eo;
+    eo.prefetch_depth = o->prefetch;
+    eo.memory_budget_bytes = o->memory_budget;
+    LayerStreamingExecutor executor(memory, fabric, eo);
+
+    std::ostream& progress = o->json ? std::cerr : std::cout;
+    const std::int64_t n = train.samples();
+    std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::mt19937_64 rng(o->seed + 17);
+    DenseMatrix batch_x(train.features.rows(), std::min(o->batch, n));
+    std::int64_t steps = 0;
+    double final_loss = 0;
+    for (int epoch = 1; epoch <= o->epochs; ++epoch) {
+      std::shuffle(order.begin(), order.end(), rng);
+      const StepMetrics before = executor.totals();
+      double loss_sum = 0, correct = 0;
+      std::int64_t seen = 0;
+      for (std::int64_t begin = 0; begin + o->engines <= n; begin += o->batch) {
+        const std::int64_t size = std::min(o->batch, n - begin);
+        DenseMatrix& x =
+            size == batch_x.cols() ? batch_x : (batch_x = DenseMatrix(train.features.rows(), size));
+        Batch b;
+        for (std::int64_t t = 0; t < size; ++t) {
+          const std::int64_t s = order[static_cast<std::size_t>(begin + t)];
+          for (std::int64_t f = 0; f < x.rows(); ++f) x(f, t) = train.features(f, s);
+          b.labels.push_back(train.labels[static_cast<std::size_t>(s)]);
+        }
+        b.features = x.view();
+        const StepResult r = executor.train_step(b);
+        loss_sum += r.loss * static_cast<double>(size);
+        correct += r.accuracy * static_cast<double>(size);
+        seen += size;
+        ++steps;
+      }
+      StepMetrics epoch_metrics = executor.totals();
+      epoch_metrics.wall_seconds -= before.wall_seconds;
+      epoch_metrics.engine_busy_seconds -= before.engine_busy_seconds;
+      epoch_metrics.engine_thread_seconds -= before.engine_thread_seconds;
+      epoch_metrics.tokens -= before.tokens;
+      final_loss = loss_sum / static_cast<double>(seen);
+      char line[256];
+      std::snprintf(
+          line, sizeof line,
+          "epoch %3d  loss %.4f  train accuracy %.4f  %.0f tokens/s  engine busy %.1f%%\n", epoch,
+          final_loss, correct / static_cast<double>(seen), epoch_metrics.tokens_per_second(),
+          100 * epoch_metrics.engine_busy());
+      progress << line << std::flush;
+    }
+    const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}});
+    const StepMetrics& total = executor.totals();
+    if (!o->checkpoint.empty()) memory.save(o->checkpoint);
+
+    if (o->json) {
+      JsonWriter j(2);
+      j.begin_object();
+      j.field("dataset", dataset_name)
+          .field("test_accuracy", e.accuracy)
+          .field("test_loss", e.loss);
+      j.field("final_loss", final_loss).field("steps", steps).field("epochs", o->epochs);
+      j.field("engines", o->engines).field("sparsity", o->sparsity);
+      j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
+      j.field("train_seconds", total.wall_seconds);
+      j.field("stream_packets_per_s", total.packets_per_second());
+      j.field("stream_bytes_per_s", total.bytes_per_second());
+      j.field("stream_wait_seconds", total.stream_wait_seconds);
+      j.field("optimizer_seconds", total.optimizer_seconds);
+      j.field("peak_rss_bytes", peak_resident_bytes());
+      j.end_object();
+      std::cout << j.str() << "\n";
+    } else {
+      std::printf(
+          "test accuracy %.4f (loss %.4f) on %lld samples; %lld steps in %.2f s, "
+          "%.0f tokens/s, engine busy %.1f%%, optimizer %.2f s, stream wait %.2f s\n",
+          e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(steps),
+          total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy(),
+          total.optimizer_seconds, total.stream_wait_seconds);
+    }
+    return 0;
+  };
+}
+
+}  // namespace sluice::cli
