@@ -16,10 +16,14 @@
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "kernels/lane_kernels.hpp"
@@ -76,12 +80,41 @@ struct LaneLayout {
   }
 };
 
+/// Memory for a lane's resident tile: 2 MiB aligned and backed by huge pages where the
+/// kernel allows, because a lane reads its tile at random rows and 4 KiB pages would
+/// cost a TLB miss on most of those reads.
+class HugePageBuffer {
+ public:
+  HugePageBuffer() = default;
+  HugePageBuffer(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(const HugePageBuffer&) = delete;
+  ~HugePageBuffer() { std::free(data_); }
+
+  float* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  void reserve(std::size_t floats) {
+    if (floats <= size_) return;
+    constexpr std::size_t kHuge = 2 << 20;
+    const std::size_t bytes = (floats * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    ::madvise(p, bytes, MADV_HUGEPAGE);  // a hint: fine if refused
+    std::free(data_);
+    data_ = static_cast<float*>(p);
+    size_ = bytes / sizeof(float);
+  }
+
+ private:
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 /// A lane's resident copy of its rows of a matrix, one token tile wide.
 class ResidentTile {
  public:
   void resize(std::size_t rows, std::int64_t tile) {
     stride_ = static_cast<std::size_t>((tile + 15) / 16 * 16);
-    if (data_.size() < rows * stride_) data_.assign(rows * stride_, 0.0F);
+    data_.reserve(rows * stride_);
     rows_ = rows;
   }
   void load(const std::vector<std::uint32_t>& rows, const float* src, std::int64_t src_stride,
@@ -105,9 +138,17 @@ class ResidentTile {
   MutableTile mutable_tile() { return {data_.data(), static_cast<std::int64_t>(stride_)}; }
 
  private:
-  std::vector<float> data_;
+  HugePageBuffer data_;
   std::size_t rows_ = 0, stride_ = 16;
 };
+
+/// Packing a lane's rows pays when each row is read many times per pass; a very sparse
+/// layer reads most rows a few times, and copying them would cost more than it saves.
+/// Several lanes always pack: their packets carry indices into the packed rows.
+bool should_pack(std::int32_t lanes, const StreamHeader& header) {
+  constexpr std::uint64_t kReadsPerRow = 16;
+  return lanes > 1 || header.nnz >= kReadsPerRow * header.inputs;
+}
 
 /// Pulls every chunk from the source, checks it and routes it to the lanes (with several
 /// lanes, routed packets carry the row's index in its lane's resident buffer).
@@ -223,12 +264,12 @@ struct CpuEngine::Impl {
   tbb::task_arena arena;
   std::unique_ptr<PinningObserver> pinning;
 
-  // matrices: how many activation tiles a lane keeps resident at once (1 forward, 2 back).
-  Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes,
-                   int matrices) const {
+  // A lane keeps one activation tile resident per pass. Its budget is the whole L2:
+  // measured here, every pass over the stream costs more than the few tile rows that
+  // spill to L3 (each packet's work is fixed, so wider tiles amortise it).
+  Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes) const {
     Geometry g = options.geometry;
-    const std::int64_t budget =
-        std::max<std::int64_t>(16 << 10, l2_bytes / 2 / std::max(1, matrices));
+    const std::int64_t budget = std::max<std::int64_t>(16 << 10, l2_bytes);
     if (g.blocks <= 0) {
       // Split tokens first: no partial sums to reduce. Keep blocks at least 16 tokens wide.
       g.blocks = static_cast<std::int32_t>(std::clamp<std::int64_t>(
@@ -286,19 +327,19 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs,
     // or when even a 16-token tile of all inputs would not stay in L2: partial sums cost.
     const std::int64_t blocks = std::clamp<std::int64_t>((tokens + 15) / 16, 1, m.threads);
     lanes = static_cast<std::int32_t>(std::max<std::int64_t>(1, m.threads / blocks));
-    const std::int64_t budget = std::max<std::int64_t>(16 << 10, m.l2_bytes / 2);
+    const std::int64_t budget = std::max<std::int64_t>(16 << 10, m.l2_bytes);
     while (lanes < 256 && inputs / lanes * 16 * static_cast<std::int64_t>(sizeof(float)) > budget) {
       lanes *= 2;
     }
   }
-  return m.resolve(inputs, tokens, lanes, 1);
+  return m.resolve(inputs, tokens, lanes);
 }
 
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                              MutableMatrixView y, const Placement* next_placement) {
   Impl& m = *impl_;
   const std::int32_t P = placement.lanes;
-  const Geometry g = m.resolve(x.rows, x.cols, P, 1);
+  const Geometry g = m.resolve(x.rows, x.cols, P);
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
@@ -335,6 +376,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
     }
   };
 
+  const bool pack = should_pack(P, weights.header());
   std::vector<double> busy(static_cast<std::size_t>(P) * tiling.blocks, 0.0);
   m.arena.execute([&] {
     tbb::parallel_for(
@@ -344,11 +386,11 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
           const auto q = static_cast<std::int32_t>(task / P);
           const auto t_start = Clock::now();
           ResidentTile resident;
-          resident.resize(layout.rows[p].size(), tiling.tile);
+          if (pack) resident.resize(layout.rows[p].size(), tiling.tile);
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
-            resident.load(layout.rows[p], x.data, x.stride, t0, width);
-            const Tile x_tile = resident.tile();
+            if (pack) resident.load(layout.rows[p], x.data, x.stride, t0, width);
+            const Tile x_tile = pack ? resident.tile() : Tile{x.data + t0, x.stride};
             for (std::size_t c = 0; c < chunks.size(); ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               if (P == 1) {
@@ -379,7 +421,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const std::int32_t P = placement.lanes;
   const bool want_grad = x != nullptr;
   const std::int64_t inputs = weights.header().inputs;
-  const Geometry g = m.resolve(inputs, dy.cols, P, (dx != nullptr ? 1 : 0) + (want_grad ? 1 : 0));
+  const Geometry g = m.resolve(inputs, dy.cols, P);
   const TokenTiling tiling = make_tiling(dy.cols, g);
   const StreamHeader header = weights.header();
   const auto t_intake = Clock::now();
@@ -405,9 +447,12 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
       per_chunk[c].assign(chunks[c].chunk->packets.size(), 0.0F);
     }
   }
+  // Two passes over the stream, dX then dW, each keeping one matrix resident: a fused
+  // pass would have to keep X and dX in cache together, halving the tile and doubling
+  // the passes over the stream, which costs more than the second pass.
+  const bool pack = should_pack(P, header);
   std::vector<double> busy(static_cast<std::size_t>(P) * Q, 0.0);
-  m.arena.execute([&] {
-    if (dy.cols == 0) return;
+  auto lane_pass = [&](bool data_pass) {
     tbb::parallel_for(
         std::int64_t{0}, std::int64_t{P} * Q,
         [&](std::int64_t task) {
@@ -415,29 +460,44 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           const auto q = static_cast<std::int32_t>(task / P);
           const auto t_start = Clock::now();
           const auto& rows = layout.rows[p];
-          ResidentTile x_resident, dx_resident;
-          if (want_grad) x_resident.resize(rows.size(), tiling.tile);
-          if (dx != nullptr) dx_resident.resize(rows.size(), tiling.tile);
+          ResidentTile resident;
+          if (pack) resident.resize(rows.size(), tiling.tile);
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
-            if (want_grad) x_resident.load(rows, x->data, x->stride, t0, width);
-            if (dx != nullptr) dx_resident.zero(width);
+            if (data_pass && pack) {
+              resident.zero(width);
+            } else if (data_pass) {
+              for (std::int64_t r = 0; r < dx->rows; ++r) std::fill_n(dx->row(r) + t0, width, 0.0F);
+            } else if (pack) {
+              resident.load(rows, x->data, x->stride, t0, width);
+            }
+            const MutableTile dx_tile = pack ? resident.mutable_tile()
+                                             : MutableTile{dx != nullptr ? dx->data + t0 : nullptr,
+                                                           dx != nullptr ? dx->stride : 0};
+            const Tile x_tile =
+                pack ? resident.tile()
+                     : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
             for (std::size_t c = 0; c < chunks.size(); ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               const LaneRuns runs = chunks[c].runs(p);
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
-              if (dx != nullptr) {
-                m.kernels->backward_data(runs, dy_tile, dx_resident.mutable_tile(), width);
+              if (data_pass) {
+                m.kernels->backward_data(runs, dy_tile, dx_tile, width);
+              } else {
+                float* g_out = grads[q][c].data() + (P > 1 ? lane_offset(c, p) : 0);
+                m.kernels->backward_weight(runs, dy_tile, x_tile, g_out, width);
               }
-              if (!want_grad) continue;
-              float* g_out = grads[q][c].data() + (P > 1 ? lane_offset(c, p) : 0);
-              m.kernels->backward_weight(runs, dy_tile, x_resident.tile(), g_out, width);
             }
-            if (dx != nullptr) dx_resident.store(rows, dx->data, dx->stride, t0, width);
+            if (data_pass && pack) resident.store(rows, dx->data, dx->stride, t0, width);
           }
-          busy[task] = seconds_since(t_start);
+          busy[task] += seconds_since(t_start);
         },
         tbb::simple_partitioner());
+  };
+  m.arena.execute([&] {
+    if (dy.cols == 0) return;
+    if (dx != nullptr) lane_pass(true);
+    if (want_grad) lane_pass(false);
   });
   for (double b : busy) counters_.busy_seconds += b;
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <string>
@@ -77,7 +78,11 @@ std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t 
 std::string describe_packet(const Packet& p) {
   if (p.tag == kCarriageReturn) return "a carriage return";
   if (p.tag == kEndOfLayer) return "end-of-layer";
-  if (is_control(p)) return "control packet 0x" + std::to_string(p.tag);
+  if (is_control(p)) {
+    char hex[16];
+    std::snprintf(hex, sizeof hex, "0x%08X", p.tag);
+    return std::string("unknown control packet ") + hex;
+  }
   return "tag " + std::to_string(p.tag);
 }
 
@@ -113,8 +118,7 @@ ChunkScan scan_gradient_chunk(std::int32_t layer, const CsrMatrix& mask, const S
         const std::string found =
             pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos]);
         return fail("output " + std::to_string(o) + ", position " + std::to_string(k - begin) +
-                    ": found " + found + " where the mask has input " +
-                    std::to_string(indices[k]));
+                    ": found " + found + " where the mask has input " + std::to_string(indices[k]));
       }
       const float g = packets[pos++].value;
       gradient[k] = g;

@@ -109,35 +109,72 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
   }
 }
 
+/// Horizontal sums of eight vectors at once: [sum(v0), ..., sum(v7)]. Reducing eight
+/// together costs about a third of reducing each alone, and the weight gradient needs
+/// one reduction per non-zero per tile.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/// Collects per-weight partial dot products and adds their sums to the gradient eight
+/// at a time.
+class GradientBatch {
+ public:
+  explicit GradientBatch(float* grad) : grad_(grad) {}
+  void add(std::uint32_t k, __m512 partial) {
+    pending_[n_] = _mm256_add_ps(_mm512_castps512_ps256(partial),
+                                 _mm512_extractf32x8_ps(partial, 1));
+    target_[n_++] = k;
+    if (n_ == 8) flush();
+  }
+  void flush() {
+    if (n_ == 0) return;
+    for (int j = n_; j < 8; ++j) pending_[j] = _mm256_setzero_ps();
+    const __m256 sums = hsum8(pending_);
+    if (n_ == 8 && target_[7] == target_[0] + 7) {  // the usual case: eight in a row
+      float* g = grad_ + target_[0];
+      _mm256_storeu_ps(g, _mm256_add_ps(_mm256_loadu_ps(g), sums));
+    } else {
+      alignas(32) float each[8];
+      _mm256_store_ps(each, sums);
+      for (int j = 0; j < n_; ++j) grad_[target_[j]] += each[j];
+    }
+    n_ = 0;
+  }
+
+ private:
+  float* grad_;
+  __m256 pending_[8];
+  std::uint32_t target_[8];
+  int n_ = 0;
+};
+
 template <int NV>
 void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
                            std::int64_t xs, float* grad, __mmask16 tail) {
   const Packet* p = L.packets;
+  GradientBatch batch(grad);
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
     __m512 dv[NV];
     for (int v = 0; v < NV; ++v) dv[v] = load<NV>(d, v, tail);
-    std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    for (; k + 2 <= e; k += 2) {
-      const float* x0 = row_of(x, p[k].tag, xs);
-      const float* x1 = row_of(x, p[k + 1].tag, xs);
-      __m512 a = _mm512_mul_ps(dv[0], load<NV>(x0, 0, tail));
-      __m512 b = _mm512_mul_ps(dv[0], load<NV>(x1, 0, tail));
-      for (int v = 1; v < NV; ++v) {
-        a = _mm512_fmadd_ps(dv[v], load<NV>(x0, v, tail), a);
-        b = _mm512_fmadd_ps(dv[v], load<NV>(x1, v, tail), b);
+    for (std::uint32_t k = L.begin[r]; k < e; ++k) {
+      if (k + kPrefetch < e) {
+        const float* n0 = row_of(x, p[k + kPrefetch].tag, xs);
+        for (int v = 0; v < NV; v += 4) {
+          _mm_prefetch(reinterpret_cast<const char*>(n0 + 16 * v), _MM_HINT_T0);
+        }
       }
-      grad[k] += _mm512_reduce_add_ps(a);
-      grad[k + 1] += _mm512_reduce_add_ps(b);
-    }
-    if (k < e) {
       const float* x0 = row_of(x, p[k].tag, xs);
       __m512 a = _mm512_mul_ps(dv[0], load<NV>(x0, 0, tail));
       for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV>(x0, v, tail), a);
-      grad[k] += _mm512_reduce_add_ps(a);
+      batch.add(k, a);
     }
   }
+  batch.flush();
 }
 
 // Dispatch a tile of any width to groups of at most 64 tokens.
