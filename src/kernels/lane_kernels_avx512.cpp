@@ -90,6 +90,12 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
     const std::uint32_t e = L.end[r];
     // Indices are unique within an output, so the two rows never alias.
     for (; k + 2 <= e; k += 2) {
+      if (k + kPrefetch + 2 <= e) {
+        for (std::uint32_t j = 0; j < 2; ++j) {
+          const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch + j].tag) * dxs;
+          for (int v = 0; v < NV; v += 4) __builtin_prefetch(next + 16 * v, 1, 3);
+        }
+      }
       float* o0 = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
       float* o1 = dx + static_cast<std::int64_t>(p[k + 1].tag) * dxs;
       const __m512 w0 = _mm512_set1_ps(p[k].value);
@@ -124,8 +130,8 @@ class GradientBatch {
  public:
   explicit GradientBatch(float* grad) : grad_(grad) {}
   void add(std::uint32_t k, __m512 partial) {
-    pending_[n_] = _mm256_add_ps(_mm512_castps512_ps256(partial),
-                                 _mm512_extractf32x8_ps(partial, 1));
+    pending_[n_] =
+        _mm256_add_ps(_mm512_castps512_ps256(partial), _mm512_extractf32x8_ps(partial, 1));
     target_[n_++] = k;
     if (n_ == 8) flush();
   }
