@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "output_files.hpp"
 #include "sluice/cost_model.hpp"
 #include "sluice/error.hpp"
 #include "sluice/json.hpp"
@@ -207,30 +208,6 @@ std::string to_json(const Prediction& p) {
 
 // ---- files and plots ---------------------------------------------------------------
 
-/// Writes `content` to `path` through a temporary file and a rename, so a reader never
-/// sees a partial file.
-void write_atomically(const fs::path& path, const std::string& content) {
-  const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
-    if (!file) throw IoError("cannot create " + tmp.string() + ": " + std::strerror(errno));
-    file << content;
-    file.close();
-    if (!file) {
-      std::error_code ignored;
-      fs::remove(tmp, ignored);
-      throw IoError("cannot write " + tmp.string());
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    throw IoError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
-  }
-}
-
 std::string curve_column(const AccelerationCurve& c) {
   return "d" + std::to_string(c.d_model) + "_" + std::to_string(c.engines) + "engine";
 }
@@ -281,47 +258,16 @@ std::string scaling_csv(const Prediction& p) {
   return csv.str();
 }
 
-bool on_path(const std::string& program) {
-  const char* path = std::getenv("PATH");
-  if (!path) return false;
-  std::stringstream dirs(path);
-  std::string dir;
-  while (std::getline(dirs, dir, ':')) {
-    if (dir.empty()) dir = ".";
-    const fs::path candidate = fs::path(dir) / program;
-    std::error_code ec;
-    if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0) return true;
-  }
-  return false;
-}
-
-std::string shell_quote(const std::string& text) {
-  std::string out = "'";
-  for (const char c : text) out += (c == '\'') ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-// gnuplot single-quoted strings escape a quote by doubling it.
-std::string gnuplot_quote(const std::string& text) {
-  std::string out = "'";
-  for (const char c : text) out += (c == '\'') ? std::string("''") : std::string(1, c);
-  return out + "'";
-}
-
 /// Runs gnuplot on the CSVs; PNGs appear only when gnuplot succeeded (tmp + rename).
 void plot(const Prediction& p, const fs::path& dir, std::size_t curves_per_panel) {
-  const std::string pid = std::to_string(::getpid());
-  struct Output {
-    fs::path final_path, tmp_path;
-  };
-  std::vector<Output> outputs;
+  std::vector<PlotFile> outputs;
   std::ostringstream gp;
   gp << "set datafile separator ','\n"
      << "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 1400,560 } "
         "else { set terminal png size 1400,560 }\n"
      << "set termoption noenhanced\nset logscale xy\nset grid\nset key top left\n";
   {
-    const Output o{dir / "acceleration.png", dir / ("acceleration.png.tmp." + pid)};
+    const PlotFile o = plot_file(dir, "acceleration.png");
     outputs.push_back(o);
     const std::string csv = gnuplot_quote((dir / "acceleration.csv").string());
     const std::size_t first = 3, split = first + curves_per_panel;
@@ -340,7 +286,7 @@ void plot(const Prediction& p, const fs::path& dir, std::size_t curves_per_panel
        << "unset multiplot\nset output\n";
   }
   if (!p.scaling.empty()) {
-    const Output o{dir / "scaling.png", dir / ("scaling.png.tmp." + pid)};
+    const PlotFile o = plot_file(dir, "scaling.png");
     outputs.push_back(o);
     const std::string csv = gnuplot_quote((dir / "scaling.csv").string());
     gp << "set output " << gnuplot_quote(o.tmp_path.string()) << "\n"
@@ -351,33 +297,11 @@ void plot(const Prediction& p, const fs::path& dir, std::size_t curves_per_panel
        << 1 + p.scaling.size() << "] " << csv
        << " using 1:i with linespoints title columnheader(i)\nset output\n";
   }
-  const fs::path script = dir / ("predict.gp.tmp." + pid);
-  write_atomically(script, gp.str());
-  const std::string command = "gnuplot " + shell_quote(script.string()) + " 1>&2";
-  const int status = std::system(command.c_str());
-  std::error_code ignored;
-  fs::remove(script, ignored);
-  for (const auto& o : outputs) {
-    if (status == 0 && fs::exists(o.tmp_path, ignored)) {
-      std::error_code ec;
-      fs::rename(o.tmp_path, o.final_path, ec);
-      if (ec)
-        std::cerr << "sluice predict: cannot rename " << o.tmp_path << ": " << ec.message() << "\n";
-    } else {
-      fs::remove(o.tmp_path, ignored);
-    }
-  }
-  if (status != 0)
-    std::cerr << "sluice predict: gnuplot failed (status " << status
-              << "); the CSV files are written, the plots are not\n";
+  run_gnuplot(gp.str(), dir, outputs, "sluice predict");
 }
 
 void write_outputs(const Prediction& p, const fs::path& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir))
-    throw IoError("cannot create output directory " + dir.string() +
-                  (ec ? ": " + ec.message() : std::string(": not a directory")));
+  create_output_directory(dir);
   std::vector<std::size_t> order;
   write_atomically(dir / "acceleration.csv", acceleration_csv(p, order));
   write_atomically(dir / "saturation.csv", saturation_csv(p));

@@ -16,6 +16,9 @@
 #include "sluice/fabric.hpp"
 #include "sluice/json.hpp"
 #include "sluice/model_memory.hpp"
+#ifdef SLUICE_HAVE_MPI
+#include "sluice/mpi_fabric.hpp"
+#endif
 
 namespace sluice::cli {
 namespace {
@@ -36,7 +39,24 @@ struct TrainOptions {
   int threads = 0;
   std::int64_t memory_budget = 0;
   std::size_t prefetch = 4;
+  std::string fabric = "local";
 };
+
+#ifdef SLUICE_HAVE_MPI
+/// MPI for `--fabric mpi`: initialised for the command's lifetime.
+struct MpiSession {
+  MpiSession() {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+  }
+  ~MpiSession() { MPI_Finalize(); }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+  int rank = 0, size = 1;
+};
+#endif
 
 std::vector<std::int64_t> parse_layers(const std::string& text) {
   std::vector<std::int64_t> sizes;
@@ -108,9 +128,43 @@ Command add_train_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--prefetch", o->prefetch, "Stream chunks prefetched ahead of the engines")
       ->check(CLI::Range(1, 1024));
+  cmd->add_option("--fabric", o->fabric,
+                  "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
+                  "drives and every other rank is one engine")
+      ->check(CLI::IsMember({"local", "mpi"}));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
 
   return [o, optimizer, lr] {
+#ifdef SLUICE_HAVE_MPI
+    // The fabric comes first: with MPI, the engine ranks serve it until rank 0 is done,
+    // and rank 0's fabric stops them even when rank 0 fails (its destructor says stop).
+    std::unique_ptr<MpiSession> mpi;  // declared first: MPI_Finalize comes last
+    std::unique_ptr<Fabric> fabric_owner;
+    if (o->fabric == "mpi") {
+      mpi = std::make_unique<MpiSession>();
+      if (mpi->size < 2) {
+        throw UsageError(
+            "--fabric mpi needs at least 2 ranks (rank 0 drives, the others are "
+            "engines): run it as mpirun -np N sluice train --fabric mpi ...");
+      }
+      MpiFabricOptions mo;
+      mo.engine.threads = o->threads;
+      auto mpi_fabric = std::make_unique<MpiFabric>(mo);
+      if (!mpi_fabric->is_driver()) {
+        mpi_fabric->serve();
+        return 0;
+      }
+      o->engines = mpi_fabric->engine_count();
+      fabric_owner = std::move(mpi_fabric);
+    }
+#else
+    std::unique_ptr<Fabric> fabric_owner;
+    if (o->fabric == "mpi") {
+      throw UsageError(
+          "--fabric mpi: sluice was built without MPI (configure with "
+          "-DSLUICE_WITH_MPI=ON and an MPI such as Open MPI installed)");
+    }
+#endif
     std::string dataset_name;
     Dataset all = load_data(*o, dataset_name);
     auto [train, test] = split_dataset(all, 0.2, o->seed);
@@ -143,10 +197,13 @@ Command add_train_command(CLI::App& app) {
       if (optimizer->count() > 0 || lr->count() > 0) memory.set_optimizer(config);
     }
 
-    LocalFabricOptions fo;
-    fo.engines = o->engines;
-    fo.engine.threads = o->threads;
-    LocalFabric fabric(fo);
+    if (!fabric_owner) {
+      LocalFabricOptions fo;
+      fo.engines = o->engines;
+      fo.engine.threads = o->threads;
+      fabric_owner = std::make_unique<LocalFabric>(fo);
+    }
+    Fabric& fabric = *fabric_owner;
     ExecutorOptions eo;
     eo.prefetch_depth = o->prefetch;
     eo.memory_budget_bytes = o->memory_budget;

@@ -20,5 +20,6 @@ using Command = std::function<int()>;
 Command add_spmm_command(CLI::App& app);
 Command add_predict_command(CLI::App& app);
 Command add_train_command(CLI::App& app);
+Command add_sweep_command(CLI::App& app);
 
 }  // namespace sluice::cli

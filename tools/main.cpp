@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   add(add_spmm_command);
   add(add_predict_command);
   add(add_train_command);
+  add(add_sweep_command);
 
   try {
     app.parse(argc, argv);

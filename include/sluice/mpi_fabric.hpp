@@ -1,0 +1,93 @@
+#pragma once
+// The distributed fabric over MPI. Rank 0 of the communicator hosts ModelMemory and the
+// executor; ranks 1..N-1 host one CpuEngine each (engine k lives on rank k + 1) and run
+// serve() until rank 0 stops them.
+//
+// Every fabric operation starts with a small command broadcast from rank 0. Then rank 0
+// scatters each engine's token slice of X (and of dY in backward) and its placement, and
+// broadcasts the weight stream in frames of whole chunks (one MPI_Ibcast per frame over
+// the chunks' own buffers, several frames in flight). Engine ranks receive on their main
+// thread and feed their engine (on a worker thread) through a bounded channel, so transfer
+// and compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv, each
+// engine's gradient stream point to point. Rank 0 checks every gradient packet's tag
+// against the stream it sent and sums the values in reduce_gradients' fixed pairwise tree
+// order (bias gradients too), so N - 1 MPI engines compute bit for bit what a LocalFabric
+// of N - 1 engines with the same engine options computes, and every run the same.
+//
+// A failure in the middle of an operation cannot be reported to the other ranks without
+// leaving them blocked in a collective, so it prints "sluice[rank r]: <what>" to stderr
+// and calls MPI_Abort (see abort_all_ranks).
+#include <mpi.h>
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+
+#include "sluice/engine.hpp"
+#include "sluice/fabric.hpp"
+
+namespace sluice {
+
+struct MpiFabricOptions {
+  /// All ranks of this communicator take part: rank 0 drives, the others are engines.
+  MPI_Comm comm = MPI_COMM_WORLD;
+  /// Options of every engine (taken from rank 0); threads 0 = the cores of the engine's
+  /// node divided by the number of ranks on that node.
+  EngineOptions engine;
+  /// Stream frames (Ibcasts) rank 0 keeps in flight.
+  std::size_t window = 4;
+  /// Chunks are grouped into frames of about this many bytes (at most 64 chunks), one
+  /// Ibcast each: fewer, larger messages than one per chunk.
+  std::size_t frame_bytes = std::size_t{4} << 20;
+};
+
+/// Collective over options.comm: every rank constructs one, with the same options.
+/// Needs MPI initialised with at least MPI_THREAD_FUNNELED on engine ranks and
+/// MPI_THREAD_SERIALIZED on rank 0 (the executor may call from another thread), and at
+/// least two ranks (ShapeError otherwise).
+class MpiFabric final : public Fabric {
+ public:
+  explicit MpiFabric(MpiFabricOptions options = {});
+  /// On rank 0: stops the engine ranks (as stop() does) if that was not done yet.
+  ~MpiFabric() override;
+  MpiFabric(const MpiFabric&) = delete;
+  MpiFabric& operator=(const MpiFabric&) = delete;
+
+  int rank() const;
+  bool is_driver() const { return rank() == 0; }
+
+  /// Engine ranks: runs the engine until rank 0 calls stop(). Errors abort every rank.
+  void serve();
+  /// Rank 0: tells the engine ranks to return from serve(). Idempotent.
+  void stop();
+
+  /// Rank 0, for benchmarks and link checks: broadcasts `stream` to every engine rank as
+  /// forward() does, but the ranks take it in without an engine. With `echo`, each rank
+  /// returns the stream's values as its gradient and rank 0 sums them as backward() does
+  /// (weights only); without, the result is empty.
+  ReducedGradient probe(StreamSource& stream, bool echo);
+
+ protected:
+  std::int32_t engine_count_impl() const override;
+  Engine& engine_impl(std::int32_t k) override;
+  void forward_impl(StreamSource& weights, std::span<const Placement* const> placements,
+                    std::span<const ConstMatrixView> xs,
+                    std::span<const MutableMatrixView> ys) override;
+  ReducedGradient backward_impl(StreamSource& weights, std::span<const Placement* const> placements,
+                                std::span<const ConstMatrixView> xs,
+                                std::span<const ConstMatrixView> dys,
+                                std::span<MutableMatrixView* const> dxs, bool with_bias) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Prints "sluice[rank r]: <what>" to stderr and ends every rank of MPI_COMM_WORLD with
+/// MPI_Abort(MPI_COMM_WORLD, 1). For a rank's top-level catch, so no rank hangs waiting
+/// for one that has failed.
+[[noreturn]] void abort_all_ranks(const char* what);
+[[noreturn]] void abort_all_ranks(const std::exception& error);
+
+}  // namespace sluice

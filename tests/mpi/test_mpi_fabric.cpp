@@ -1,0 +1,292 @@
+// The MPI fabric against the in-process LocalFabric with the same number of engines (and
+// the same engine options): training, gradients and inference must agree. Rank 0 runs the
+// tests and the LocalFabric reference; the other ranks serve their engines. Run under
+// mpirun with 2 or more ranks. With --inject-corrupt-stream, rank 0 sends the engines a
+// corrupt stream instead: every rank must then end with "sluice[rank r]: ..." (not hang).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sluice/error.hpp"
+#include "sluice/executor.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/model_memory.hpp"
+#include "sluice/mpi_fabric.hpp"
+
+namespace sluice {
+namespace {
+
+MpiFabric* g_fabric = nullptr;
+constexpr std::int32_t kThreads = 1;  // per engine, both fabrics: the same lane geometry
+
+LocalFabric make_local(std::int32_t engines) {
+  LocalFabricOptions o;
+  o.engines = engines;
+  o.engine.threads = kThreads;
+  return LocalFabric(o);
+}
+
+void build(HostModelMemory& memory, const std::vector<std::int64_t>& sizes, OptimizerKind kind) {
+  for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
+    CsrMatrix w = CsrMatrix::random(sizes[l + 1], sizes[l], 0.6, 42 + l);
+    w.fill_values(7 + l, 0.5F);
+    // Non-zero biases, so the bias path matters from the first step.
+    std::vector<float> bias(static_cast<std::size_t>(sizes[l + 1]));
+    for (std::size_t o = 0; o < bias.size(); ++o)
+      bias[o] = 0.01F * static_cast<float>(o % 7) - 0.02F;
+    memory.add_layer(std::move(w), std::move(bias));
+  }
+  OptimizerConfig config;
+  config.kind = kind;
+  config.learning_rate = 1e-2;
+  if (kind == OptimizerKind::sgd) config.momentum = 0.9;
+  memory.set_optimizer(config);
+}
+
+struct Data {
+  DenseMatrix x, targets;
+  std::vector<int> labels;
+};
+
+Data make_data(std::int64_t inputs, std::int64_t outputs, std::int64_t tokens, std::uint64_t seed) {
+  Data d{DenseMatrix(inputs, tokens), DenseMatrix(outputs, tokens), {}};
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t i = 0; i < inputs; ++i) d.x(i, t) = normal(rng);
+    for (std::int64_t o = 0; o < outputs; ++o) d.targets(o, t) = normal(rng);
+    d.labels.push_back(static_cast<int>(rng() % static_cast<std::uint64_t>(outputs)));
+  }
+  return d;
+}
+
+// Relative closeness 1e-5 (the contract), and bitwise equality (what the fabric's fixed
+// reduction tree gives with the same engines): both are checked.
+void expect_same(const std::vector<float>& a, const std::vector<float>& b,
+                 const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ASSERT_NEAR(a[i], b[i], 1e-5 * std::max(1.0F, std::fabs(b[i]))) << what << " at " << i;
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) ++differ;
+  }
+  EXPECT_EQ(differ, 0U) << what << ": values differ in the last bits";
+}
+
+void expect_same_models(const HostModelMemory& a, const HostModelMemory& b) {
+  ASSERT_EQ(a.layer_count(), b.layer_count());
+  for (std::int32_t l = 0; l < a.layer_count(); ++l) {
+    expect_same(a.weights(l).values(), b.weights(l).values(),
+                "weights of layer " + std::to_string(l));
+    expect_same(a.bias(l), b.bias(l), "bias of layer " + std::to_string(l));
+  }
+}
+
+TEST(MpiFabric, CountsEnginesAndRefusesToServeOnRankZero) {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  EXPECT_EQ(g_fabric->engine_count(), size - 1);
+  EXPECT_TRUE(g_fabric->is_driver());
+  EXPECT_EQ(g_fabric->engine(0).threads(), kThreads);
+  EXPECT_THROW(g_fabric->serve(), ShapeError);
+  EXPECT_THROW(g_fabric->engine(size - 1), ShapeError);
+}
+
+TEST(MpiFabric, TrainingMatchesLocalFabric) {
+  const std::vector<std::int64_t> sizes = {13, 17, 11, 5};
+  const std::int32_t engines = g_fabric->engine_count();
+  HostModelMemory remote, local;
+  build(remote, sizes, OptimizerKind::adam);
+  build(local, sizes, OptimizerKind::adam);
+  LocalFabric local_fabric = make_local(engines);
+  ExecutorOptions eo;
+  eo.chunk_packets = 7;  // many small chunks: the broadcast pipeline really pipelines
+  eo.prefetch_depth = 2;
+  LayerStreamingExecutor on_mpi(remote, *g_fabric, eo);
+  LayerStreamingExecutor on_local(local, local_fabric, eo);
+  for (int step = 0; step < 6; ++step) {
+    const std::int64_t tokens = 23 + step;  // odd batches: uneven token slices
+    Data d = make_data(sizes.front(), sizes.back(), tokens, 100 + static_cast<std::uint64_t>(step));
+    const Batch batch{d.x.view(), d.labels, {}};
+    const StepResult a = on_mpi.train_step(batch);
+    const StepResult b = on_local.train_step(batch);
+    ASSERT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << "step " << step;
+    EXPECT_EQ(a.loss, b.loss) << "step " << step;
+    EXPECT_EQ(a.accuracy, b.accuracy);
+    EXPECT_GT(a.metrics.stream_packets, 0U);
+  }
+  expect_same_models(remote, local);
+  EXPECT_GT(on_mpi.totals().engine_busy_seconds, 0.0);  // the engine ranks' counters came back
+}
+
+TEST(MpiFabric, GradientsMatchLocalFabricWithGeluAndMse) {
+  const std::vector<std::int64_t> sizes = {9, 31, 4};
+  const std::int32_t engines = g_fabric->engine_count();
+  HostModelMemory remote, local;
+  build(remote, sizes, OptimizerKind::sgd);
+  build(local, sizes, OptimizerKind::sgd);
+  LocalFabric local_fabric = make_local(engines);
+  ExecutorOptions eo;
+  eo.loss = Loss::mse;
+  eo.activations = {Activation::gelu, Activation::none};
+  LayerStreamingExecutor on_mpi(remote, *g_fabric, eo);
+  LayerStreamingExecutor on_local(local, local_fabric, eo);
+  Data d = make_data(sizes.front(), sizes.back(), 37, 7);
+  Batch batch{d.x.view(), {}, ConstMatrixView(d.targets.view())};
+  double la = 0, lb = 0;
+  const auto ga = on_mpi.gradients(batch, &la);
+  const auto gb = on_local.gradients(batch, &lb);
+  EXPECT_EQ(la, lb);
+  ASSERT_EQ(ga.size(), gb.size());
+  for (std::size_t l = 0; l < ga.size(); ++l) {
+    EXPECT_EQ(ga[l].weights.col_indices(), gb[l].weights.col_indices());
+    expect_same(ga[l].weights.values(), gb[l].weights.values(), "gradient " + std::to_string(l));
+    expect_same(ga[l].bias, gb[l].bias, "bias gradient " + std::to_string(l));
+  }
+}
+
+TEST(MpiFabric, InferenceAndEvaluationMatchLocalFabric) {
+  const std::vector<std::int64_t> sizes = {6, 40, 40, 3};
+  const std::int32_t engines = g_fabric->engine_count();
+  HostModelMemory remote, local;
+  build(remote, sizes, OptimizerKind::adam);
+  build(local, sizes, OptimizerKind::adam);
+  LocalFabric local_fabric = make_local(engines);
+  LayerStreamingExecutor on_mpi(remote, *g_fabric);
+  LayerStreamingExecutor on_local(local, local_fabric);
+  Data d = make_data(sizes.front(), sizes.back(), 50, 3);
+  const DenseMatrix ya = on_mpi.infer(d.x.view());
+  const DenseMatrix yb = on_local.infer(d.x.view());
+  for (std::int64_t o = 0; o < ya.rows(); ++o) {
+    for (std::int64_t t = 0; t < ya.cols(); ++t) EXPECT_EQ(ya(o, t), yb(o, t));
+  }
+  const Evaluation ea = on_mpi.evaluate({d.x.view(), d.labels, {}}, 16);
+  const Evaluation eb = on_local.evaluate({d.x.view(), d.labels, {}}, 16);
+  EXPECT_EQ(ea.loss, eb.loss);
+  EXPECT_EQ(ea.accuracy, eb.accuracy);
+}
+
+TEST(MpiFabric, BadShapesAreRefusedBeforeAnythingIsSentAndTheFabricStaysUsable) {
+  const std::int32_t engines = g_fabric->engine_count();
+  CsrMatrix w = CsrMatrix::random(4, 6, 0.5, 1);
+  w.fill_values(2, 1.0F);
+  const WeightStream stream = encode_stream(w);
+  const Placement placement = round_robin_placement(w, 1);
+  std::vector<DenseMatrix> x, y;
+  std::vector<const Placement*> ps;
+  std::vector<ConstMatrixView> xs;
+  std::vector<MutableMatrixView> ys;
+  for (std::int32_t k = 0; k < engines; ++k) {
+    x.emplace_back(6, 3);
+    x.back().fill(1.0F);
+    y.emplace_back(5, 3);  // one row too many
+  }
+  for (std::int32_t k = 0; k < engines; ++k) {
+    ps.push_back(&placement);
+    xs.push_back(x[static_cast<std::size_t>(k)].view());
+    ys.push_back(y[static_cast<std::size_t>(k)].view());
+  }
+  MemoryStreamSource bad(stream);
+  EXPECT_THROW(g_fabric->forward(bad, ps, xs, ys), ShapeError);
+  // Right shapes now: Y = W X with X all ones is W's row sums.
+  for (std::int32_t k = 0; k < engines; ++k) {
+    y[static_cast<std::size_t>(k)] = DenseMatrix(4, 3);
+    ys[static_cast<std::size_t>(k)] = y[static_cast<std::size_t>(k)].view();
+  }
+  MemoryStreamSource good(stream);
+  g_fabric->forward(good, ps, xs, ys);
+  for (std::int32_t k = 0; k < engines; ++k) {
+    for (std::int64_t o = 0; o < 4; ++o) {
+      double sum = 0;
+      for (std::int64_t j = w.row_offsets()[o]; j < w.row_offsets()[o + 1]; ++j) {
+        sum += w.values()[static_cast<std::size_t>(j)];
+      }
+      for (std::int64_t t = 0; t < 3; ++t) {
+        EXPECT_NEAR(y[static_cast<std::size_t>(k)](o, t), sum, 1e-5);
+      }
+    }
+  }
+}
+
+TEST(MpiFabric, ProbeEchoSumsEveryEnginesCopyOfTheStream) {
+  const std::int32_t engines = g_fabric->engine_count();
+  CsrMatrix w = CsrMatrix::random(37, 29, 0.7, 5);
+  w.fill_values(6, 1.0F);
+  const WeightStream stream = encode_stream(w, StreamKind::weights, 5);  // many chunks
+  MemoryStreamSource sink_source(stream);
+  EXPECT_EQ(g_fabric->probe(sink_source, false).weights.chunks.size(), 0U);
+  MemoryStreamSource echo_source(stream);
+  const ReducedGradient sum = g_fabric->probe(echo_source, true);
+  EXPECT_EQ(sum.weights.header.kind, StreamKind::gradient);
+  WeightStream as_weights = sum.weights;
+  as_weights.header.kind = StreamKind::weights;
+  const CsrMatrix decoded = decode_stream(as_weights);
+  EXPECT_EQ(decoded.col_indices(), w.col_indices());
+  for (std::size_t j = 0; j < w.values().size(); ++j) {
+    float expected = w.values()[j];
+    for (std::int32_t k = 1; k < engines; ++k) expected += w.values()[j];  // exact: small n
+    EXPECT_NEAR(decoded.values()[j], expected, 1e-6F * std::fabs(expected));
+  }
+}
+
+// Rank 0 streams a weight with an input index out of range: the engine ranks' validation
+// throws inside serve(), which must end every rank.
+void send_corrupt_stream() {
+  const std::int32_t engines = g_fabric->engine_count();
+  CsrMatrix w = CsrMatrix::random(4, 6, 0.5, 1);
+  WeightStream stream = encode_stream(w);
+  auto chunk = std::make_shared<StreamChunk>(*stream.chunks.front());
+  chunk->packets.front().tag = 1000;  // inputs are 6
+  stream.chunks.front() = chunk;
+  const Placement placement = round_robin_placement(w, 1);
+  DenseMatrix x(6, 2), y(4, 2);
+  std::vector<const Placement*> ps(static_cast<std::size_t>(engines), &placement);
+  std::vector<ConstMatrixView> xs(static_cast<std::size_t>(engines), x.view());
+  std::vector<MutableMatrixView> ys(static_cast<std::size_t>(engines), y.view());
+  MemoryStreamSource source(stream);
+  g_fabric->forward(source, ps, xs, ys);
+}
+
+}  // namespace
+}  // namespace sluice
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  bool inject = false;
+  for (int i = 1; i < argc; ++i)
+    inject = inject || std::string(argv[i]) == "--inject-corrupt-stream";
+  int result = 0;
+  try {
+    sluice::MpiFabricOptions options;
+    options.engine.threads = sluice::kThreads;
+    options.window = 3;
+    sluice::MpiFabric fabric(options);
+    if (rank == 0) {
+      sluice::g_fabric = &fabric;
+      if (inject) {
+        sluice::send_corrupt_stream();
+        std::fprintf(stderr, "rank 0: the corrupt stream was not refused\n");
+        result = 3;
+      } else {
+        ::testing::InitGoogleTest(&argc, argv);
+        result = RUN_ALL_TESTS();
+      }
+      fabric.stop();
+    } else {
+      fabric.serve();
+    }
+  } catch (const std::exception& e) {
+    sluice::abort_all_ranks(e);
+  }
+  MPI_Bcast(&result, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return result;
+}

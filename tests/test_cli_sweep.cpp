@@ -1,0 +1,177 @@
+// `sluice sweep` end to end on the real binary: a tiny sweep writes whole CSV and JSON
+// files with one row per sparsity, bad arguments exit 2, an unwritable --out exits 1 and
+// leaves no partial file behind.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Outcome {
+  int exit_code = -1;  // -1: killed by a signal
+  std::string output;
+};
+
+/// Runs the CLI; `merge_stderr` false keeps only stdout (stderr is discarded).
+Outcome run(const std::string& args, bool merge_stderr = true) {
+  const std::string command = "timeout 120 " + std::string(SLUICE_CLI_PATH) + " " + args +
+                              (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  Outcome out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe) != nullptr) out.output += buf.data();
+  const int status = pclose(pipe);
+  out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, separator)) parts.push_back(part);
+  return parts;
+}
+
+std::size_t count(const std::string& text, const std::string& word) {
+  std::size_t n = 0;
+  for (auto at = text.find(word); at != std::string::npos; at = text.find(word, at + 1)) ++n;
+  return n;
+}
+
+/// Files in `dir` whose name marks an unfinished write.
+std::vector<std::string> temporary_files(const fs::path& dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& entry : fs::recursive_directory_iterator(dir, ec))
+    if (entry.path().filename().string().find(".tmp.") != std::string::npos)
+      found.push_back(entry.path().string());
+  return found;
+}
+
+class CliSweep : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
+    dir_ = fs::temp_directory_path() /
+           ("sluice-sweep-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  fs::path dir_;
+};
+
+constexpr const char* kTiny = "sweep --shape 64x48 --tokens 16 --threads 2 --repeat 1 --seed 3 ";
+
+TEST_F(CliSweep, TinySweepWritesCsvAndJsonWithOneRowPerSparsity) {
+  const fs::path out = dir_ / "nested" / "out";  // parents are created
+  const Outcome o = run(std::string(kTiny) + "--sparsities 0,0.5,0.9 --out " + out.string());
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("residual"), std::string::npos) << o.output;
+
+  const auto lines = split(read_file(out / "sweep.csv"), '\n');
+  ASSERT_EQ(lines.size(), 4u);
+  const auto header = split(lines[0], ',');
+  for (const char* column : {"sparsity", "nnz", "measured_ms", "predicted_ms",
+                             "measured_acceleration", "predicted_acceleration", "residual"})
+    EXPECT_NE(std::find(header.begin(), header.end(), column), header.end()) << column;
+  const double expected_sparsity[] = {0, 0.5, 0.9};
+  const long expected_nnz_max[] = {64 * 48, 64 * 48 / 2 + 64, 64 * 48 / 10 + 64};
+  for (std::size_t r = 1; r < lines.size(); ++r) {
+    const auto cells = split(lines[r], ',');
+    ASSERT_EQ(cells.size(), header.size()) << lines[r];
+    EXPECT_DOUBLE_EQ(std::stod(cells[0]), expected_sparsity[r - 1]);
+    const long nnz = std::stol(cells[2]);
+    EXPECT_GT(nnz, 0);
+    EXPECT_LE(nnz, expected_nnz_max[r - 1]);
+    for (const std::size_t c : {3u, 4u, 6u, 7u}) EXPECT_GT(std::stod(cells[c]), 0) << lines[r];
+    // residual = (predicted - measured) / measured, as printed.
+    const double measured = std::stod(cells[3]), predicted = std::stod(cells[4]);
+    EXPECT_NEAR(std::stod(cells[8]), (predicted - measured) / measured, 1e-9);
+  }
+
+  const std::string json = read_file(out / "sweep.json");
+  for (const char* key : {"\"points\"", "\"fit\"", "\"measured_ms\"", "\"predicted_ms\"",
+                          "\"measured_acceleration\"", "\"predicted_acceleration\"", "\"residual\"",
+                          "\"constants\"", "\"r_squared\"", "\"held_at_zero\"", "\"nnz\""})
+    EXPECT_NE(json.find(key), std::string::npos) << key << " missing in\n" << json;
+  EXPECT_EQ(count(json, "\"sparsity\""), 3u) << json;
+  EXPECT_TRUE(temporary_files(out).empty());
+}
+
+TEST_F(CliSweep, JsonOnStdoutMatchesTheFile) {
+  const fs::path out = dir_ / "out";
+  const Outcome o = run(std::string(kTiny) + "--sparsities 0,0.75 --json --out " + out.string(),
+                        /*merge_stderr=*/false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_EQ(o.output, read_file(out / "sweep.json"));
+  EXPECT_EQ(o.output.front(), '{');
+  EXPECT_EQ(count(o.output, "\"sparsity\""), 2u);
+}
+
+TEST_F(CliSweep, TrainingStepSweepRuns) {
+  const fs::path out = dir_ / "out";
+  const Outcome o =
+      run(std::string(kTiny) + "--training --sparsities 0.5,0.9 --json --out " + out.string(),
+          /*merge_stderr=*/false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("\"training_step\""), std::string::npos) << o.output;
+  EXPECT_EQ(split(read_file(out / "sweep.csv"), '\n').size(), 3u);
+}
+
+TEST_F(CliSweep, BadArgumentsExitWithTwo) {
+  const std::string out = " --out " + (dir_ / "never").string();
+  for (const std::string& args :
+       {std::string("--sparsities 1"), std::string("--sparsities 0.5,1.5"),
+        std::string("--sparsities -0.1"), std::string("--sparsities nan"),
+        std::string("--sparsities ''"), std::string("--sparsities 0,,0.5"),
+        std::string("--no-such-flag"), std::string("--shape 0x8"), std::string("--shape 8"),
+        std::string("--tokens 0"), std::string("--repeat 0"), std::string("--threads 0")}) {
+    const Outcome o = run("sweep --shape 16x16 --tokens 4 --repeat 1 " + args + out);
+    EXPECT_EQ(o.exit_code, 2) << args << "\n" << o.output;
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "never"));  // refused before anything was written
+}
+
+TEST_F(CliSweep, UnwritableOutExitsWithOneAndLeavesNoPartialFile) {
+  // --out below a regular file cannot be created.
+  std::ofstream(dir_ / "a-file") << "x";
+  Outcome o =
+      run(std::string(kTiny) + "--sparsities 0.5 --out " + (dir_ / "a-file" / "out").string());
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_NE(o.output.find("a-file"), std::string::npos) << o.output;
+
+  // sweep.json cannot replace a directory of that name: exit 1, the directory is untouched
+  // and no temporary file is left.
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out / "sweep.json" / "keep");
+  o = run(std::string(kTiny) + "--sparsities 0.5 --out " + out.string());
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_NE(o.output.find("sweep.json"), std::string::npos) << o.output;
+  EXPECT_TRUE(fs::is_directory(out / "sweep.json" / "keep"));
+  EXPECT_TRUE(temporary_files(out).empty());
+}
+
+}  // namespace

@@ -1,0 +1,456 @@
+// `sluice sweep`: measures the streamed layer over a list of sparsities against oneDNN's
+// dense sgemm on the same shape, calibrates the cost model (Amdahl's law, DESIGN.md) to the
+// measured points by least squares, and shows measured and predicted acceleration side by
+// side with the residual: a table, CSV/JSON files and a plot.
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dense_baseline.hpp"
+#include "measure.hpp"
+#include "output_files.hpp"
+#include "reference.hpp"
+#include "sluice/cost_model.hpp"
+#include "sluice/csr_matrix.hpp"
+#include "sluice/engine.hpp"
+#include "sluice/error.hpp"
+#include "sluice/json.hpp"
+#include "sluice/planner.hpp"
+#include "sluice/stream.hpp"
+
+namespace sluice::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct SweepOptions {
+  std::string shape = "4096x4096";
+  std::int64_t tokens = 256;
+  int threads = 0;
+  std::string sparsities = "0,0.5,0.75,0.9,0.95,0.98,0.99,0.995,0.999";
+  std::uint64_t seed = 1;
+  int repeat = 5;
+  bool training = false;
+  bool json = false;
+  std::string out_dir = "sweep-out";
+};
+
+struct SweepPoint {
+  double sparsity = 0;  ///< requested
+  std::int64_t nnz = 0;
+  double measured_seconds = 0;
+  double predicted_seconds = 0;
+};
+
+struct Sweep {
+  std::int64_t outputs = 0, inputs = 0, tokens = 0;
+  int threads = 0;
+  std::string isa;
+  Geometry geometry;
+  bool training = false;
+  int repeat = 0;
+  double dense_seconds = 0;
+  std::vector<SweepPoint> points;
+  CalibrationResult fit;
+  std::vector<std::string> fitted_terms;
+  std::vector<std::string> unidentifiable_terms;
+
+  double measured_acceleration(const SweepPoint& p) const {
+    return dense_seconds / p.measured_seconds;
+  }
+  double predicted_acceleration(const SweepPoint& p) const {
+    return dense_seconds / p.predicted_seconds;
+  }
+  static double residual(const SweepPoint& p) {
+    return (p.predicted_seconds - p.measured_seconds) / p.measured_seconds;
+  }
+};
+
+// ---- progress ----------------------------------------------------------------------
+
+/// A one-line bar on stderr, drawn only when stderr is a terminal (not in logs or pipes).
+class ProgressBar {
+ public:
+  explicit ProgressBar(int total) : total_(total), enabled_(::isatty(STDERR_FILENO) != 0) {}
+  ~ProgressBar() { finish(); }
+  void set_label(std::string label) {
+    label_ = std::move(label);
+    draw();
+  }
+  void tick() {
+    ++done_;
+    draw();
+  }
+  void finish() {
+    if (enabled_ && drawn_) std::fprintf(stderr, "\r%*s\r", 78, "");
+    drawn_ = false;
+  }
+
+ private:
+  void draw() {
+    if (!enabled_) return;
+    constexpr int kWidth = 30;
+    const int filled = total_ > 0 ? kWidth * done_ / total_ : kWidth;
+    std::fprintf(stderr, "\r[%s%s] %3d%% %-30.30s", std::string(filled, '#').c_str(),
+                 std::string(kWidth - filled, ' ').c_str(), total_ > 0 ? 100 * done_ / total_ : 100,
+                 label_.c_str());
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+  int total_ = 0, done_ = 0;
+  bool enabled_ = false, drawn_ = false;
+  std::string label_;
+};
+
+// ---- measuring ---------------------------------------------------------------------
+
+double seconds_of(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
+              std::vector<MeasuredRun>& runs) {
+  const auto [outputs, inputs] = parse_shape(o.shape);
+  EngineOptions eo;
+  eo.threads = o.threads;
+  CpuEngine engine(eo);
+  baseline::set_dense_threads(engine.threads());
+
+  Sweep s;
+  s.outputs = outputs;
+  s.inputs = inputs;
+  s.tokens = o.tokens;
+  s.threads = engine.threads();
+  s.isa = to_string(engine.isa());
+  s.geometry = engine.geometry_for(outputs, inputs, o.tokens);
+  s.training = o.training;
+  s.repeat = o.repeat;
+
+  const DenseMatrix x = testing::random_dense(inputs, o.tokens, o.seed + 101);
+  const DenseMatrix dy = testing::random_dense(outputs, o.tokens, o.seed + 202);
+  DenseMatrix y(outputs, o.tokens), dx(inputs, o.tokens);
+  MutableMatrixView dx_view = dx.view();
+
+  // Every layer is prepared first (planning and encoding happen once per layer in
+  // ModelMemory, so they are not timed) ...
+  struct Layer {
+    Placement placement;
+    WeightStream stream;
+  };
+  std::vector<Layer> layers;
+  for (const double sparsity : sparsities) {
+    const CsrMatrix w = CsrMatrix::random(outputs, inputs, sparsity, o.seed);
+    Layer layer{round_robin_placement(w, s.geometry.lanes), encode_stream(w)};
+    SweepPoint p;
+    p.sparsity = sparsity;
+    p.nnz = w.nnz();
+    s.points.push_back(p);
+    MeasuredRun run;
+    run.work.outputs = outputs;
+    run.work.inputs = inputs;
+    run.work.tokens = o.tokens;
+    run.work.geometry = s.geometry;
+    run.work.max_lane_nnz = static_cast<double>(layer.placement.max_lane_nnz());
+    runs.push_back(run);
+    layers.push_back(std::move(layer));
+  }
+  // The dense baseline does the same work whatever the sparsity (zeros included), so it
+  // is one more item of the sweep, on the same shape and threads.
+  const DenseMatrix w_dense = testing::random_dense(outputs, inputs, o.seed);
+  DenseMatrix dw(o.training ? outputs : 1, o.training ? inputs : 1);
+  std::vector<std::function<void()>> items;
+  items.push_back([&] {
+    baseline::dense_sgemm(w_dense.view(), false, x.view(), false, y.view());
+    if (o.training) {
+      baseline::dense_sgemm(w_dense.view(), true, dy.view(), false, dx.view());
+      baseline::dense_sgemm(dy.view(), false, x.view(), true, dw.view());
+    }
+  });
+  for (const Layer& layer : layers) {
+    items.push_back([&] {
+      engine.forward(layer.stream, layer.placement, x.view(), y.view());
+      if (o.training)
+        (void)engine.backward(layer.stream, layer.placement, x.view(), dy.view(), &dx_view);
+    });
+  }
+
+  // ... then timed in rounds, one call of each per round after a warm-up round, so a
+  // burst of load from elsewhere on the machine lands on one sample of every point
+  // instead of on every sample of a few points; the median drops it.
+  ProgressBar progress(static_cast<int>(items.size()) * (o.repeat + 1));
+  std::vector<std::vector<double>> times(items.size());
+  for (int round = 0; round <= o.repeat; ++round) {
+    progress.set_label(round == 0
+                           ? std::string("warm-up")
+                           : "round " + std::to_string(round) + " of " + std::to_string(o.repeat));
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const double t = seconds_of(items[i]);
+      if (round > 0) times[i].push_back(t);
+      progress.tick();
+    }
+  }
+  progress.finish();
+  s.dense_seconds = median(times[0]);
+  for (std::size_t i = 0; i < s.points.size(); ++i) {
+    s.points[i].measured_seconds = median(times[i + 1]);
+    runs[i].seconds = s.points[i].measured_seconds;
+  }
+  return s;
+}
+
+// ---- calibration -------------------------------------------------------------------
+
+/// The terms the runs can tell apart. A sweep over sparsity at one shape, token count and
+/// geometry varies only the busiest lane's non-zeros: the per-packet and per-token AXPY terms are
+/// then proportional to each other, and so are the per-output terms and the per-layer constant.
+/// Terms are taken in order of preference (the per-token costs, which carry over to other token
+/// counts best, first) and kept when their column, weighted as calibrate weights it, is not
+/// (numerically) in the span of those already kept; the rest are held at zero.
+std::array<bool, kCostTerms> identifiable_terms(const std::vector<MeasuredRun>& runs) {
+  static_assert(kCostTerms == 5, "list every term in kPreference");
+  constexpr std::array<int, kCostTerms> kPreference = {1, 3, 0, 2, 4};  // a1, b1, a0, b0, c
+  std::vector<std::vector<double>> basis;                               // orthonormal
+  std::array<bool, kCostTerms> keep{};
+  for (const int t : kPreference) {
+    std::vector<double> column(runs.size());
+    for (std::size_t i = 0; i < runs.size(); ++i)
+      column[i] = cost_terms(runs[i].work)[t] / runs[i].seconds;
+    double norm = 0;
+    for (const double v : column) norm += v * v;
+    norm = std::sqrt(norm);
+    if (norm == 0) continue;
+    for (double& v : column) v /= norm;
+    for (int pass = 0; pass < 2; ++pass) {  // twice: Gram-Schmidt loses orthogonality once
+      for (const auto& b : basis) {
+        double dot = 0;
+        for (std::size_t i = 0; i < column.size(); ++i) dot += b[i] * column[i];
+        for (std::size_t i = 0; i < column.size(); ++i) column[i] -= dot * b[i];
+      }
+    }
+    double rest = 0;
+    for (const double v : column) rest += v * v;
+    rest = std::sqrt(rest);
+    if (rest < 1e-4) continue;
+    for (double& v : column) v /= rest;
+    basis.push_back(std::move(column));
+    keep[t] = true;
+  }
+  return keep;
+}
+
+void calibrate_sweep(Sweep& s, const std::vector<MeasuredRun>& runs) {
+  CalibrationOptions options;
+  options.fit = identifiable_terms(runs);
+  // The dense rate as measured, so CostModel::dense_seconds reproduces the baseline.
+  const double flops_per_product = 2.0 * static_cast<double>(s.outputs) *
+                                   static_cast<double>(s.inputs) * static_cast<double>(s.tokens);
+  options.held.dense_flops = (s.training ? 3 : 1) * flops_per_product / s.dense_seconds;
+  s.fit = calibrate(runs, options);
+  for (int t = 0; t < kCostTerms; ++t)
+    (options.fit[t] ? s.fitted_terms : s.unidentifiable_terms).push_back(cost_term_name(t));
+  for (std::size_t i = 0; i < s.points.size(); ++i)
+    s.points[i].predicted_seconds = s.fit.predicted_seconds.at(i);
+}
+
+// ---- output ------------------------------------------------------------------------
+
+void write_fit_json(JsonWriter& w, const Sweep& s) {
+  const CalibrationResult& f = s.fit;
+  w.begin_object();
+  w.field("model",
+          "t = max_lane_nnz * (a0 + a1*T_q) + n_out * (b0 + b1*T_q) + c_layer, "
+          "summed over passes of tile_tokens");
+  w.key("constants");
+  write_json(w, f.constants);
+  w.field("r_squared", f.r_squared);
+  w.field("rms_relative_residual", f.rms_relative_residual);
+  w.field("condition_number", f.condition_number);
+  w.key("fitted_terms").begin_array();
+  for (const auto& name : s.fitted_terms) w.value(name);
+  w.end_array();
+  w.key("held_at_zero").begin_array();
+  for (const auto& name : f.held_at_zero) w.value(name);
+  w.end_array();
+  w.key("not_identifiable").begin_array();
+  for (const auto& name : s.unidentifiable_terms) w.value(name);
+  w.end_array();
+  w.end_object();
+}
+
+std::string to_json(const Sweep& s) {
+  JsonWriter w(2);
+  w.begin_object();
+  w.field("mode", s.training ? "training_step" : "forward");
+  w.field("outputs", s.outputs).field("inputs", s.inputs).field("tokens", s.tokens);
+  w.field("threads", s.threads).field("isa", s.isa).field("geometry", s.geometry.to_string());
+  w.field("repeat", s.repeat).field("dense_ms", 1e3 * s.dense_seconds);
+  w.key("points").begin_array();
+  for (const auto& p : s.points) {
+    w.begin_object();
+    w.field("sparsity", p.sparsity).field("nnz", p.nnz);
+    w.field("measured_ms", 1e3 * p.measured_seconds);
+    w.field("predicted_ms", 1e3 * p.predicted_seconds);
+    w.field("measured_acceleration", s.measured_acceleration(p));
+    w.field("predicted_acceleration", s.predicted_acceleration(p));
+    w.field("residual", Sweep::residual(p));
+    w.end_object();
+  }
+  w.end_array();
+  w.key("fit");
+  write_fit_json(w, s);
+  w.end_object();
+  return w.str();
+}
+
+std::string to_csv(const Sweep& s) {
+  std::ostringstream csv;
+  csv << "sparsity,inverse_density,nnz,measured_ms,predicted_ms,dense_ms,measured_acceleration,"
+         "predicted_acceleration,residual\n";
+  for (const auto& p : s.points) {
+    csv << json_number(p.sparsity) << "," << json_number(1.0 / (1.0 - p.sparsity)) << "," << p.nnz
+        << "," << json_number(1e3 * p.measured_seconds) << ","
+        << json_number(1e3 * p.predicted_seconds) << "," << json_number(1e3 * s.dense_seconds)
+        << "," << json_number(s.measured_acceleration(p)) << ","
+        << json_number(s.predicted_acceleration(p)) << "," << json_number(Sweep::residual(p))
+        << "\n";
+  }
+  return csv.str();
+}
+
+std::string title(const Sweep& s) {
+  char text[200];
+  std::snprintf(text, sizeof text, "%s %lld x %lld, %lld tokens, %d threads, geometry %s",
+                s.training ? "training step" : "forward", static_cast<long long>(s.outputs),
+                static_cast<long long>(s.inputs), static_cast<long long>(s.tokens), s.threads,
+                s.geometry.to_string().c_str());
+  return text;
+}
+
+void print_table(const Sweep& s) {
+  std::printf("sluice sweep: %s, ISA %s; dense (oneDNN) %.3f ms\n", title(s).c_str(), s.isa.c_str(),
+              1e3 * s.dense_seconds);
+  std::printf("%9s %10s %12s %12s %10s %10s %9s\n", "sparsity", "nnz", "measured_ms",
+              "predicted_ms", "meas_accel", "pred_accel", "residual");
+  for (const auto& p : s.points) {
+    std::printf("%9.4g %10lld %12.4f %12.4f %9.2fx %9.2fx %8.1f%%\n", p.sparsity,
+                static_cast<long long>(p.nnz), 1e3 * p.measured_seconds, 1e3 * p.predicted_seconds,
+                s.measured_acceleration(p), s.predicted_acceleration(p), 100 * Sweep::residual(p));
+  }
+  const auto values = s.fit.constants.terms();
+  std::printf("fit (least squares on relative error):");
+  for (const auto& name : s.fitted_terms) {
+    for (int t = 0; t < kCostTerms; ++t)
+      if (name == cost_term_name(t)) std::printf(" %s = %.4g s", name.c_str(), values[t]);
+  }
+  std::printf("\n  R^2 = %.5f, rms residual %.1f%%, condition %.3g", s.fit.r_squared,
+              100 * s.fit.rms_relative_residual, s.fit.condition_number);
+  if (!s.fit.held_at_zero.empty()) {
+    std::printf("; forced to zero:");
+    for (const auto& name : s.fit.held_at_zero) std::printf(" %s", name.c_str());
+  }
+  std::printf("\n  not separable by this sweep (held at 0):");
+  for (const auto& name : s.unidentifiable_terms) std::printf(" %s", name.c_str());
+  std::printf("\n");
+}
+
+void plot(const Sweep& s, const fs::path& dir) {
+  const PlotFile png = plot_file(dir, "sweep.png");
+  const std::string csv = gnuplot_quote((dir / "sweep.csv").string());
+  std::ostringstream gp;
+  gp << "set datafile separator ','\n"
+     << "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 900,600 } "
+        "else { set terminal png size 900,600 }\n"
+     << "set termoption noenhanced\nset output " << gnuplot_quote(png.tmp_path.string()) << "\n"
+     << "set title " << gnuplot_quote("Acceleration over oneDNN dense: " + title(s)) << "\n"
+     << "set logscale xy\nset grid\nset key top left\n"
+     << "set xlabel '1 / (1 - sparsity)  (1 = dense, 10 = 90% sparse, 1000 = 99.9%)'\n"
+     << "set ylabel 'acceleration (dense time / sparse time)'\n"
+     << "plot " << csv << " using 2:7 with points pt 7 ps 1.5 title 'measured', " << csv
+     << " using 2:8 with linespoints lw 2 title 'predicted (calibrated cost model)', "
+     << "1 with lines dashtype 2 lc rgb 'gray' title 'break-even'\n"
+     << "set output\n";
+  run_gnuplot(gp.str(), dir, {png}, "sluice sweep");
+}
+
+int run_sweep(const SweepOptions& o) {
+  const std::vector<double> sparsities = parse_sparsities(o.sparsities);
+  parse_shape(o.shape);  // refuse a bad shape before anything else
+  if (o.out_dir.empty()) throw UsageError("sweep: --out must name a directory");
+  // Fail before minutes of measuring when the results could not be written.
+  create_output_directory(o.out_dir);
+
+  std::vector<MeasuredRun> runs;
+  Sweep s = measure(o, sparsities, runs);
+  calibrate_sweep(s, runs);
+
+  const fs::path dir = o.out_dir;
+  write_atomically(dir / "sweep.csv", to_csv(s));
+  const std::string json = to_json(s);
+  write_atomically(dir / "sweep.json", json + "\n");
+  if (on_path("gnuplot"))
+    plot(s, dir);
+  else
+    std::cerr << "sluice sweep: gnuplot not on PATH; wrote sweep.csv and sweep.json only\n";
+
+  if (o.json) {
+    std::cout << json << "\n";
+  } else {
+    print_table(s);
+    std::cout << "Wrote " << (dir / "sweep.csv").string() << ", sweep.json"
+              << (fs::exists(dir / "sweep.png") ? ", sweep.png" : "") << "\n";
+  }
+  std::cout.flush();
+  if (!std::cout) throw IoError("sweep: cannot write to standard output");
+  return 0;
+}
+
+}  // namespace
+
+Command add_sweep_command(CLI::App& app) {
+  auto o = std::make_shared<SweepOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "sweep",
+      "Measure the streamed layer over sparsities vs oneDNN dense, calibrate the cost model, "
+      "and compare measured with predicted acceleration");
+  cmd->add_option("--shape", o->shape, "OUTxIN of the random weights")->capture_default_str();
+  cmd->add_option("--tokens", o->tokens, "Tokens (columns of X)")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  cmd->add_option("--threads", o->threads, "Threads (default: all cores)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--sparsities", o->sparsities, "Comma-separated sparsities in [0, 1)")
+      ->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed for W, X and values")->capture_default_str();
+  cmd->add_option("--repeat", o->repeat, "Timed repetitions per point (median, after a warm-up)")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  cmd->add_flag("--training", o->training,
+                "Time a training step (forward + backward dX + weight gradient) against dense "
+                "forward + two backward sgemms");
+  cmd->add_option(
+         "--out", o->out_dir,
+         "Directory for sweep.csv, sweep.json and sweep.png (plot when gnuplot is on PATH)")
+      ->capture_default_str();
+  cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
+  return [o] { return run_sweep(*o); };
+}
+
+}  // namespace sluice::cli

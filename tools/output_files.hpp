@@ -1,0 +1,39 @@
+#pragma once
+// Output files of the subcommands: whole-or-nothing writes, and PNG plots through gnuplot
+// when it is installed (the CSV next to a plot is always written first).
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace sluice::cli {
+
+/// Creates `dir` (and its parents) unless it exists; IoError when it cannot be a directory.
+void create_output_directory(const std::filesystem::path& dir);
+
+/// Writes `content` to `path` through a temporary file and a rename, so a reader never
+/// sees a partial file. IoError (and no file left behind) when that fails.
+void write_atomically(const std::filesystem::path& path, const std::string& content);
+
+/// True when `program` is an executable file in a directory of $PATH.
+bool on_path(const std::string& program);
+
+/// `text` quoted for /bin/sh.
+std::string shell_quote(const std::string& text);
+/// `text` as a gnuplot single-quoted string (a quote is escaped by doubling it).
+std::string gnuplot_quote(const std::string& text);
+
+/// A plot gnuplot draws into `tmp_path`; it is renamed to `final_path` only on success.
+struct PlotFile {
+  std::filesystem::path final_path;
+  std::filesystem::path tmp_path;
+};
+/// dir/name, drawn first into dir/name.tmp.<pid>.
+PlotFile plot_file(const std::filesystem::path& dir, const std::string& name);
+
+/// Runs gnuplot on `script` (which must `set output` to each file's tmp_path) and renames
+/// the plots into place when gnuplot succeeded; otherwise removes them and tells stderr,
+/// prefixed by `who` ("sluice predict"). Returns whether the plots were made.
+bool run_gnuplot(const std::string& script, const std::filesystem::path& dir,
+                 const std::vector<PlotFile>& files, const std::string& who);
+
+}  // namespace sluice::cli
