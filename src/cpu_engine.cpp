@@ -109,9 +109,14 @@ class HugePageBuffer {
   std::size_t size_ = 0;
 };
 
-/// A lane's resident copy of its rows of a matrix, one token tile wide.
+/// A lane's resident copy of its rows of a matrix, one token tile wide. The memory is
+/// the running thread's own and outlives the call: allocating and faulting in fresh
+/// pages for every layer would cost more than a small layer's whole product. (A lane
+/// task never waits, so one thread holds one lane's tile at a time.)
 class ResidentTile {
  public:
+  ResidentTile() : data_(thread_buffer()) {}
+
   void resize(std::size_t rows, std::int64_t tile) {
     stride_ = static_cast<std::size_t>((tile + 15) / 16 * 16);
     data_.reserve(rows * stride_);
@@ -138,7 +143,11 @@ class ResidentTile {
   MutableTile mutable_tile() { return {data_.data(), static_cast<std::int64_t>(stride_)}; }
 
  private:
-  HugePageBuffer data_;
+  static HugePageBuffer& thread_buffer() {
+    thread_local HugePageBuffer buffer;
+    return buffer;
+  }
+  HugePageBuffer& data_;
   std::size_t rows_ = 0, stride_ = 16;
 };
 
