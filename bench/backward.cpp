@@ -9,8 +9,7 @@ namespace {
 void BM_sparse_backward(benchmark::State& state) {
   const Layer& l = layer(state);
   CpuEngine& e = engine();
-  const Placement placement =
-      round_robin_placement(l.w, e.geometry_for(l.w.rows(), l.w.cols(), l.x.cols()).lanes);
+  const Placement placement = placement_for(l);
   DenseMatrix dx(l.w.cols(), l.x.cols());
   MutableMatrixView dx_view = dx.view();
   auto step = [&] {

@@ -14,6 +14,7 @@
 #include "reference.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/engine.hpp"
+#include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
 
 namespace sluice::bench {
@@ -77,6 +78,22 @@ double median_seconds(Fn&& fn, int repeats = 5) {
 inline CpuEngine& engine() {
   static CpuEngine instance;
   return instance;
+}
+
+/// The layer's placement for the shared engine's geometry.
+inline Placement placement_for(const Layer& l) {
+  return round_robin_placement(l.w,
+                               engine().geometry_for(l.w.rows(), l.w.cols(), l.x.cols()).lanes);
+}
+
+/// Times the streamed forward of the benchmark's layer and sets its useful GFLOP/s.
+inline void time_sparse_forward(benchmark::State& state, const Layer& l,
+                                const Placement& placement) {
+  DenseMatrix y(l.w.rows(), l.x.cols());
+  for (auto _ : state) engine().forward(l.stream, placement, l.x.view(), y.view());
+  const double flops = 2.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
+  state.counters["useful_GFLOPs"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 }  // namespace sluice::bench

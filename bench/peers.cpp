@@ -68,10 +68,7 @@ struct SluicePeer {
   Placement placement;
   DenseMatrix y;
   explicit SluicePeer(const Layer& layer)
-      : l(layer),
-        placement(round_robin_placement(
-            l.w, engine().geometry_for(l.w.rows(), l.w.cols(), l.x.cols()).lanes)),
-        y(l.w.rows(), l.x.cols()) {}
+      : l(layer), placement(placement_for(layer)), y(l.w.rows(), l.x.cols()) {}
   void multiply() { engine().forward(l.stream, placement, l.x.view(), y.view()); }
   DenseMatrix result() {
     multiply();

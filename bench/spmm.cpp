@@ -16,13 +16,9 @@ double dense_forward_seconds(const Layer& l) {
 void BM_sparse_forward(benchmark::State& state) {
   const Layer& l = layer(state);
   CpuEngine& e = engine();
-  const Placement placement =
-      round_robin_placement(l.w, e.geometry_for(l.w.rows(), l.w.cols(), l.x.cols()).lanes);
+  const Placement placement = placement_for(l);
+  time_sparse_forward(state, l, placement);
   DenseMatrix y(l.w.rows(), l.x.cols());
-  for (auto _ : state) e.forward(l.stream, placement, l.x.view(), y.view());
-  const double flops = 2.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
-  state.counters["useful_GFLOPs"] =
-      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   const double dense = dense_forward_seconds(l);
   const double sparse_s =
       median_seconds([&] { e.forward(l.stream, placement, l.x.view(), y.view()); });

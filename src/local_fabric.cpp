@@ -1,66 +1,14 @@
 // The Fabric's public calls (argument checks) and the in-process LocalFabric.
 #include <algorithm>
-#include <condition_variable>
-#include <deque>
 #include <exception>
 #include <functional>
-#include <mutex>
 #include <string>
-#include <thread>
 
+#include "engine_worker.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
 
 namespace sluice {
-namespace detail {
-
-// A persistent thread per engine: engines are driven from the same thread every time,
-// so the thread's oneTBB registration and caches are kept (a fresh thread per call costs
-// hundreds of microseconds per layer on a small model).
-class EngineWorker {
- public:
-  EngineWorker() : thread_([this] { loop(); }) {}
-  ~EngineWorker() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_one();
-    thread_.join();
-  }
-  std::future<void> post(std::function<void()> job) {
-    std::packaged_task<void()> task(std::move(job));
-    std::future<void> done = task.get_future();
-    {
-      std::lock_guard lock(mutex_);
-      jobs_.push_back(std::move(task));
-    }
-    wake_.notify_one();
-    return done;
-  }
-
- private:
-  void loop() {
-    while (true) {
-      std::packaged_task<void()> task;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        task = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      task();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::packaged_task<void()>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
-}  // namespace detail
 
 namespace {
 

@@ -1,56 +1,33 @@
 // The `sluice` command line refuses every malformed input with a message and exit code
 // 1 (bad data) or 2 (bad arguments): never a signal, a hang or a partial output file.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
-#include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
 
+#include "test_support.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Outcome {
-  int exit_code = -1;  // -1: killed by a signal
-  std::string output;  // stdout and stderr
-};
+using Outcome = sluice::testing::CliOutcome;
 
 Outcome run(const std::string& args) {
-  const std::string cli = SLUICE_CLI_PATH;
-  const std::string command = "timeout 120 " + cli + " " + args + " 2>&1";
-  Outcome out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return out;
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), pipe) != nullptr) out.output += buf.data();
-  const int status = pclose(pipe);
-  out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args);
 }
 
-class Cli : public ::testing::Test {
+class Cli : public sluice::testing::TempDirTest {
  protected:
   void SetUp() override {
     if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
-    dir_ = fs::temp_directory_path() /
-           ("sluice-cli-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
+    TempDirTest::SetUp();
   }
   std::string file(const std::string& name, const std::string& content) {
     const fs::path p = dir_ / name;
     std::ofstream(p, std::ios::binary) << content;
     return p.string();
   }
-  fs::path dir_;
 };
 
 void expect_exit(const Outcome& o, int code, const std::string& words) {
@@ -77,12 +54,12 @@ TEST_F(Cli, BadArgumentsExitWithTwo) {
 TEST_F(Cli, BadMatrixFilesExitWithOne) {
   const std::string mm = "%%MatrixMarket matrix coordinate real general\n";
   expect_exit(run("spmm --tokens 4 --matrix " + file("empty.smtx", "")), 1, "empty.smtx");
-  expect_exit(run("spmm --tokens 4 --matrix " + file("trunc.smtx", "3, 4, 3\n0 1 2 3\n0 1")),
-              1, "trunc.smtx");
-  expect_exit(run("spmm --tokens 4 --matrix " + file("mono.smtx", "3, 4, 3\n0 2 1 3\n0 1 2\n")),
-              1, "mono.smtx");
-  expect_exit(run("spmm --tokens 4 --matrix " + file("range.smtx", "2, 4, 2\n0 1 2\n0 4\n")),
-              1, "range.smtx");
+  expect_exit(run("spmm --tokens 4 --matrix " + file("trunc.smtx", "3, 4, 3\n0 1 2 3\n0 1")), 1,
+              "trunc.smtx");
+  expect_exit(run("spmm --tokens 4 --matrix " + file("mono.smtx", "3, 4, 3\n0 2 1 3\n0 1 2\n")), 1,
+              "mono.smtx");
+  expect_exit(run("spmm --tokens 4 --matrix " + file("range.smtx", "2, 4, 2\n0 1 2\n0 4\n")), 1,
+              "range.smtx");
   expect_exit(run("spmm --tokens 4 --matrix " + file("dup.smtx", "1, 4, 2\n0 2\n1 1\n")), 1,
               "dup.smtx");
   expect_exit(run("spmm --tokens 4 --matrix " + file("nan.mtx", mm + "2 2 1\n1 1 nan\n")), 1,
@@ -91,8 +68,7 @@ TEST_F(Cli, BadMatrixFilesExitWithOne) {
               "inf.mtx");
   expect_exit(run("spmm --tokens 4 --matrix " + file("word.mtx", mm + "2 2 1\n1 x 1.0\n")), 1,
               "word.mtx");
-  expect_exit(run("spmm --tokens 4 --matrix " + file("zero.mtx", mm + "0 2 0\n")), 1,
-              "zero.mtx");
+  expect_exit(run("spmm --tokens 4 --matrix " + file("zero.mtx", mm + "0 2 0\n")), 1, "zero.mtx");
   expect_exit(run("spmm --tokens 4 --matrix " + (dir_ / "missing.smtx").string()), 1,
               "missing.smtx");
   expect_exit(run("spmm --tokens 4 --matrix " + file("m.txt", "3, 4, 3\n")), 1, "m.txt");
@@ -104,19 +80,21 @@ TEST_F(Cli, RandomBytesAreRefusedNotCrashedOn) {
     std::string bytes(64 + rng() % 512, '\0');
     for (auto& b : bytes) b = static_cast<char>(rng());
     const std::string ext = trial % 2 == 0 ? ".smtx" : ".mtx";
-    const Outcome o = run("spmm --tokens 4 --matrix " + file("r" + std::to_string(trial) + ext, bytes));
+    const Outcome o =
+        run("spmm --tokens 4 --matrix " + file("r" + std::to_string(trial) + ext, bytes));
     EXPECT_EQ(o.exit_code, 1) << o.output;
   }
 }
 
 TEST_F(Cli, AGoodRunChecksAndPrintsJson) {
-  const Outcome o = run("spmm --shape 64x48 --sparsity 0.9 --tokens 17 --repeat 1 --check --backward --json");
+  const Outcome o =
+      run("spmm --shape 64x48 --sparsity 0.9 --tokens 17 --repeat 1 --check --backward --json");
   ASSERT_EQ(o.exit_code, 0) << o.output;
-  for (const char* key : {"\"out\": 64", "\"in\": 48", "\"tokens\": 17", "\"nnz\"", "\"sparsity\"",
-                          "\"threads\"", "\"isa\"", "\"geometry\"", "\"sparse_ms\"", "\"dense_ms\"",
-                          "\"useful_gflops\"", "\"acceleration\"", "\"balance\"",
-                          "\"max_rel_error\"", "\"backward_ms\"", "\"bwd_data_ms\"",
-                          "\"bwd_weight_ms\"", "\"max_rel_error_bwd\"", "\"peak_rss_bytes\""}) {
+  for (const char* key :
+       {"\"out\": 64", "\"in\": 48", "\"tokens\": 17", "\"nnz\"", "\"sparsity\"", "\"threads\"",
+        "\"isa\"", "\"geometry\"", "\"sparse_ms\"", "\"dense_ms\"", "\"useful_gflops\"",
+        "\"acceleration\"", "\"balance\"", "\"max_rel_error\"", "\"backward_ms\"",
+        "\"bwd_data_ms\"", "\"bwd_weight_ms\"", "\"max_rel_error_bwd\"", "\"peak_rss_bytes\""}) {
     EXPECT_NE(o.output.find(key), std::string::npos) << key << " missing in\n" << o.output;
   }
 }

@@ -2,38 +2,24 @@
 // files with one row per sparsity, bad arguments exit 2, an unwritable --out exits 1 and
 // leaves no partial file behind.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Outcome {
-  int exit_code = -1;  // -1: killed by a signal
-  std::string output;
-};
+using Outcome = sluice::testing::CliOutcome;
 
 /// Runs the CLI; `merge_stderr` false keeps only stdout (stderr is discarded).
 Outcome run(const std::string& args, bool merge_stderr = true) {
-  const std::string command = "timeout 120 " + std::string(SLUICE_CLI_PATH) + " " + args +
-                              (merge_stderr ? " 2>&1" : " 2>/dev/null");
-  Outcome out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return out;
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), pipe) != nullptr) out.output += buf.data();
-  const int status = pclose(pipe);
-  out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args, merge_stderr);
 }
 
 std::string read_file(const fs::path& path) {
@@ -67,20 +53,12 @@ std::vector<std::string> temporary_files(const fs::path& dir) {
   return found;
 }
 
-class CliSweep : public ::testing::Test {
+class CliSweep : public sluice::testing::TempDirTest {
  protected:
   void SetUp() override {
     if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
-    dir_ = fs::temp_directory_path() /
-           ("sluice-sweep-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
+    TempDirTest::SetUp();
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  fs::path dir_;
 };
 
 constexpr const char* kTiny = "sweep --shape 64x48 --tokens 16 --threads 2 --repeat 1 --seed 3 ";

@@ -10,27 +10,12 @@
 #include <vector>
 
 #include "sluice/error.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
 
-/// Runs `body`, expects it to throw exactly `E`, returns the message.
-template <typename E, typename F>
-std::string thrown_message(F&& body) {
-  try {
-    body();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-#define EXPECT_CONTAINS(text, part) \
-  EXPECT_NE((text).find(part), std::string::npos) << "message: " << (text)
+using testing::thrown_message;
 
 // ---- validation -----------------------------------------------------------------
 

@@ -14,40 +14,17 @@
 
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
 
 namespace fs = std::filesystem;
 
-template <typename E, typename F>
-std::string thrown_message(F&& body) {
-  try {
-    body();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
+using testing::thrown_message;
 
-#define EXPECT_CONTAINS(text, part) \
-  EXPECT_NE((text).find(part), std::string::npos) << "message: " << (text)
-
-class MatrixIoTest : public ::testing::Test {
+class MatrixIoTest : public testing::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("sluice_matrix_io_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   fs::path write_text(const std::string& name, const std::string& text) {
     const fs::path path = dir_ / name;
     std::ofstream(path, std::ios::binary) << text;
@@ -85,8 +62,6 @@ class MatrixIoTest : public ::testing::Test {
     EXPECT_CONTAINS(msg, name + ":" + std::to_string(line) + ":");
     EXPECT_CONTAINS(msg, what);
   }
-
-  fs::path dir_;
 };
 
 void expect_same_pattern(const CsrMatrix& a, const CsrMatrix& b) {

@@ -4,16 +4,15 @@
 
 #include <algorithm>
 #include <climits>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <string>
 #include <thread>
 
+#include "engine_worker.hpp"
 #include "sluice/error.hpp"
 #include "sluice/topology.hpp"
 
@@ -136,49 +135,7 @@ void unpack(const float* in, MutableMatrixView m) {
   }
 }
 
-// The engine's persistent thread (oneTBB registration and caches kept across operations).
-class Worker {
- public:
-  Worker() : thread_([this] { loop(); }) {}
-  ~Worker() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_one();
-    thread_.join();
-  }
-  std::future<void> post(std::function<void()> job) {
-    std::packaged_task<void()> task(std::move(job));
-    std::future<void> done = task.get_future();
-    {
-      std::lock_guard lock(mutex_);
-      jobs_.push_back(std::move(task));
-    }
-    wake_.notify_one();
-    return done;
-  }
-
- private:
-  void loop() {
-    while (true) {
-      std::packaged_task<void()> task;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        task = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      task();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::packaged_task<void()>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;
-};
+using Worker = detail::EngineWorker;
 
 MPI_Datatype packet_type() {
   static const MPI_Datatype type = [] {

@@ -1,0 +1,71 @@
+#pragma once
+// Helpers the test files share: expected exceptions with their messages, a private
+// temporary directory per test, and running the real `sluice` binary.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <string>
+
+namespace sluice::testing {
+
+/// Runs `body`, expects it to throw exactly `E`, returns the message.
+template <typename E, typename F>
+std::string thrown_message(F&& body) {
+  try {
+    body();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw the wrong type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "did not throw";
+  return {};
+}
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE((text).find(part), std::string::npos) << "message: " << (text)
+
+/// A fresh directory named after the running test, removed when the test ends.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           (std::string("sluice-") + info->test_suite_name() + "-" + info->name() + "-" +
+            std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  std::filesystem::path dir_;
+};
+
+struct CliOutcome {
+  int exit_code = -1;  // -1: killed by a signal (or timed out)
+  std::string output;
+};
+
+/// Runs `sluice <args>` with a time limit; `merge_stderr` false keeps stdout alone.
+inline CliOutcome run_cli(const std::string& cli, const std::string& args,
+                          bool merge_stderr = true) {
+  const std::string command =
+      "timeout 120 " + cli + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  CliOutcome out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe) != nullptr) out.output += buf.data();
+  const int status = pclose(pipe);
+  out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+}  // namespace sluice::testing
