@@ -12,7 +12,6 @@
 //   one past the lane the next layer wants the output on and ending there. No lane ever
 //   waits for another, and the summation order is fixed, so results are bitwise
 //   reproducible whatever the thread timing.
-#include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
@@ -27,6 +26,7 @@
 #include <thread>
 
 #include "kernels/lane_kernels.hpp"
+#include "parallel.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
 #include "sluice/topology.hpp"
@@ -174,7 +174,7 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
   const std::int32_t lanes = placement.lanes;
   std::vector<std::uint64_t> weights(taken.size());
   std::vector<char> ends(taken.size());
-  tbb::parallel_for(std::size_t{0}, taken.size(), [&](std::size_t c) {
+  detail::parallel_for(std::size_t{0}, taken.size(), [&](std::size_t c) {
     const StreamChunk& chunk = *taken[c].chunk;
     auto& shares = taken[c].lanes;
     shares.resize(lanes);
@@ -388,7 +388,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   const bool pack = should_pack(P, weights.header());
   std::vector<double> busy(static_cast<std::size_t>(P) * tiling.blocks, 0.0);
   m.arena.execute([&] {
-    tbb::parallel_for(
+    detail::parallel_for(
         std::int64_t{0}, std::int64_t{P} * tiling.blocks,
         [&](std::int64_t task) {
           const auto p = static_cast<std::int32_t>(task % P);
@@ -416,7 +416,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
           }
           busy[task] = seconds_since(t_start);
         },
-        tbb::simple_partitioner());
+        /*one_task_each=*/true);
   });
   for (double b : busy) counters_.busy_seconds += b;
   for (const auto& c : chunks) counters_.packets += c.chunk->packets.size();
@@ -462,7 +462,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const bool pack = should_pack(P, header);
   std::vector<double> busy(static_cast<std::size_t>(P) * Q, 0.0);
   auto lane_pass = [&](bool data_pass) {
-    tbb::parallel_for(
+    detail::parallel_for(
         std::int64_t{0}, std::int64_t{P} * Q,
         [&](std::int64_t task) {
           const auto p = static_cast<std::int32_t>(task % P);
@@ -501,7 +501,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           }
           busy[task] += seconds_since(t_start);
         },
-        tbb::simple_partitioner());
+        /*one_task_each=*/true);
   };
   m.arena.execute([&] {
     if (dy.cols == 0) return;
@@ -522,7 +522,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   out.header.kind = StreamKind::gradient;
   out.chunks.resize(chunks.size());
   m.arena.execute([&] {
-    tbb::parallel_for(std::size_t{0}, chunks.size(), [&](std::size_t c) {
+    detail::parallel_for(std::size_t{0}, chunks.size(), [&](std::size_t c) {
       const StreamChunk& chunk = *chunks[c].chunk;
       auto g = std::make_shared<StreamChunk>(chunk);
       std::vector<float> sum(chunk.packets.size(), 0.0F);

@@ -1,7 +1,7 @@
 #include "sluice/model_memory.hpp"
 
 #include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
+#include "parallel.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -363,12 +363,11 @@ void compute_update(HostLayer& layer, const OptimizerConfig& config, double lear
   if (nnz <= kOptimizerGrain) {
     finite = optimizer_update(scalars, weights, 0, nnz);
   } else {
-    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, nnz, kOptimizerGrain),
-                      [&](const tbb::blocked_range<std::size_t>& r) {
-                        if (!optimizer_update(scalars, weights, r.begin(), r.end())) {
-                          finite.store(false, std::memory_order_relaxed);
-                        }
-                      });
+    detail::parallel_for_ranges(0, nnz, kOptimizerGrain, [&](std::size_t lo, std::size_t hi) {
+      if (!optimizer_update(scalars, weights, lo, hi)) {
+        finite.store(false, std::memory_order_relaxed);
+      }
+    });
   }
   const bool bias_finite = optimizer_update(scalars, bias, 0, bias_size);
   p.finite = finite.load() && bias_finite;
@@ -470,7 +469,7 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
   if (chunks.size() == 1) {
     scan(0);
   } else {
-    tbb::parallel_for(std::size_t{0}, chunks.size(), scan);
+    detail::parallel_for(std::size_t{0}, chunks.size(), scan);
   }
   double sum_of_squares = 0;
   for (const ChunkScan& s : scans) {

@@ -26,21 +26,22 @@ inline const float* row_of(const float* base, std::uint32_t tag, std::int64_t st
   return base + static_cast<std::int64_t>(tag) * stride;
 }
 
-template <int NV>
+template <int NV, bool kTail>
 inline __m512 load(const float* p, int v, __mmask16 tail) {
-  return v == NV - 1 ? _mm512_maskz_loadu_ps(tail, p + 16 * v) : _mm512_loadu_ps(p + 16 * v);
+  return kTail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, p + 16 * v)
+                              : _mm512_loadu_ps(p + 16 * v);
 }
 
-template <int NV>
+template <int NV, bool kTail>
 inline void store(float* p, int v, __m512 value, __mmask16 tail) {
-  if (v == NV - 1) {
+  if (kTail && v == NV - 1) {
     _mm512_mask_storeu_ps(p + 16 * v, tail, value);
   } else {
     _mm512_storeu_ps(p + 16 * v, value);
   }
 }
 
-template <int NV>
+template <int NV, bool kTail>
 void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y, std::int64_t ys,
                    __mmask16 tail) {
   const Packet* p = L.packets;
@@ -64,28 +65,28 @@ void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y,
         }
       }
       for (int v = 0; v < NV; ++v) {
-        a[v] = _mm512_fmadd_ps(w0, load<NV>(x0, v, tail), a[v]);
-        b[v] = _mm512_fmadd_ps(w1, load<NV>(x1, v, tail), b[v]);
+        a[v] = _mm512_fmadd_ps(w0, load<NV, kTail>(x0, v, tail), a[v]);
+        b[v] = _mm512_fmadd_ps(w1, load<NV, kTail>(x1, v, tail), b[v]);
       }
     }
     if (k < e) {
       const float* x0 = row_of(x, p[k].tag, xs);
       const __m512 w0 = _mm512_set1_ps(p[k].value);
-      for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(w0, load<NV>(x0, v, tail), a[v]);
+      for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(w0, load<NV, kTail>(x0, v, tail), a[v]);
     }
     float* out = y + r * ys;
-    for (int v = 0; v < NV; ++v) store<NV>(out, v, _mm512_add_ps(a[v], b[v]), tail);
+    for (int v = 0; v < NV; ++v) store<NV, kTail>(out, v, _mm512_add_ps(a[v], b[v]), tail);
   }
 }
 
-template <int NV>
+template <int NV, bool kTail>
 void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, float* dx,
                          std::int64_t dxs, __mmask16 tail) {
   const Packet* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
     __m512 dv[NV];
-    for (int v = 0; v < NV; ++v) dv[v] = load<NV>(d, v, tail);
+    for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
     // Indices are unique within an output, so the two rows never alias.
@@ -101,15 +102,15 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
       const __m512 w0 = _mm512_set1_ps(p[k].value);
       const __m512 w1 = _mm512_set1_ps(p[k + 1].value);
       for (int v = 0; v < NV; ++v) {
-        store<NV>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV>(o0, v, tail)), tail);
-        store<NV>(o1, v, _mm512_fmadd_ps(w1, dv[v], load<NV>(o1, v, tail)), tail);
+        store<NV, kTail>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV, kTail>(o0, v, tail)), tail);
+        store<NV, kTail>(o1, v, _mm512_fmadd_ps(w1, dv[v], load<NV, kTail>(o1, v, tail)), tail);
       }
     }
     if (k < e) {
       float* o0 = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
       const __m512 w0 = _mm512_set1_ps(p[k].value);
       for (int v = 0; v < NV; ++v) {
-        store<NV>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV>(o0, v, tail)), tail);
+        store<NV, kTail>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV, kTail>(o0, v, tail)), tail);
       }
     }
   }
@@ -157,7 +158,7 @@ class GradientBatch {
   int n_ = 0;
 };
 
-template <int NV>
+template <int NV, bool kTail>
 void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
                            std::int64_t xs, float* grad, __mmask16 tail) {
   const Packet* p = L.packets;
@@ -165,7 +166,7 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
     __m512 dv[NV];
-    for (int v = 0; v < NV; ++v) dv[v] = load<NV>(d, v, tail);
+    for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
     const std::uint32_t e = L.end[r];
     for (std::uint32_t k = L.begin[r]; k < e; ++k) {
       if (k + kPrefetch < e) {
@@ -175,83 +176,61 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
         }
       }
       const float* x0 = row_of(x, p[k].tag, xs);
-      __m512 a = _mm512_mul_ps(dv[0], load<NV>(x0, 0, tail));
-      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV>(x0, v, tail), a);
+      __m512 a = _mm512_mul_ps(dv[0], load<NV, kTail>(x0, 0, tail));
+      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV, kTail>(x0, v, tail), a);
       batch.add(k, a);
     }
   }
   batch.flush();
 }
 
-// Dispatch a tile of any width to groups of at most 64 tokens.
-template <typename Fn>
-void for_each_group(std::int64_t tokens, Fn&& fn) {
+// Runs `kernel.template operator()<NV, kTail>(t0, tail)` over the tile in groups of at
+// most 64 tokens: NV vectors per group, the last one masked only when the group is not a
+// whole number of vectors (an unmasked load can fuse into its FMA).
+template <typename Kernel>
+void for_each_group(std::int64_t tokens, Kernel&& kernel) {
   for (std::int64_t t0 = 0; t0 < tokens; t0 += kGroup) {
     const std::int64_t width = std::min(kGroup, tokens - t0);
-    fn(t0, static_cast<int>((width + 15) / 16), tail_mask(width));
+    const __mmask16 tail = tail_mask(width);
+    auto run = [&]<int NV>() {
+      if (width % 16 != 0) {
+        kernel.template operator()<NV, true>(t0, tail);
+      } else {
+        kernel.template operator()<NV, false>(t0, tail);
+      }
+    };
+    switch ((width + 15) / 16) {
+      case 1:
+        run.template operator()<1>();
+        break;
+      case 2:
+        run.template operator()<2>();
+        break;
+      case 3:
+        run.template operator()<3>();
+        break;
+      default:
+        run.template operator()<4>();
+        break;
+    }
   }
 }
 
 void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
-  for_each_group(tokens, [&](std::int64_t t0, int nv, __mmask16 tail) {
-    const float* xg = x.data + t0;
-    float* yg = y.data + t0;
-    switch (nv) {
-      case 1:
-        forward_group<1>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-      case 2:
-        forward_group<2>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-      case 3:
-        forward_group<3>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-      default:
-        forward_group<4>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-    }
+  for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
+    forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
   });
 }
 
 void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
-  for_each_group(tokens, [&](std::int64_t t0, int nv, __mmask16 tail) {
-    const float* d = dy.data + t0;
-    float* o = dx.data + t0;
-    switch (nv) {
-      case 1:
-        backward_data_group<1>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-      case 2:
-        backward_data_group<2>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-      case 3:
-        backward_data_group<3>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-      default:
-        backward_data_group<4>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-    }
+  for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
+    backward_data_group<NV, kTail>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
   });
 }
 
 void backward_weight(const LaneRuns& L, Tile dy, Tile x, float* grad, std::int64_t tokens) {
-  for_each_group(tokens, [&](std::int64_t t0, int nv, __mmask16 tail) {
-    const float* d = dy.data + t0;
-    const float* xg = x.data + t0;
-    switch (nv) {
-      case 1:
-        backward_weight_group<1>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-      case 2:
-        backward_weight_group<2>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-      case 3:
-        backward_weight_group<3>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-      default:
-        backward_weight_group<4>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-    }
+  for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
+    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, tail);
   });
 }
 
