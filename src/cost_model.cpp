@@ -17,8 +17,10 @@ namespace sluice {
 namespace {
 
 constexpr const char* kTermNames[kCostTerms] = {
-    "axpy_fixed_seconds", "axpy_per_token_seconds", "partial_sum_fixed_seconds",
-    "partial_sum_per_token_seconds", "layer_fixed_seconds"};
+    "axpy_fixed_seconds",        "axpy_per_token_seconds",
+    "partial_sum_fixed_seconds", "partial_sum_per_token_seconds",
+    "layer_fixed_seconds",       "stream_spill_seconds",
+    "tile_copy_seconds"};
 
 std::string to_text(double value) {
   std::ostringstream out;
@@ -165,8 +167,20 @@ std::array<double, kCostTerms> cost_terms(const LayerWork& work) {
   const double block_tokens = static_cast<double>(
       full_passes * ceil_div(tile, blocks) + (remainder > 0 ? ceil_div(remainder, blocks) : 0));
   const double outputs = static_cast<double>(work.outputs);
+  // A block makes ceil(passes / blocks) passes over its lane's stream; what of it does not
+  // stay in the cache between passes comes from memory each time.
+  const double packet_bytes = 8.0;
+  const double spilled =
+      std::max(0.0, (work.max_lane_nnz + outputs) * packet_bytes - std::max(0.0, work.cache_bytes));
+  const double block_passes =
+      static_cast<double>(ceil_div(static_cast<std::int64_t>(passes), blocks));
   return {work.max_lane_nnz * passes, work.max_lane_nnz * block_tokens, outputs * passes,
-          outputs * block_tokens, 1.0};
+          outputs * block_tokens, 1.0,
+          work.cache_bytes > 0 ? spilled / packet_bytes * block_passes : 0.0,
+          // The busiest lane copies its rows of X, one block's tokens, once per layer.
+          work.packed_tiles
+              ? static_cast<double>(ceil_div(work.inputs, work.geometry.lanes)) * block_tokens
+              : 0.0};
 }
 
 LayerWork uniform_layer_work(const Geometry& geometry, std::int64_t outputs, std::int64_t inputs,

@@ -151,12 +151,8 @@ class ResidentTile {
   std::size_t rows_ = 0, stride_ = 16;
 };
 
-/// Packing a lane's rows pays when each row is read many times per pass; a very sparse
-/// layer reads most rows a few times, and copying them would cost more than it saves.
-/// Several lanes always pack: their packets carry indices into the packed rows.
 bool should_pack(std::int32_t lanes, const StreamHeader& header) {
-  constexpr std::uint64_t kReadsPerRow = 16;
-  return lanes > 1 || header.nnz >= kReadsPerRow * header.inputs;
+  return CpuEngine::packs_tiles(lanes, header.nnz, header.inputs);
 }
 
 /// Pulls every chunk from the source, checks it and routes it to the lanes (with several
@@ -318,6 +314,15 @@ CpuEngine::CpuEngine(EngineOptions options) : impl_(std::make_unique<Impl>()) {
 }
 
 CpuEngine::~CpuEngine() = default;
+
+bool CpuEngine::packs_tiles(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs) {
+  // Packing pays when each row is read many times per pass; a very sparse layer reads
+  // most rows a few times, and copying them would cost more than it saves. Several lanes
+  // always pack: their packets carry indices into the packed rows.
+  constexpr std::uint64_t kReadsPerRow = 16;
+  return lanes > 1 ||
+         nnz >= kReadsPerRow * static_cast<std::uint64_t>(std::max<std::int64_t>(inputs, 0));
+}
 
 Isa CpuEngine::isa() const {
   return impl_->isa;

@@ -486,3 +486,44 @@ TEST(Json, WriterRefusesMisuse) {
 
 }  // namespace
 }  // namespace sluice
+
+namespace sluice {
+namespace {
+
+TEST(Calibration, RecoversTheStreamSpillTermWhenStreamsOutgrowTheCache) {
+  CostConstants truth;
+  truth.axpy_fixed = 2e-9;
+  truth.axpy_per_token = 6e-11;
+  truth.partial_sum_fixed = 1e-8;
+  truth.partial_sum_per_token = 1.3e-10;
+  truth.layer_fixed = 5e-5;
+  truth.stream_spill = 1.5e-9;
+  truth.dense_flops = 2e11;
+  std::vector<MeasuredRun> runs;
+  for (std::int64_t tokens : {64, 128, 256}) {
+    for (std::int32_t tile : {32, 64}) {
+      for (double nnz : {1e5, 1e6, 3e6, 8e6, 16e6}) {
+        MeasuredRun run;
+        run.work = make_work(4096, 4096, tokens, make_geometry(1, 2, tile), nnz);
+        run.work.cache_bytes = 32 << 20;
+        const auto terms = cost_terms(run.work);
+        for (int t = 0; t < kCostTerms; ++t) run.seconds += terms[t] * truth.terms()[t];
+        runs.push_back(run);
+      }
+    }
+  }
+  // Below the cache the term is zero; above, it grows with the spilled packets.
+  EXPECT_EQ(cost_terms(runs[0].work)[5], 0.0);
+  EXPECT_GT(cost_terms(runs[4].work)[5], 0.0);
+  CalibrationOptions options;
+  options.fit.fill(true);
+  options.fit[6] = false;  // no run packs tiles here
+  const CalibrationResult fit = calibrate(runs, options);
+  const auto expected = truth.terms();
+  for (int t = 0; t < kCostTerms; ++t) {
+    EXPECT_NEAR(fit.constants.terms()[t], expected[t], 1e-6 * expected[t]) << cost_term_name(t);
+  }
+}
+
+}  // namespace
+}  // namespace sluice

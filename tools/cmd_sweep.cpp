@@ -28,6 +28,7 @@
 #include "sluice/json.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
+#include "sluice/topology.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -169,6 +170,8 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     run.work.tokens = o.tokens;
     run.work.geometry = s.geometry;
     run.work.max_lane_nnz = static_cast<double>(layer.placement.max_lane_nnz());
+    run.work.cache_bytes = static_cast<double>(topology().l3_bytes);
+    run.work.packed_tiles = CpuEngine::packs_tiles(s.geometry.lanes, w.nnz(), inputs);
     runs.push_back(run);
     layers.push_back(std::move(layer));
   }
@@ -192,18 +195,17 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     });
   }
 
-  // ... then timed in rounds, one call of each per round after a warm-up round, so a
-  // burst of load from elsewhere on the machine lands on one sample of every point
-  // instead of on every sample of a few points; the median drops it.
+  // ... then each timed back to back: one warm-up call (it also absorbs the wake-up of
+  // threads that slept or the spinning of another runtime's threads after the previous
+  // item), then `repeat` timed calls; the median drops bursts of load from elsewhere.
   ProgressBar progress(static_cast<int>(items.size()) * (o.repeat + 1));
   std::vector<std::vector<double>> times(items.size());
-  for (int round = 0; round <= o.repeat; ++round) {
-    progress.set_label(round == 0
-                           ? std::string("warm-up")
-                           : "round " + std::to_string(round) + " of " + std::to_string(o.repeat));
-    for (std::size_t i = 0; i < items.size(); ++i) {
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    progress.set_label(i == 0 ? std::string("dense baseline")
+                              : "sparsity " + json_number(s.points[i - 1].sparsity));
+    for (int call = 0; call <= o.repeat; ++call) {
       const double t = seconds_of(items[i]);
-      if (round > 0) times[i].push_back(t);
+      if (call > 0) times[i].push_back(t);
       progress.tick();
     }
   }
@@ -225,9 +227,10 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
 /// counts best, first) and kept when their column, weighted as calibrate weights it, is not
 /// (numerically) in the span of those already kept; the rest are held at zero.
 std::array<bool, kCostTerms> identifiable_terms(const std::vector<MeasuredRun>& runs) {
-  static_assert(kCostTerms == 5, "list every term in kPreference");
-  constexpr std::array<int, kCostTerms> kPreference = {1, 3, 0, 2, 4};  // a1, b1, a0, b0, c
-  std::vector<std::vector<double>> basis;                               // orthonormal
+  static_assert(kCostTerms == 7, "list every term in kPreference");
+  // a1, b1, s, k, a0, b0, c
+  constexpr std::array<int, kCostTerms> kPreference = {1, 3, 5, 6, 0, 2, 4};
+  std::vector<std::vector<double>> basis;  // orthonormal
   std::array<bool, kCostTerms> keep{};
   for (const int t : kPreference) {
     std::vector<double> column(runs.size());

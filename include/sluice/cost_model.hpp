@@ -10,10 +10,16 @@
 //                                  a1: per token of the AXPY (memory/FMA bound)
 //     c_ps(T)   = b0 + b1 * T      b0: per output hand-off (seed: four cycles on the wafer)
 //                                  b1: copying/adding the accumulator, per token
+//     + s * packets beyond the last-level cache, per pass    (the stream re-read from DRAM)
+//     + k * activation values copied into packed lane tiles (when the engine packs)
+//
+// The last term matters on a CPU only: a lane reads the layer's stream once per token
+// tile, and when the stream is larger than the shared cache every pass reads it from
+// memory, so dense-ish layers pay more per non-zero than sparse ones.
 //
 // When the tokens do not fit one pass (Geometry::tile_tokens < tokens) every pass pays its
 // own AXPYs and partial sums, so the terms are summed over the passes. The model is linear
-// in (a0, a1, b0, b1, c_layer), which is what lets `calibrate` fit them to measured runs by
+// in (a0, a1, b0, b1, c_layer, s, k), which is what lets `calibrate` fit them to measured runs by
 // least squares. The dense baseline is 2 * outputs * inputs * tokens / dense_flops.
 //
 // Acceleration = dense time / sparse time. As sparsity -> 1 the AXPY term vanishes and the
@@ -48,21 +54,29 @@ struct LayerWork {
   /// Non-zeros received by the busiest lane (Placement::max_lane_nnz()). A double so the
   /// uniform model can pass an expected value.
   double max_lane_nnz = 0;
+  /// Bytes of the cache the stream is re-read from between passes (the last-level cache);
+  /// 0 leaves the spill term out.
+  double cache_bytes = 0;
+  /// Whether the lanes copy their rows of X into packed tiles (CpuEngine::packs_tiles).
+  bool packed_tiles = false;
 };
 
 /// The model's fitted constants, all in seconds (see the header comment for the form).
-inline constexpr int kCostTerms = 5;
+inline constexpr int kCostTerms = 7;
 struct CostConstants {
   double axpy_fixed = 0;             ///< a0: per non-zero per pass
   double axpy_per_token = 0;         ///< a1: per non-zero per token of a block
   double partial_sum_fixed = 0;      ///< b0: per output per pass
   double partial_sum_per_token = 0;  ///< b1: per output per token of a block
   double layer_fixed = 0;            ///< c_layer: per layer (fill/drain, dispatch)
+  double stream_spill = 0;           ///< s: per packet per pass beyond the cache
+  double tile_copy = 0;              ///< k: per activation value packed into a lane tile
   /// Dense baseline throughput in FLOP/s (not fitted: measure it, e.g. with oneDNN).
   double dense_flops = 0;
 
   std::array<double, kCostTerms> terms() const {
-    return {axpy_fixed, axpy_per_token, partial_sum_fixed, partial_sum_per_token, layer_fixed};
+    return {axpy_fixed,  axpy_per_token, partial_sum_fixed, partial_sum_per_token,
+            layer_fixed, stream_spill,   tile_copy};
   }
   void set_terms(const std::array<double, kCostTerms>& t) {
     axpy_fixed = t[0];
@@ -70,13 +84,15 @@ struct CostConstants {
     partial_sum_fixed = t[2];
     partial_sum_per_token = t[3];
     layer_fixed = t[4];
+    stream_spill = t[5];
+    tile_copy = t[6];
   }
 };
 
-/// JSON/CSV names of the five fitted terms, in CostConstants::terms() order.
+/// JSON/CSV names of the seven fitted terms, in CostConstants::terms() order.
 const char* cost_term_name(int term);
 
-/// The multipliers of (a0, a1, b0, b1, c_layer) for this work: the predicted time is
+/// The multipliers of (a0, a1, b0, b1, c_layer, s, k) for this work: the predicted time is
 /// their dot product with CostConstants::terms(). ShapeError for inconsistent work.
 std::array<double, kCostTerms> cost_terms(const LayerWork& work);
 
@@ -132,7 +148,9 @@ struct MeasuredRun {
 
 struct CalibrationOptions {
   /// Which terms to fit; the others are held at their value in `held`.
-  std::array<bool, kCostTerms> fit{true, true, true, true, true};
+  /// The spill and copy terms are off by default: they need runs that set cache_bytes
+  /// and packed_tiles.
+  std::array<bool, kCostTerms> fit{true, true, true, true, true, false, false};
   /// Values of the terms not fitted; its dense_flops is copied into the result.
   CostConstants held;
   /// Refuse fits whose (column-scaled) design matrix is worse conditioned than this:

@@ -108,6 +108,10 @@ class CpuEngine final : public Engine {
   Isa isa() const override;
   std::int32_t threads() const override;
 
+  /// Whether lanes copy their activation rows into a packed resident tile for a layer
+  /// (else they read X where it is): a cost the cost model accounts for.
+  static bool packs_tiles(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs);
+
  protected:
   void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                     MutableMatrixView y, const Placement* next_placement) override;
