@@ -73,7 +73,8 @@ void BM_gather_roofline(benchmark::State& state) {
   state.counters["GFLOPs"] =
       benchmark::Counter(2.0 * kTokens * static_cast<double>(probe.packets.size()),
                          benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["block_KiB"] = static_cast<double>(state.range(0)) / 1024;
+  state.counters["block_KiB"] = benchmark::Counter(static_cast<double>(state.range(0)) / 1024,
+                                                   benchmark::Counter::kAvgThreads);
 }
 
 void BM_sluice_forward(benchmark::State& state) {
