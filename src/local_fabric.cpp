@@ -134,6 +134,17 @@ void broadcast(StreamSource& source, std::vector<std::unique_ptr<EngineWorker>>&
 
 }  // namespace
 
+std::vector<float> bias_gradient(ConstMatrixView dy) {
+  std::vector<float> b(static_cast<std::size_t>(dy.rows));
+  for (std::int64_t o = 0; o < dy.rows; ++o) {
+    double s = 0;
+    const float* row = dy.row(o);
+    for (std::int64_t t = 0; t < dy.cols; ++t) s += row[t];
+    b[static_cast<std::size_t>(o)] = static_cast<float>(s);
+  }
+  return b;
+}
+
 ReducedGradient reduce_gradients(std::vector<WeightStream> streams,
                                  std::vector<std::vector<float>> biases) {
   if (streams.empty()) throw ShapeError("reduce_gradients: no streams");
@@ -278,17 +289,7 @@ ReducedGradient LocalFabric::backward_impl(StreamSource& weights,
               const auto i = static_cast<std::size_t>(k);
               MutableMatrixView* dx = dxs.empty() ? nullptr : dxs[i];
               grads[i] = engines_[i]->backward(source, *placements[i], xs[i], dys[i], dx);
-              if (with_bias) {
-                const ConstMatrixView dy = dys[i];
-                auto& b = biases[i];
-                b.resize(static_cast<std::size_t>(dy.rows));
-                for (std::int64_t o = 0; o < dy.rows; ++o) {
-                  double s = 0;
-                  const float* row = dy.row(o);
-                  for (std::int64_t t = 0; t < dy.cols; ++t) s += row[t];
-                  b[static_cast<std::size_t>(o)] = static_cast<float>(s);
-                }
-              }
+              if (with_bias) biases[i] = bias_gradient(dys[i]);
             });
   return reduce_gradients(std::move(grads), std::move(biases));
 }

@@ -34,6 +34,9 @@ struct ReducedGradient {
 ReducedGradient reduce_gradients(std::vector<WeightStream> streams,
                                  std::vector<std::vector<float>> biases);
 
+/// One engine's bias gradient: the row sums of its dY, accumulated in double.
+std::vector<float> bias_gradient(ConstMatrixView dy);
+
 /// A non-blocking fabric operation. get() waits and returns (or rethrows); the destructor
 /// waits too, so views handed to the operation stay in use until it has finished.
 template <typename T>

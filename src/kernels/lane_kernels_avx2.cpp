@@ -106,77 +106,47 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
   }
 }
 
-template <typename Fn>
-void for_each_group(std::int64_t tokens, Fn&& fn) {
+// Runs `kernel.template operator()<NV>(t0, tail)` over the tile in groups of at most 32
+// tokens: NV vectors per group, the last one masked.
+template <typename Kernel>
+void for_each_group(std::int64_t tokens, Kernel&& kernel) {
   for (std::int64_t t0 = 0; t0 < tokens; t0 += kGroup) {
     const std::int64_t width = std::min(kGroup, tokens - t0);
-    fn(t0, static_cast<int>((width + 7) / 8), tail_mask(width));
+    const __m256i tail = tail_mask(width);
+    switch ((width + 7) / 8) {
+      case 1:
+        kernel.template operator()<1>(t0, tail);
+        break;
+      case 2:
+        kernel.template operator()<2>(t0, tail);
+        break;
+      case 3:
+        kernel.template operator()<3>(t0, tail);
+        break;
+      default:
+        kernel.template operator()<4>(t0, tail);
+        break;
+    }
   }
 }
 
 void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
-  for_each_group(tokens, [&](std::int64_t t0, int nv, __m256i tail) {
-    const float* xg = x.data + t0;
-    float* yg = y.data + t0;
-    switch (nv) {
-      case 1:
-        forward_group<1>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-      case 2:
-        forward_group<2>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-      case 3:
-        forward_group<3>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-      default:
-        forward_group<4>(L, xg, x.stride, yg, y.stride, tail);
-        break;
-    }
+  for_each_group(tokens, [&]<int NV>(std::int64_t t0, __m256i tail) {
+    forward_group<NV>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
   });
 }
 
 void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
-  for_each_group(tokens, [&](std::int64_t t0, int nv, __m256i tail) {
-    const float* d = dy.data + t0;
-    float* o = dx.data + t0;
-    switch (nv) {
-      case 1:
-        backward_data_group<1>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-      case 2:
-        backward_data_group<2>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-      case 3:
-        backward_data_group<3>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-      default:
-        backward_data_group<4>(L, d, dy.stride, o, dx.stride, tail);
-        break;
-    }
+  for_each_group(tokens, [&]<int NV>(std::int64_t t0, __m256i tail) {
+    backward_data_group<NV>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
   });
 }
 
 void backward_weight(const LaneRuns& L, Tile dy, Tile x, float* grad, std::int64_t tokens) {
-  for_each_group(tokens, [&](std::int64_t t0, int nv, __m256i tail) {
-    const float* d = dy.data + t0;
-    const float* xg = x.data + t0;
-    switch (nv) {
-      case 1:
-        backward_weight_group<1>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-      case 2:
-        backward_weight_group<2>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-      case 3:
-        backward_weight_group<3>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-      default:
-        backward_weight_group<4>(L, d, dy.stride, xg, x.stride, grad, tail);
-        break;
-    }
+  for_each_group(tokens, [&]<int NV>(std::int64_t t0, __m256i tail) {
+    backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, tail);
   });
 }
-
 }  // namespace
 
 const LaneKernels kAvx2Kernels{forward, backward_data, backward_weight};

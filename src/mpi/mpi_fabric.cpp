@@ -886,17 +886,7 @@ ReducedGradient MpiFabric::backward_impl(StreamSource& weights,
   // in the same tree.
   if (with_bias) {
     std::vector<std::vector<float>> biases(n);
-    for (std::size_t k = 0; k < n; ++k) {
-      const ConstMatrixView dy = dys[k];
-      auto& b = biases[k];
-      b.resize(static_cast<std::size_t>(dy.rows));
-      for (std::int64_t o = 0; o < dy.rows; ++o) {
-        double s = 0;
-        const float* row = dy.row(o);
-        for (std::int64_t t = 0; t < dy.cols; ++t) s += row[t];
-        b[static_cast<std::size_t>(o)] = static_cast<float>(s);
-      }
-    }
+    for (std::size_t k = 0; k < n; ++k) biases[k] = bias_gradient(dys[k]);
     for (std::size_t d = 1; d < n; d *= 2) {
       for (std::size_t i = 0; i + d < n; i += 2 * d) {
         for (std::size_t o = 0; o < biases[i].size(); ++o) biases[i][o] += biases[i + d][o];
