@@ -1,6 +1,6 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 1; also in notes/checkpoint_format.md). Little-endian throughout.
+// File format (version 1; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
 //   version    u32      1
