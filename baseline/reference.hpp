@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "sluice/bf16.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/dense.hpp"
 
@@ -20,6 +21,21 @@ inline DenseMatrix random_dense(std::int64_t rows, std::int64_t cols, std::uint6
     for (std::int64_t c = 0; c < cols; ++c) {
       m(r, c) = static_cast<float>(static_cast<double>(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0);
     }
+  }
+  return m;
+}
+
+/// W with every value rounded to bf16: what a bf16 stream carries, so a bf16 product can
+/// be checked against float64 with fp32 tolerances.
+inline CsrMatrix rounded_to_bf16(const CsrMatrix& w) {
+  std::vector<float> values = w.values();
+  for (float& v : values) v = round_to_bf16(v);
+  return CsrMatrix(w.rows(), w.cols(), w.row_offsets(), w.col_indices(), std::move(values));
+}
+inline DenseMatrix rounded_to_bf16(ConstMatrixView x) {
+  DenseMatrix m(x.rows, x.cols);
+  for (std::int64_t r = 0; r < x.rows; ++r) {
+    for (std::int64_t c = 0; c < x.cols; ++c) m(r, c) = round_to_bf16(x.row(r)[c]);
   }
   return m;
 }

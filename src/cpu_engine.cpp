@@ -24,6 +24,7 @@
 #include <cstring>
 #include <new>
 #include <thread>
+#include <type_traits>
 
 #include "kernels/lane_kernels.hpp"
 #include "parallel.hpp"
@@ -35,8 +36,11 @@
 namespace sluice {
 namespace {
 
+using detail::Bf16LaneRuns;
+using detail::Bf16Tile;
 using detail::LaneRuns;
 using detail::MutableTile;
+using detail::Runs;
 using detail::Tile;
 using Clock = std::chrono::steady_clock;
 
@@ -47,19 +51,43 @@ double seconds_since(Clock::time_point t0) {
 /// One lane's share of one chunk. With a single lane the packets stay in the chunk
 /// (no copy) and only the run bounds are recorded.
 struct LaneShare {
-  std::vector<Packet> packets;  // routed weight packets (empty when P == 1)
+  std::vector<Packet> packets;           // routed weight packets (empty when P == 1)
+  std::vector<Bf16Packet> packets_bf16;  // the same for a bf16 stream
   std::vector<std::uint32_t> begin, end;
   std::vector<std::uint32_t> origin;  // position of each routed packet in the chunk
+
+  std::size_t routed_count() const { return packets.size() + packets_bf16.size(); }
 };
+
+/// A lane's routed packets of one format (const or not).
+template <typename PacketT, typename Share>
+auto& routed(Share& share) {
+  if constexpr (std::is_same_v<PacketT, Packet>) {
+    return share.packets;
+  } else {
+    return share.packets_bf16;
+  }
+}
+
+template <typename PacketT>
+const std::vector<PacketT>& packets_of(const StreamChunk& chunk) {
+  if constexpr (std::is_same_v<PacketT, Packet>) {
+    return chunk.packets;
+  } else {
+    return chunk.packets_bf16;
+  }
+}
 
 struct TakenChunk {
   ChunkPtr chunk;
   std::vector<LaneShare> lanes;
 
-  LaneRuns runs(std::int32_t lane) const {
+  template <typename PacketT>
+  Runs<PacketT> runs(std::int32_t lane) const {
     const LaneShare& s = lanes[lane];
-    return {s.packets.empty() && lanes.size() == 1 ? chunk->packets.data() : s.packets.data(),
-            s.begin.data(), s.end.data(), static_cast<std::int64_t>(chunk->outputs)};
+    const PacketT* packets =
+        lanes.size() == 1 ? packets_of<PacketT>(*chunk).data() : routed<PacketT>(s).data();
+    return {packets, s.begin.data(), s.end.data(), static_cast<std::int64_t>(chunk->outputs)};
   }
 };
 
@@ -109,17 +137,20 @@ class HugePageBuffer {
   std::size_t size_ = 0;
 };
 
-/// A lane's resident copy of its rows of a matrix, one token tile wide. The memory is
-/// the running thread's own and outlives the call: allocating and faulting in fresh
-/// pages for every layer would cost more than a small layer's whole product. (A lane
-/// task never waits, so one thread holds one lane's tile at a time.)
+/// A lane's resident copy of its rows of a matrix, one token tile wide, in fp32 or (for
+/// a bf16 stream's activations) bf16. The memory is the running thread's own and
+/// outlives the call: allocating and faulting in fresh pages for every layer would cost
+/// more than a small layer's whole product. (A lane task never waits, so one thread holds
+/// one lane's tile at a time.)
 class ResidentTile {
  public:
   ResidentTile() : data_(thread_buffer()) {}
 
-  void resize(std::size_t rows, std::int64_t tile) {
-    stride_ = static_cast<std::size_t>((tile + 15) / 16 * 16);
-    data_.reserve(rows * stride_);
+  void resize(std::size_t rows, std::int64_t tile, Precision precision = Precision::fp32) {
+    const bool bf16 = precision == Precision::bf16;
+    const std::int64_t align = bf16 ? detail::kBf16RowAlign : 16;
+    stride_ = static_cast<std::size_t>((tile + align - 1) / align * align);
+    data_.reserve(bf16 ? (rows * stride_ + 1) / 2 : rows * stride_);
     rows_ = rows;
   }
   void load(const std::vector<std::uint32_t>& rows, const float* src, std::int64_t src_stride,
@@ -127,6 +158,15 @@ class ResidentTile {
     for (std::size_t l = 0; l < rows.size(); ++l) {
       std::memcpy(data_.data() + l * stride_, src + rows[l] * src_stride + t0,
                   sizeof(float) * width);
+    }
+  }
+  /// Rounds the rows to bf16 and pads each with zeros to the stride.
+  void load_bf16(const std::vector<std::uint32_t>& rows, const float* src, std::int64_t src_stride,
+                 std::int64_t t0, std::int64_t width, const detail::Bf16LaneKernels& kernels) {
+    auto* dst = reinterpret_cast<std::uint16_t*>(data_.data());
+    for (std::size_t l = 0; l < rows.size(); ++l) {
+      kernels.pack(src + rows[l] * src_stride + t0, dst + l * stride_, width,
+                   static_cast<std::int64_t>(stride_));
     }
   }
   void zero(std::int64_t width) {
@@ -141,6 +181,10 @@ class ResidentTile {
   }
   Tile tile() const { return {data_.data(), static_cast<std::int64_t>(stride_)}; }
   MutableTile mutable_tile() { return {data_.data(), static_cast<std::int64_t>(stride_)}; }
+  Bf16Tile bf16_tile() const {
+    return {reinterpret_cast<const std::uint16_t*>(data_.data()),
+            static_cast<std::int64_t>(stride_)};
+  }
 
  private:
   static HugePageBuffer& thread_buffer() {
@@ -155,11 +199,50 @@ bool should_pack(std::int32_t lanes, const StreamHeader& header) {
   return CpuEngine::packs_tiles(lanes, header.nnz, header.inputs);
 }
 
+/// Sends each weight packet of a chunk to the lane that owns its input feature, with the
+/// row's index in that lane's resident buffer as its tag, and records each lane's runs.
+template <typename PacketT>
+void route(const StreamChunk& chunk, std::vector<LaneShare>& shares, std::uint64_t weights,
+           const Placement& placement, const LaneLayout& layout, bool keep_origin) {
+  const auto lanes = static_cast<std::uint64_t>(shares.size());
+  for (auto& s : shares) {
+    routed<PacketT>(s).reserve(weights / lanes + weights / (4 * lanes) + 16);
+    if (keep_origin) s.origin.reserve(weights / lanes + weights / (4 * lanes) + 16);
+  }
+  const std::vector<PacketT>& packets = packets_of<PacketT>(chunk);
+  std::uint32_t r = 0;
+  const std::int32_t* lane_of = placement.lane_of.data();
+  if (chunk.outputs > 0) {
+    for (auto& s : shares) s.begin[0] = 0;
+  }
+  for (std::size_t k = 0; k < packets.size(); ++k) {
+    const PacketT packet = packets[k];
+    if (!is_control(packet)) {
+      const std::uint32_t tag = tag_of(packet);
+      LaneShare& s = shares[lane_of[tag]];
+      if constexpr (std::is_same_v<PacketT, Packet>) {
+        s.packets.push_back({layout.local[tag], packet.value});
+      } else {
+        s.packets_bf16.push_back({static_cast<std::uint16_t>(layout.local[tag]), packet.value});
+      }
+      if (keep_origin) s.origin.push_back(static_cast<std::uint32_t>(k));
+    } else if (tag_of(packet) == kCarriageReturn) {
+      for (auto& s : shares) {
+        const auto size = static_cast<std::uint32_t>(routed<PacketT>(s).size());
+        s.end[r] = size;
+        if (r + 1 < chunk.outputs) s.begin[r + 1] = size;
+      }
+      ++r;
+    }
+  }
+}
+
 /// Pulls every chunk from the source, checks it and routes it to the lanes (with several
 /// lanes, routed packets carry the row's index in its lane's resident buffer).
 std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement,
                                 const LaneLayout& layout, bool keep_origin) {
   const StreamHeader& header = source.header();
+  detail::check_header(header);
   std::vector<TakenChunk> taken;
   std::uint64_t outputs = 0;
   while (ChunkPtr chunk = source.next()) {
@@ -186,33 +269,10 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
     if (lanes == 1) {
       auto& s = shares[0];
       for (std::uint32_t r = 0; r < chunk.outputs; ++r) s.begin[r] = r == 0 ? 0 : s.end[r - 1] + 1;
-      return;
-    }
-    for (auto& s : shares) {
-      s.packets.reserve(facts.weights / lanes + facts.weights / (4 * lanes) + 16);
-      if (keep_origin) s.origin.reserve(s.packets.capacity());
-    }
-    const Packet* p = chunk.packets.data();
-    const std::size_t n = chunk.packets.size();
-    std::uint32_t r = 0;
-    const std::int32_t* lane_of = placement.lane_of.data();
-    if (chunk.outputs > 0) {
-      for (auto& s : shares) s.begin[0] = 0;
-    }
-    for (std::size_t k = 0; k < n; ++k) {
-      const Packet packet = p[k];
-      if (!is_control(packet)) {
-        LaneShare& s = shares[lane_of[packet.tag]];
-        s.packets.push_back({layout.local[packet.tag], packet.value});
-        if (keep_origin) s.origin.push_back(static_cast<std::uint32_t>(k));
-      } else if (packet.tag == kCarriageReturn) {
-        for (auto& s : shares) {
-          const auto size = static_cast<std::uint32_t>(s.packets.size());
-          s.end[r] = size;
-          if (r + 1 < chunk.outputs) s.begin[r + 1] = size;
-        }
-        ++r;
-      }
+    } else if (header.precision == Precision::bf16) {
+      route<Bf16Packet>(chunk, shares, facts.weights, placement, layout, keep_origin);
+    } else {
+      route<Packet>(chunk, shares, facts.weights, placement, layout, keep_origin);
     }
   });
   std::uint64_t total = 0;
@@ -266,13 +326,18 @@ struct CpuEngine::Impl {
   std::int32_t threads = 1;
   std::int64_t l2_bytes = 0;
   const detail::LaneKernels* kernels = nullptr;
+  const detail::Bf16LaneKernels* bf16_kernels = nullptr;
   tbb::task_arena arena;
   std::unique_ptr<PinningObserver> pinning;
 
   // A lane keeps one activation tile resident per pass. Its budget is the whole L2:
   // measured here, every pass over the stream costs more than the few tile rows that
   // spill to L3 (each packet's work is fixed, so wider tiles amortise it).
-  Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes) const {
+  // A bf16 tile holds twice the tokens in the same bytes; its kernels work on up to 128.
+  Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes,
+                   Precision precision = Precision::fp32) const {
+    const bool bf16 = precision == Precision::bf16;
+    const std::int64_t element = bf16 ? 2 : static_cast<std::int64_t>(sizeof(float));
     Geometry g = options.geometry;
     const std::int64_t budget = std::max<std::int64_t>(16 << 10, l2_bytes);
     if (g.blocks <= 0) {
@@ -283,8 +348,8 @@ struct CpuEngine::Impl {
     g.lanes = lanes;
     if (g.tile_tokens <= 0) {
       const std::int64_t features = std::max<std::int64_t>(1, (inputs + lanes - 1) / lanes);
-      std::int64_t tile = budget / (features * static_cast<std::int64_t>(sizeof(float)));
-      tile = std::clamp<std::int64_t>(tile / 16 * 16, 16, 64);
+      std::int64_t tile = budget / (features * element);
+      tile = std::clamp<std::int64_t>(tile / 16 * 16, 16, bf16 ? 128 : 64);
       const std::int64_t per_block = (tokens + g.blocks - 1) / g.blocks;
       g.tile_tokens =
           static_cast<std::int32_t>(std::max<std::int64_t>(1, std::min(tile, per_block)));
@@ -301,6 +366,7 @@ CpuEngine::CpuEngine(EngineOptions options) : impl_(std::make_unique<Impl>()) {
     throw ShapeError(std::string("this CPU cannot run the ") + to_string(m.isa) + " kernels");
   }
   m.kernels = &detail::lane_kernels(m.isa);
+  m.bf16_kernels = &detail::bf16_lane_kernels(m.isa);
   const std::int32_t available = tbb::this_task_arena::max_concurrency();
   if (options.threads < 0) throw ShapeError("engine threads must be >= 0");
   m.threads = options.threads > 0 ? options.threads : available;
@@ -331,8 +397,8 @@ std::int32_t CpuEngine::threads() const {
   return impl_->threads;
 }
 
-Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs,
-                                 std::int64_t tokens) const {
+Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
+                                 Precision precision) const {
   (void)outputs;
   const Impl& m = *impl_;
   std::int32_t lanes = m.options.geometry.lanes;
@@ -346,14 +412,16 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs,
       lanes *= 2;
     }
   }
-  return m.resolve(inputs, tokens, lanes);
+  return m.resolve(inputs, tokens, lanes, precision);
 }
 
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                              MutableMatrixView y, const Placement* next_placement) {
   Impl& m = *impl_;
   const std::int32_t P = placement.lanes;
-  const Geometry g = m.resolve(x.rows, x.cols, P);
+  const Precision precision = weights.header().precision;
+  const bool bf16 = precision == Precision::bf16;
+  const Geometry g = m.resolve(x.rows, x.cols, P, precision);
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
@@ -390,7 +458,8 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
     }
   };
 
-  const bool pack = should_pack(P, weights.header());
+  // bf16 activations exist only in the resident tile: a bf16 layer always packs.
+  const bool pack = bf16 || should_pack(P, weights.header());
   std::vector<double> busy(static_cast<std::size_t>(P) * tiling.blocks, 0.0);
   m.arena.execute([&] {
     detail::parallel_for(
@@ -400,21 +469,31 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
           const auto q = static_cast<std::int32_t>(task / P);
           const auto t_start = Clock::now();
           ResidentTile resident;
-          if (pack) resident.resize(layout.rows[p].size(), tiling.tile);
+          if (pack) resident.resize(layout.rows[p].size(), tiling.tile, precision);
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
-            if (pack) resident.load(layout.rows[p], x.data, x.stride, t0, width);
+            if (bf16) {
+              resident.load_bf16(layout.rows[p], x.data, x.stride, t0, width, *m.bf16_kernels);
+            } else if (pack) {
+              resident.load(layout.rows[p], x.data, x.stride, t0, width);
+            }
             const Tile x_tile = pack ? resident.tile() : Tile{x.data + t0, x.stride};
+            // The lane's product for chunk c into `out`, whichever the stream's format.
+            auto product = [&](std::size_t c, std::int32_t lane, MutableTile out) {
+              if (bf16) {
+                m.bf16_kernels->forward(chunks[c].runs<Bf16Packet>(lane), resident.bf16_tile(), out,
+                                        width);
+              } else {
+                m.kernels->forward(chunks[c].runs<Packet>(lane), x_tile, out, width);
+              }
+            };
             for (std::size_t c = 0; c < chunks.size(); ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               if (P == 1) {
-                m.kernels->forward(chunks[c].runs(0), x_tile,
-                                   {y.row(chunk.first_output) + t0, y.stride}, width);
+                product(c, 0, {y.row(chunk.first_output) + t0, y.stride});
                 continue;
               }
-              m.kernels->forward(chunks[c].runs(p), x_tile,
-                                 {partial[p].row(chunk.first_output) + t0, partial[p].stride()},
-                                 width);
+              product(c, p, {partial[p].row(chunk.first_output) + t0, partial[p].stride()});
               auto& arrived = arrivals[t * chunks.size() + c];
               if (arrived.fetch_add(1, std::memory_order_acq_rel) == P - 1) ring_reduce(t, c);
             }
@@ -424,8 +503,10 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
         /*one_task_each=*/true);
   });
   for (double b : busy) counters_.busy_seconds += b;
-  for (const auto& c : chunks) counters_.packets += c.chunk->packets.size();
-  counters_.bytes += weights.header().nnz * sizeof(Packet);
+  for (const auto& c : chunks) {
+    counters_.packets += c.chunk->size();
+    counters_.bytes += c.chunk->byte_size();
+  }
 }
 
 WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& placement,
@@ -435,30 +516,34 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const std::int32_t P = placement.lanes;
   const bool want_grad = x != nullptr;
   const std::int64_t inputs = weights.header().inputs;
-  const Geometry g = m.resolve(inputs, dy.cols, P);
-  const TokenTiling tiling = make_tiling(dy.cols, g);
   const StreamHeader header = weights.header();
+  const bool bf16 = header.precision == Precision::bf16;
+  // dX accumulates in an fp32 tile; X is held in the stream's precision for dW.
+  const TokenTiling data_tiling = make_tiling(dy.cols, m.resolve(inputs, dy.cols, P));
+  const TokenTiling weight_tiling =
+      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, header.precision));
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
   std::vector<TakenChunk> chunks;
   m.arena.execute([&] { chunks = take_in(weights, placement, layout, P > 1); });
   counters_.intake_seconds += seconds_since(t_intake);
 
-  const std::int32_t Q = tiling.blocks;
+  const std::int32_t Q = data_tiling.blocks;
+  if (weight_tiling.blocks != Q) throw std::logic_error("backward: token blocks differ per pass");
   // grads[q][c][k]: block q's share of the gradient of packet k of chunk c (P == 1), or
   // of the lane's k-th routed packet, lane after lane (P > 1).
   std::vector<std::vector<std::vector<float>>> grads(Q);
   // Offsets of each lane's routed packets inside a chunk's gradient buffer.
   auto lane_offset = [&](std::size_t c, std::int32_t p) {
     std::size_t off = 0;
-    for (std::int32_t l = 0; l < p; ++l) off += chunks[c].lanes[l].packets.size();
+    for (std::int32_t l = 0; l < p; ++l) off += chunks[c].lanes[l].routed_count();
     return off;
   };
   for (auto& per_chunk : grads) {
     if (!want_grad) break;
     per_chunk.resize(chunks.size());
     for (std::size_t c = 0; c < chunks.size(); ++c) {
-      per_chunk[c].assign(chunks[c].chunk->packets.size(), 0.0F);
+      per_chunk[c].assign(chunks[c].chunk->size(), 0.0F);
     }
   }
   // Two passes over the stream, dX then dW, each keeping one matrix resident: a fused
@@ -467,6 +552,10 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const bool pack = should_pack(P, header);
   std::vector<double> busy(static_cast<std::size_t>(P) * Q, 0.0);
   auto lane_pass = [&](bool data_pass) {
+    const TokenTiling& tiling = data_pass ? data_tiling : weight_tiling;
+    // bf16 activations exist only in the resident tile: dW of a bf16 layer always packs.
+    const bool packed = data_pass ? pack : pack || bf16;
+    const Precision tile_precision = data_pass ? Precision::fp32 : header.precision;
     detail::parallel_for(
         std::int64_t{0}, std::int64_t{P} * Q,
         [&](std::int64_t task) {
@@ -475,34 +564,44 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           const auto t_start = Clock::now();
           const auto& rows = layout.rows[p];
           ResidentTile resident;
-          if (pack) resident.resize(rows.size(), tiling.tile);
+          if (packed) resident.resize(rows.size(), tiling.tile, tile_precision);
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
-            if (data_pass && pack) {
+            if (data_pass && packed) {
               resident.zero(width);
             } else if (data_pass) {
               for (std::int64_t r = 0; r < dx->rows; ++r) std::fill_n(dx->row(r) + t0, width, 0.0F);
-            } else if (pack) {
+            } else if (bf16) {
+              resident.load_bf16(rows, x->data, x->stride, t0, width, *m.bf16_kernels);
+            } else if (packed) {
               resident.load(rows, x->data, x->stride, t0, width);
             }
-            const MutableTile dx_tile = pack ? resident.mutable_tile()
-                                             : MutableTile{dx != nullptr ? dx->data + t0 : nullptr,
-                                                           dx != nullptr ? dx->stride : 0};
+            const MutableTile dx_tile = packed
+                                            ? resident.mutable_tile()
+                                            : MutableTile{dx != nullptr ? dx->data + t0 : nullptr,
+                                                          dx != nullptr ? dx->stride : 0};
             const Tile x_tile =
-                pack ? resident.tile()
-                     : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
+                packed ? resident.tile()
+                       : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
             for (std::size_t c = 0; c < chunks.size(); ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
-              const LaneRuns runs = chunks[c].runs(p);
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
-              if (data_pass) {
-                m.kernels->backward_data(runs, dy_tile, dx_tile, width);
+              float* g_out =
+                  data_pass ? nullptr : grads[q][c].data() + (P > 1 ? lane_offset(c, p) : 0);
+              if (bf16 && data_pass) {
+                m.bf16_kernels->backward_data(chunks[c].runs<Bf16Packet>(p), dy_tile, dx_tile,
+                                              width);
+              } else if (bf16) {
+                m.bf16_kernels->backward_weight(chunks[c].runs<Bf16Packet>(p), dy_tile,
+                                                resident.bf16_tile(), g_out, width);
+              } else if (data_pass) {
+                m.kernels->backward_data(chunks[c].runs<Packet>(p), dy_tile, dx_tile, width);
               } else {
-                float* g_out = grads[q][c].data() + (P > 1 ? lane_offset(c, p) : 0);
-                m.kernels->backward_weight(runs, dy_tile, x_tile, g_out, width);
+                m.kernels->backward_weight(chunks[c].runs<Packet>(p), dy_tile, x_tile, g_out,
+                                           width);
               }
             }
-            if (data_pass && pack) resident.store(rows, dx->data, dx->stride, t0, width);
+            if (data_pass && packed) resident.store(rows, dx->data, dx->stride, t0, width);
           }
           busy[task] += seconds_since(t_start);
         },
@@ -515,22 +614,26 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   });
   for (double b : busy) counters_.busy_seconds += b;
 
-  std::uint64_t packets = 0;
-  for (const auto& c : chunks) packets += c.chunk->packets.size();
-  counters_.packets += packets;
-  counters_.bytes += header.nnz * sizeof(Packet);
+  for (const auto& c : chunks) {
+    counters_.packets += c.chunk->size();
+    counters_.bytes += c.chunk->byte_size();
+  }
   if (!want_grad) return {};
 
-  // The gradient stream leaves in the weight stream's order: same tags, same controls.
+  // The gradient stream leaves in the weight stream's order: same tags, same controls,
+  // in fp32 whatever the weights' precision (the optimizer's sums want every bit).
   WeightStream out;
   out.header = header;
   out.header.kind = StreamKind::gradient;
+  out.header.precision = Precision::fp32;
   out.chunks.resize(chunks.size());
   m.arena.execute([&] {
     detail::parallel_for(std::size_t{0}, chunks.size(), [&](std::size_t c) {
       const StreamChunk& chunk = *chunks[c].chunk;
-      auto g = std::make_shared<StreamChunk>(chunk);
-      std::vector<float> sum(chunk.packets.size(), 0.0F);
+      auto g = std::make_shared<StreamChunk>();
+      g->first_output = chunk.first_output;
+      g->outputs = chunk.outputs;
+      std::vector<float> sum(chunk.size(), 0.0F);
       for (std::int32_t q = 0; q < Q; ++q) {  // blocks in a fixed order: reproducible sums
         const std::vector<float>& part = grads[q][c];
         if (P == 1) {
@@ -544,13 +647,15 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           }
         }
       }
+      g->packets.resize(chunk.size());
       for (std::size_t k = 0; k < g->packets.size(); ++k) {
-        g->packets[k].value = is_control(g->packets[k]) ? 0.0F : sum[k];
+        const std::uint32_t tag = bf16 ? tag_of(chunk.packets_bf16[k]) : chunk.packets[k].tag;
+        g->packets[k] = {tag, (tag & kControlBit) != 0 ? 0.0F : sum[k]};
       }
       out.chunks[c] = std::move(g);
     });
   });
-  counters_.bytes += header.nnz * sizeof(Packet);  // the gradient stream going out
+  counters_.bytes += out.byte_size();  // the gradient stream going out
   return out;
 }
 

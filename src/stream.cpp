@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <type_traits>
 
 #include "crc32.hpp"
 #include "sluice/error.hpp"
@@ -33,8 +34,12 @@ std::string describe_chunk(const StreamChunk& chunk, std::uint64_t chunk_index) 
          std::to_string(std::uint64_t{chunk.first_output} + chunk.outputs) + ")";
 }
 
-ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
-                       std::uint64_t chunk_index, std::uint32_t* carriage_returns) {
+namespace {
+
+template <typename PacketT>
+ChunkFacts check_packets(const StreamHeader& header, const StreamChunk& chunk,
+                         std::span<const PacketT> packets, std::uint64_t chunk_index,
+                         std::uint32_t* carriage_returns) {
   auto fail = [&](std::size_t k, const std::string& what) {
     throw FormatError(describe_chunk(chunk, chunk_index) + ", packet " + std::to_string(k) + ": " +
                       what);
@@ -43,10 +48,10 @@ ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
   ChunkFacts facts;
   std::uint64_t closed = 0;
   std::int64_t previous = -1;  // last input index in the current output
-  const Packet* p = chunk.packets.data();
-  const std::size_t n = chunk.packets.size();
+  const PacketT* p = packets.data();
+  const std::size_t n = packets.size();
   for (std::size_t k = 0; k < n; ++k) {
-    const std::uint32_t tag = p[k].tag;
+    const std::uint32_t tag = tag_of(p[k]);
     if ((tag & kControlBit) == 0) {
       if (tag >= header.inputs) {
         fail(k, "input index " + std::to_string(tag) + " out of range (layer has " +
@@ -58,7 +63,7 @@ ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
                     std::to_string(chunk.first_output + closed) +
                     " (indices must increase within an output)");
       }
-      if (check_values && !std::isfinite(p[k].value)) {
+      if (check_values && !std::isfinite(value_of(p[k]))) {
         fail(k, "non-finite value in output " + std::to_string(chunk.first_output + closed));
       }
       if (closed == chunk.outputs) {
@@ -95,6 +100,37 @@ ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
   return facts;
 }
 
+}  // namespace
+
+void check_header(const StreamHeader& header) {
+  if (header.precision != Precision::fp32 && header.precision != Precision::bf16) {
+    throw FormatError("stream header: unknown precision " +
+                      std::to_string(static_cast<std::uint32_t>(header.precision)));
+  }
+  if (header.precision == Precision::bf16 && header.kind == StreamKind::gradient) {
+    throw FormatError("stream header: gradient streams are fp32, this one says bf16");
+  }
+  if (header.precision == Precision::bf16 && header.inputs > kMaxBf16Inputs) {
+    throw FormatError("stream header: a bf16 stream addresses at most " +
+                      std::to_string(kMaxBf16Inputs) + " inputs, this one says " +
+                      std::to_string(header.inputs));
+  }
+}
+
+ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
+                       std::uint64_t chunk_index, std::uint32_t* carriage_returns) {
+  const bool bf16 = header.precision == Precision::bf16;
+  if (bf16 ? !chunk.packets.empty() : !chunk.packets_bf16.empty()) {
+    throw FormatError(describe_chunk(chunk, chunk_index) + ": carries " + (bf16 ? "fp32" : "bf16") +
+                      " packets in a " + to_string(header.precision) + " stream");
+  }
+  if (bf16) {
+    return check_packets<Bf16Packet>(header, chunk, chunk.packets_bf16, chunk_index,
+                                     carriage_returns);
+  }
+  return check_packets<Packet>(header, chunk, chunk.packets, chunk_index, carriage_returns);
+}
+
 void check_sequence(const StreamHeader& header, const StreamChunk& chunk, std::uint64_t chunk_index,
                     std::uint64_t outputs_closed, bool ended) {
   if (ended) {
@@ -128,7 +164,9 @@ void check_finished(const StreamHeader& header, std::uint64_t outputs_closed, st
 
 }  // namespace detail
 
-StreamValidator::StreamValidator(const StreamHeader& header) : header_(header) {}
+StreamValidator::StreamValidator(const StreamHeader& header) : header_(header) {
+  detail::check_header(header);
+}
 
 void StreamValidator::check(const StreamChunk& chunk) {
   detail::check_sequence(header_, chunk, chunks_seen_, outputs_closed_, ended_);
@@ -158,11 +196,18 @@ void WeightStream::validate() const {
 
 std::uint64_t WeightStream::packet_count() const {
   std::uint64_t n = 0;
-  for (const ChunkPtr& chunk : chunks) n += chunk->packets.size();
+  for (const ChunkPtr& chunk : chunks) n += chunk->size();
   return n;
 }
 
-WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t chunk_packets) {
+std::uint64_t WeightStream::byte_size() const {
+  std::uint64_t n = 0;
+  for (const ChunkPtr& chunk : chunks) n += chunk->byte_size();
+  return n;
+}
+
+WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t chunk_packets,
+                           Precision precision) {
   if (matrix.rows() > 0xFFFF'FFFFLL || matrix.cols() >= kControlBit) {
     throw ShapeError("matrix too large for a stream: " + std::to_string(matrix.rows()) + "x" +
                      std::to_string(matrix.cols()));
@@ -170,15 +215,39 @@ WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t
   if (kind == StreamKind::gradient) {
     throw ShapeError("encode_stream: a gradient stream comes from an engine, not from weights");
   }
+  const bool bf16 = precision == Precision::bf16;
+  if (bf16 && matrix.cols() > kMaxBf16Inputs) {
+    throw ShapeError("a bf16 stream addresses at most " + std::to_string(kMaxBf16Inputs) +
+                     " inputs; this layer has " + std::to_string(matrix.cols()) +
+                     " (stream it in fp32)");
+  }
+  if (precision != Precision::fp32 && !bf16) throw ShapeError("encode_stream: unknown precision");
   WeightStream stream;
   stream.header = {kind, static_cast<std::uint32_t>(matrix.rows()),
                    static_cast<std::uint32_t>(matrix.cols()),
-                   static_cast<std::uint64_t>(matrix.nnz())};
+                   static_cast<std::uint64_t>(matrix.nnz()), precision};
   const auto& offsets = matrix.row_offsets();
   const auto& idx = matrix.col_indices();
   const auto& val = matrix.values();
   const bool send_values = kind == StreamKind::weights;
   const std::int64_t rows = matrix.rows();
+  // Writes one output's packets (and a carriage return) in either format.
+  auto emit = [&](auto* out, std::int64_t row) {
+    for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
+      const float v = send_values ? val[k] : 0.0F;
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(out)>, Packet>) {
+        *out++ = {idx[k], v};
+      } else {
+        const std::uint16_t b = to_bf16(v);
+        if (std::isfinite(v) && !std::isfinite(from_bf16(b))) {
+          throw ShapeError("weight " + std::to_string(v) + " at (" + std::to_string(row) + ", " +
+                           std::to_string(idx[k]) + ") is too large for bf16");
+        }
+        *out++ = {static_cast<std::uint16_t>(idx[k]), b};
+      }
+    }
+    return out;
+  };
   std::int64_t r = 0;
   do {
     // Whole outputs per chunk, about chunk_packets packets (at least one output).
@@ -193,15 +262,24 @@ WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t
     auto chunk = std::make_shared<StreamChunk>();
     chunk->first_output = static_cast<std::uint32_t>(r);
     chunk->outputs = static_cast<std::uint32_t>(r_end - r);
-    chunk->packets.resize(packets + (last ? 1 : 0));
-    Packet* out = chunk->packets.data();
-    for (std::int64_t row = r; row < r_end; ++row) {
-      for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
-        *out++ = {idx[k], send_values ? val[k] : 0.0F};
+    const std::size_t count = packets + (last ? 1 : 0);
+    if (bf16) {
+      chunk->packets_bf16.resize(count);
+      Bf16Packet* out = chunk->packets_bf16.data();
+      for (std::int64_t row = r; row < r_end; ++row) {
+        out = emit(out, row);
+        *out++ = bf16_control(kCarriageReturn);
       }
-      *out++ = {kCarriageReturn, 0.0F};
+      if (last) *out++ = bf16_control(kEndOfLayer);
+    } else {
+      chunk->packets.resize(count);
+      Packet* out = chunk->packets.data();
+      for (std::int64_t row = r; row < r_end; ++row) {
+        out = emit(out, row);
+        *out++ = {kCarriageReturn, 0.0F};
+      }
+      if (last) *out++ = {kEndOfLayer, 0.0F};
     }
-    if (last) *out++ = {kEndOfLayer, 0.0F};
     stream.chunks.push_back(std::move(chunk));
     r = r_end;
   } while (r < rows);
@@ -217,28 +295,34 @@ CsrMatrix decode_stream(const WeightStream& stream) {
   std::vector<float> val;
   idx.reserve(stream.header.nnz);
   val.reserve(stream.header.nnz);
-  for (const ChunkPtr& chunk : stream.chunks) {
-    for (const Packet& p : chunk->packets) {
+  auto take = [&](const auto& packets) {
+    for (const auto& p : packets) {
       if (!is_control(p)) {
-        idx.push_back(p.tag);
-        val.push_back(p.value);
-      } else if (p.tag == kCarriageReturn) {
+        idx.push_back(tag_of(p));
+        val.push_back(value_of(p));
+      } else if (tag_of(p) == kCarriageReturn) {
         offsets.push_back(static_cast<std::int64_t>(idx.size()));
       }
     }
+  };
+  for (const ChunkPtr& chunk : stream.chunks) {
+    take(chunk->packets);
+    take(chunk->packets_bf16);
   }
   return CsrMatrix(stream.header.outputs, stream.header.inputs, std::move(offsets), std::move(idx),
                    std::move(val));
 }
 
 // --- serialisation -------------------------------------------------------------------
-// Little-endian. "SLWS" u32 version | u32 kind | u32 outputs | u32 inputs | u64 nnz |
-// u64 chunk count | u32 CRC-32 of all that | per chunk: u32 first_output | u32 outputs | u64 packet
-// count | packets (u32 tag, f32 value) | u32 CRC-32 of the chunk's fields and packets.
+// Little-endian. "SLWS" u32 version | u32 kind | u32 precision (version 2 on) | u32 outputs |
+// u32 inputs | u64 nnz | u64 chunk count | u32 CRC-32 of all that | per chunk: u32
+// first_output | u32 outputs | u64 packet count | packets (fp32: u32 tag, f32 value; bf16:
+// u16 index, u16 value) | u32 CRC-32 of the chunk's fields and packets. Version 1 had no
+// precision field and was always fp32; it is still read.
 namespace {
 
 constexpr char kMagic[4] = {'S', 'L', 'W', 'S'};
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;
 
 template <typename T>
 void put(std::vector<std::byte>& out, T v) {
@@ -281,6 +365,7 @@ std::vector<std::byte> serialize_stream(const WeightStream& stream) {
   for (char c : kMagic) out.push_back(static_cast<std::byte>(c));
   put(out, kVersion);
   put(out, static_cast<std::uint32_t>(stream.header.kind));
+  put(out, static_cast<std::uint32_t>(stream.header.precision));
   put(out, stream.header.outputs);
   put(out, stream.header.inputs);
   put(out, stream.header.nnz);
@@ -290,9 +375,13 @@ std::vector<std::byte> serialize_stream(const WeightStream& stream) {
     const std::size_t start = out.size();
     put(out, chunk->first_output);
     put(out, chunk->outputs);
-    put(out, static_cast<std::uint64_t>(chunk->packets.size()));
-    const auto* b = reinterpret_cast<const std::byte*>(chunk->packets.data());
-    out.insert(out.end(), b, b + chunk->packets.size() * sizeof(Packet));
+    const bool bf16 = stream.header.precision == Precision::bf16;
+    put(out, static_cast<std::uint64_t>(bf16 ? chunk->packets_bf16.size() : chunk->packets.size()));
+    const auto* b = bf16 ? reinterpret_cast<const std::byte*>(chunk->packets_bf16.data())
+                         : reinterpret_cast<const std::byte*>(chunk->packets.data());
+    out.insert(out.end(), b,
+               b + (bf16 ? chunk->packets_bf16.size() * sizeof(Bf16Packet)
+                         : chunk->packets.size() * sizeof(Packet)));
     put(out, crc32(std::span<const std::byte>(out.data() + start, out.size() - start)));
   }
   return out;
@@ -306,8 +395,8 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
   }
   in.skip(4);
   const auto version = in.get<std::uint32_t>("version");
-  if (version != kVersion) {
-    throw FormatError("serialized stream version " + std::to_string(version) + ", expected " +
+  if (version != 1 && version != kVersion) {
+    throw FormatError("serialized stream version " + std::to_string(version) + ", expected 1 to " +
                       std::to_string(kVersion));
   }
   WeightStream stream;
@@ -315,6 +404,16 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
   if (kind < 1 || kind > 3)
     throw FormatError("serialized stream: unknown kind " + std::to_string(kind));
   stream.header.kind = static_cast<StreamKind>(kind);
+  if (version >= 2) {
+    const auto precision = in.get<std::uint32_t>("precision");
+    if (precision != static_cast<std::uint32_t>(Precision::fp32) &&
+        precision != static_cast<std::uint32_t>(Precision::bf16)) {
+      throw FormatError("serialized stream: unknown precision " + std::to_string(precision));
+    }
+    stream.header.precision = static_cast<Precision>(precision);
+  }
+  const bool bf16 = stream.header.precision == Precision::bf16;
+  const std::size_t packet_bytes = bf16 ? sizeof(Bf16Packet) : sizeof(Packet);
   stream.header.outputs = in.get<std::uint32_t>("outputs");
   stream.header.inputs = in.get<std::uint32_t>("inputs");
   stream.header.nnz = in.get<std::uint64_t>("nnz");
@@ -336,13 +435,20 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
     chunk->first_output = in.get<std::uint32_t>("chunk header");
     chunk->outputs = in.get<std::uint32_t>("chunk header");
     const auto n = in.get<std::uint64_t>("chunk header");
-    if (n > in.left() / sizeof(Packet)) {
+    if (n > in.left() / packet_bytes) {
       throw FormatError("serialized stream truncated in chunk " + std::to_string(c) + ": " +
                         std::to_string(n) + " packets announced");
     }
-    chunk->packets.resize(n);
-    if (n > 0) std::memcpy(chunk->packets.data(), in.here(), n * sizeof(Packet));
-    in.skip(n * sizeof(Packet));
+    void* packets = nullptr;
+    if (bf16) {
+      chunk->packets_bf16.resize(n);
+      packets = chunk->packets_bf16.data();
+    } else {
+      chunk->packets.resize(n);
+      packets = chunk->packets.data();
+    }
+    if (n > 0) std::memcpy(packets, in.here(), n * packet_bytes);
+    in.skip(n * packet_bytes);
     const std::uint32_t computed = crc32(std::span<const std::byte>(start_ptr, in.pos() - start));
     const auto stored = in.get<std::uint32_t>("chunk checksum");
     if (stored != computed) {

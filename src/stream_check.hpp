@@ -13,6 +13,9 @@ struct ChunkFacts {
   bool ends_layer = false;    ///< last packet is end-of-layer
 };
 
+/// The header alone: a known precision, and one the layer's shape and kind allow.
+void check_header(const StreamHeader& header);
+
 /// Everything that can be checked from the chunk alone: tags in range, indices strictly
 /// increasing within an output, `outputs` carriage returns, end-of-layer only last,
 /// finite values (unless a mask). `chunk_index` is for the message. If given,

@@ -46,35 +46,42 @@ std::vector<float> gradient_values(const WeightStream& g) {
   return v;
 }
 
-// Runs forward and both backward products on one engine and checks them.
+// Runs forward and both backward products on one engine and checks them. In bf16 the
+// engine holds W and X rounded to bf16 and sums in fp32, so it is checked against the
+// float64 product of the rounded operands at the same fp32 tolerance.
 void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::size_t chunk,
-                  std::uint64_t seed) {
+                  std::uint64_t seed, Precision precision = Precision::fp32) {
   SCOPED_TRACE(name(c) + " lanes=" + std::to_string(lanes) + " chunk=" + std::to_string(chunk) +
-               " isa=" + to_string(engine.isa()));
+               " isa=" + to_string(engine.isa()) + " " + to_string(precision));
   const CsrMatrix w = CsrMatrix::random(c.out, c.in, c.sparsity, seed, c.distribution);
   const DenseMatrix x = random_dense(c.in, c.tokens, seed + 1);
   const DenseMatrix dy = random_dense(c.out, c.tokens, seed + 2);
-  const WeightStream stream = encode_stream(w, StreamKind::weights, chunk);
+  const WeightStream stream = encode_stream(w, StreamKind::weights, chunk, precision);
   const Placement placement = round_robin_placement(w, lanes);
+  const bool bf16 = precision == Precision::bf16;
+  const CsrMatrix w_ref = bf16 ? testing::rounded_to_bf16(w) : w;
+  const DenseMatrix x_held = testing::rounded_to_bf16(x.view());
+  const ConstMatrixView x_ref = bf16 ? x_held.view() : x.view();
 
   DenseMatrix y(c.out, c.tokens);
   y.fill(NAN);  // every element must be written
   engine.forward(stream, placement, x.view(), y.view());
-  EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+  EXPECT_LE(forward_error(w_ref, x_ref, y.view()), kTolerance);
 
   DenseMatrix dx(c.in, c.tokens);
   dx.fill(NAN);
   MutableMatrixView dx_view = dx.view();
   const WeightStream grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view);
-  EXPECT_LE(backward_data_error(w, dy.view(), dx.view()), kTolerance);
+  EXPECT_LE(backward_data_error(w_ref, dy.view(), dx.view()), kTolerance);
   ASSERT_EQ(grad.header.kind, StreamKind::gradient);
+  EXPECT_EQ(grad.header.precision, Precision::fp32);
   EXPECT_NO_THROW(grad.validate());
   const std::vector<float> g = gradient_values(grad);
   ASSERT_EQ(static_cast<std::int64_t>(g.size()), w.nnz());
-  EXPECT_LE(backward_weight_error(w, dy.view(), x.view(), g), kTolerance);
+  EXPECT_LE(backward_weight_error(w, dy.view(), x_ref, g), kTolerance);
 
   // The mask alone suffices for the weight gradient, and gives the same numbers.
-  const WeightStream mask = encode_stream(w, StreamKind::mask, chunk);
+  const WeightStream mask = encode_stream(w, StreamKind::mask, chunk, precision);
   const std::vector<float> g_mask =
       gradient_values(engine.backward(mask, placement, x.view(), dy.view(), nullptr));
   EXPECT_EQ(g_mask, g);
@@ -96,23 +103,29 @@ const Case kCases[] = {
 
 class EngineByIsa : public ::testing::TestWithParam<Isa> {};
 
-TEST_P(EngineByIsa, MatchesReferenceOnOddShapesAndGeometries) {
-  std::uint64_t seed = 11;
-  for (std::int32_t lanes = 1; lanes <= 4; ++lanes) {
-    for (std::int32_t blocks = 1; blocks <= 3; ++blocks) {
+// Every case on every geometry lanes x blocks, chunks small (outputs spread over many
+// chunks) or of the default size.
+void check_geometries(Isa isa, std::initializer_list<std::int32_t> lane_counts,
+                      std::initializer_list<std::int32_t> block_counts, std::uint64_t seed,
+                      Precision precision) {
+  for (std::int32_t lanes : lane_counts) {
+    for (std::int32_t blocks : block_counts) {
       EngineOptions options;
-      options.isa = GetParam();
+      options.isa = isa;
       options.geometry.lanes = lanes;
       options.geometry.blocks = blocks;
       options.threads = 2;
       CpuEngine engine(options);
       for (const Case& c : kCases) {
-        // Small chunks so outputs spread over many chunks; default size too.
-        check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed);
+        check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed, precision);
         ++seed;
       }
     }
   }
+}
+
+TEST_P(EngineByIsa, MatchesReferenceOnOddShapesAndGeometries) {
+  check_geometries(GetParam(), {1, 2, 3, 4}, {1, 2, 3}, 11, Precision::fp32);
 }
 
 TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
@@ -122,6 +135,20 @@ TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
     options.geometry.tile_tokens = tile;
     CpuEngine engine(options);
     check_engine(engine, {23, 41, 131, 0.7}, 2, 64, 100 + tile);
+  }
+}
+
+TEST_P(EngineByIsa, Bf16MatchesReferenceOnOddShapesAndGeometries) {
+  check_geometries(GetParam(), {1, 3}, {1, 2}, 500, Precision::bf16);
+}
+
+TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
+  for (std::int32_t tile : {1, 15, 31, 32, 33, 64, 95, 128, 130}) {
+    EngineOptions options;
+    options.isa = GetParam();
+    options.geometry.tile_tokens = tile;
+    CpuEngine engine(options);
+    check_engine(engine, {23, 41, 300, 0.7}, 1 + tile % 2, 64, 200 + tile, Precision::bf16);
   }
 }
 
@@ -173,6 +200,41 @@ TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
   DenseMatrix y(50, 9);
   engine.forward(encode_stream(w), placement, x.view(), y.view(), &next);
   EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+}
+
+TEST(Engine, Bf16KeepsTokensApart) {
+  // A non-finite activation in one token must not leak into its neighbours, which share
+  // the same 32-bit word of a bf16 row.
+  const CsrMatrix w = CsrMatrix::random(9, 12, 0.3, 21);
+  DenseMatrix x = random_dense(12, 37, 22);
+  x(3, 10) = INFINITY;
+  x(5, 20) = NAN;
+  CpuEngine engine;
+  DenseMatrix y(9, 37);
+  engine.forward(encode_stream(w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16),
+                 round_robin_placement(w, 1), x.view(), y.view());
+  for (std::int64_t o = 0; o < 9; ++o) {
+    for (std::int64_t t = 0; t < 37; ++t) {
+      if (t != 10 && t != 20) EXPECT_TRUE(std::isfinite(y(o, t))) << o << "," << t;
+    }
+  }
+}
+
+TEST(Engine, RefusesBf16StreamsWithTooManyInputs) {
+  const CsrMatrix wide = CsrMatrix::random(2, 70000, 0.999, 3);
+  EXPECT_THROW(encode_stream(wide, StreamKind::weights, kDefaultChunkPackets, Precision::bf16),
+               ShapeError);
+  // A header that claims it anyway is refused at intake.
+  WeightStream s = encode_stream(CsrMatrix::random(2, 10, 0.5, 3), StreamKind::weights,
+                                 kDefaultChunkPackets, Precision::bf16);
+  s.header.inputs = 70000;
+  CpuEngine engine;
+  Placement p;
+  p.lanes = 1;
+  p.lane_of.assign(70000, 0);
+  p.lane_nnz = {0};
+  DenseMatrix x(70000, 1), y(2, 1);
+  EXPECT_THROW(engine.forward(s, p, x.view(), y.view()), FormatError);
 }
 
 TEST(Engine, RejectsWrongShapes) {

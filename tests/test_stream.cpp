@@ -2,11 +2,16 @@
 // and the bounded channel between a producer and an engine.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
 #include <string>
 #include <thread>
 
+#include <cstring>
+
+#include "crc32.hpp"
+#include "sluice/bf16.hpp"
 #include "sluice/error.hpp"
 #include "sluice/stream.hpp"
 
@@ -166,6 +171,115 @@ TEST(Stream, SerialisationRefusesFlippedBytes) {
     bad[at] ^= std::byte{static_cast<unsigned char>(1U << (rng() % 8))};
     EXPECT_THROW(deserialize_stream(bad), FormatError) << "flip at byte " << at;
   }
+}
+
+TEST(Bf16, RoundsToNearestEvenAndKeepsSpecials) {
+  EXPECT_EQ(to_bf16(1.0F), 0x3F80);
+  EXPECT_EQ(from_bf16(0x3F80), 1.0F);
+  EXPECT_EQ(to_bf16(-2.0F), 0xC000);
+  EXPECT_EQ(to_bf16(-0.0F), 0x8000);
+  // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1).
+  EXPECT_EQ(to_bf16(1.0F + 0x1p-8F), 0x3F80);
+  // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: ties go to 1 + 2^-6.
+  EXPECT_EQ(to_bf16(1.0F + 3 * 0x1p-8F), 0x3F82);
+  EXPECT_EQ(to_bf16(1.0F + 0x1p-8F + 0x1p-20F), 0x3F81);  // just above half: up
+  EXPECT_EQ(to_bf16(INFINITY), 0x7F80);
+  EXPECT_EQ(to_bf16(-INFINITY), 0xFF80);
+  EXPECT_TRUE(std::isnan(from_bf16(to_bf16(NAN))));
+  // A NaN whose payload sits only in the dropped bits must not become infinity.
+  EXPECT_TRUE(std::isnan(from_bf16(to_bf16(std::bit_cast<float>(0x7F800001U)))));
+  EXPECT_TRUE(std::isinf(from_bf16(to_bf16(3.4e38F))));  // beyond bf16's largest
+  // Subnormals round the same way (a tie here, to even).
+  EXPECT_EQ(to_bf16(std::bit_cast<float>(0x0001'8000U)), 0x0002);
+  for (float v : {0.1F, -3.7F, 1e-20F, 6.5e4F, 1e30F}) {
+    EXPECT_LE(std::fabs(round_to_bf16(v) - v), std::fabs(v) * 0x1p-8F) << v;
+  }
+  EXPECT_EQ(parse_precision("bf16"), Precision::bf16);
+  EXPECT_THROW(parse_precision("fp16"), ShapeError);
+}
+
+TEST(Stream, Bf16StreamsHalveTheBytesAndRoundTrip) {
+  const CsrMatrix w = CsrMatrix::random(37, 300, 0.8, 4, RowDistribution::powerlaw);
+  const WeightStream fp32 = encode_stream(w);
+  const WeightStream bf16 = encode_stream(w, StreamKind::weights, 50, Precision::bf16);
+  EXPECT_EQ(bf16.header.precision, Precision::bf16);
+  EXPECT_EQ(bf16.packet_count(), fp32.packet_count());
+  EXPECT_EQ(2 * bf16.byte_size(), fp32.byte_size());
+  EXPECT_GT(bf16.chunks.size(), 1U);
+  for (const auto& c : bf16.chunks) EXPECT_TRUE(c->packets.empty());
+  const CsrMatrix back = decode_stream(bf16);
+  ASSERT_EQ(back.col_indices(), w.col_indices());
+  ASSERT_EQ(back.row_offsets(), w.row_offsets());
+  for (std::size_t k = 0; k < w.values().size(); ++k) {
+    EXPECT_EQ(back.values()[k], round_to_bf16(w.values()[k])) << k;
+  }
+  const WeightStream again = deserialize_stream(serialize_stream(bf16));
+  EXPECT_EQ(again.header.precision, Precision::bf16);
+  EXPECT_EQ(decode_stream(again).values(), back.values());
+  // A mask stream in bf16 carries the pattern only.
+  const WeightStream mask = encode_stream(w, StreamKind::mask, 50, Precision::bf16);
+  EXPECT_NO_THROW(mask.validate());
+  EXPECT_THROW(encode_stream(CsrMatrix(1, 2, {0, 1}, {1}, {3.4e38F}), StreamKind::weights, 50,
+                             Precision::bf16),
+               ShapeError);
+}
+
+TEST(Stream, Bf16ValidatorNamesEveryCorruption) {
+  const CsrMatrix w(4, 5, {0, 2, 3, 3, 6}, {0, 3, 4, 1, 2, 4}, {1, 2, 3, 4, 5, 6});
+  auto corrupt = [&](auto mutate) {
+    WeightStream s = encode_stream(w, StreamKind::weights, 6, Precision::bf16);
+    auto chunk = std::make_shared<StreamChunk>(*s.chunks[0]);
+    mutate(*chunk, s);
+    s.chunks[0] = chunk;
+    return error_of(s);
+  };
+  EXPECT_EQ(corrupt([](StreamChunk&, WeightStream&) {}), "");
+  EXPECT_NE(corrupt([](StreamChunk& c, WeightStream&) {
+              c.packets_bf16[0].index = 5;
+            }).find("out of range"),
+            std::string::npos);
+  EXPECT_NE(
+      corrupt([](StreamChunk& c, WeightStream&) { c.packets_bf16[1].index = 0; }).find("repeated"),
+      std::string::npos);
+  EXPECT_NE(corrupt([](StreamChunk& c, WeightStream&) {
+              c.packets_bf16[0].value = 0x7FC0;
+            }).find("non-finite"),
+            std::string::npos);
+  EXPECT_NE(corrupt([](StreamChunk& c, WeightStream&) {
+              c.packets_bf16[2].value = 0x1234;
+            }).find("unknown control"),
+            std::string::npos);
+  EXPECT_NE(corrupt([](StreamChunk& c, WeightStream&) {
+              c.packets.push_back({0, 1.0F});
+            }).find("fp32 packets in a bf16 stream"),
+            std::string::npos);
+  EXPECT_NE(corrupt([](StreamChunk&, WeightStream& s) {
+              s.header.precision = Precision{7};
+            }).find("unknown precision"),
+            std::string::npos);
+  EXPECT_NE(corrupt([](StreamChunk&, WeightStream& s) {
+              s.header.kind = StreamKind::gradient;
+            }).find("gradient streams are fp32"),
+            std::string::npos);
+}
+
+TEST(Stream, ReadsVersionOneSerialisation) {
+  // Version 1 had no precision field: rebuild such bytes from a version 2 serialisation.
+  const WeightStream s = small_stream(4);
+  std::vector<std::byte> v2 = serialize_stream(s);
+  std::vector<std::byte> v1(v2.begin(), v2.begin() + 12);  // magic, version, kind
+  v1.insert(v1.end(), v2.begin() + 16, v2.end());          // drop the precision field
+  const std::uint32_t one = 1;
+  std::memcpy(v1.data() + 4, &one, 4);
+  const std::size_t header_bytes = 4 + 4 + 4 + 4 + 4 + 8 + 8;
+  const std::uint32_t crc = crc32(std::span<const std::byte>(v1.data(), header_bytes));
+  std::memcpy(v1.data() + header_bytes, &crc, 4);
+  const WeightStream back = deserialize_stream(v1);
+  EXPECT_EQ(back.header.precision, Precision::fp32);
+  EXPECT_EQ(decode_stream(back).values(), decode_stream(s).values());
+  std::uint32_t three = 3;
+  std::memcpy(v1.data() + 4, &three, 4);
+  EXPECT_THROW(deserialize_stream(v1), FormatError);
 }
 
 TEST(StreamChannel, HandsChunksOverInOrderAndBlocksWhenFull) {

@@ -28,6 +28,7 @@ struct SpmmOptions {
   bool check = false;
   bool json = false;
   bool backward = false;
+  std::string precision = "fp32";
   Geometry geometry;
 };
 
@@ -35,7 +36,7 @@ struct SpmmResult {
   std::int64_t out = 0, in = 0, tokens = 0, nnz = 0;
   double sparsity = 0;
   int threads = 0;
-  std::string isa, geometry;
+  std::string isa, geometry, precision;
   double sparse_ms = 0, dense_ms = 0, prepare_ms = 0, balance = 1;
   std::optional<double> max_rel_error;
   // --backward
@@ -63,19 +64,30 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   r.sparsity = w.sparsity();
   r.threads = engine.threads();
   r.isa = to_string(engine.isa());
-  const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens);
+  const Precision precision = parse_precision(o.precision);
+  r.precision = o.precision;
+  const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens, precision);
   r.geometry = g.to_string();
+  // A bf16 product is checked against float64 on the operands rounded as the engine holds
+  // them (W streamed in bf16, X resident in bf16), so the check still catches kernel bugs
+  // at fp32 tolerances; dY stays fp32.
+  const bool bf16 = precision == Precision::bf16;
+  const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();
+  const CsrMatrix& w_ref = bf16 ? w_held : w;
+  const DenseMatrix x_held = bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
+  const ConstMatrixView x_ref = bf16 ? x_held.view() : x.view();
 
   // Preparing the layer (planning + encoding the stream) happens once per layer in
   // ModelMemory, so it is reported apart from the product.
   WeightStream stream;
   Placement placement;
-  r.prepare_ms = 1e3 * median_seconds(
-                           [&] {
-                             placement = round_robin_placement(w, g.lanes);
-                             stream = encode_stream(w);
-                           },
-                           1);
+  r.prepare_ms =
+      1e3 * median_seconds(
+                [&] {
+                  placement = round_robin_placement(w, g.lanes);
+                  stream = encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision);
+                },
+                1);
   r.balance = placement.balance();
   r.sparse_ms = 1e3 * median_seconds([&] { engine.forward(stream, placement, x.view(), y.view()); },
                                      o.repeat);
@@ -86,13 +98,13 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
       median_seconds(
           [&] { baseline::dense_sgemm(w_dense.view(), false, x.view(), false, y_dense.view()); },
           o.repeat);
-  if (o.check) r.max_rel_error = testing::forward_error(w, x.view(), y.view());
+  if (o.check) r.max_rel_error = testing::forward_error(w_ref, x_ref, y.view());
 
   if (o.backward) {
     const DenseMatrix dy = testing::random_dense(w.rows(), o.tokens, o.seed + 202);
     DenseMatrix dx(w.cols(), o.tokens);
     MutableMatrixView dx_view = dx.view();
-    const WeightStream mask = encode_stream(w, StreamKind::mask);
+    const WeightStream mask = encode_stream(w, StreamKind::mask, kDefaultChunkPackets, precision);
     WeightStream grad;
     r.backward_ms =
         1e3 * median_seconds(
@@ -121,8 +133,8 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
           if (!is_control(p)) g.push_back(p.value);
         }
       }
-      r.max_rel_error_bwd = std::max(testing::backward_data_error(w, dy.view(), dx.view()),
-                                     testing::backward_weight_error(w, dy.view(), x.view(), g));
+      r.max_rel_error_bwd = std::max(testing::backward_data_error(w_ref, dy.view(), dx.view()),
+                                     testing::backward_weight_error(w, dy.view(), x_ref, g));
     }
   }
   return r;
@@ -132,6 +144,7 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
   j.begin_object();
   j.field("out", r.out).field("in", r.in).field("tokens", r.tokens).field("nnz", r.nnz);
   j.field("sparsity", r.sparsity).field("threads", r.threads).field("isa", r.isa);
+  j.field("precision", r.precision);
   j.field("geometry", r.geometry).field("sparse_ms", r.sparse_ms).field("dense_ms", r.dense_ms);
   j.field("prepare_ms", r.prepare_ms).field("useful_gflops", r.useful_gflops());
   j.field("acceleration", r.acceleration()).field("balance", r.balance);
@@ -150,10 +163,11 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
 
 void print_table(const std::vector<SpmmResult>& results, bool backward, bool check) {
   const SpmmResult& first = results.front();
-  std::printf("sluice spmm: %lld x %lld weights, %lld tokens, %d threads, ISA %s, geometry %s\n",
-              static_cast<long long>(first.out), static_cast<long long>(first.in),
-              static_cast<long long>(first.tokens), first.threads, first.isa.c_str(),
-              first.geometry.c_str());
+  std::printf(
+      "sluice spmm: %lld x %lld weights, %lld tokens, %d threads, ISA %s, %s, geometry %s\n",
+      static_cast<long long>(first.out), static_cast<long long>(first.in),
+      static_cast<long long>(first.tokens), first.threads, first.isa.c_str(),
+      first.precision.c_str(), first.geometry.c_str());
   std::printf("%9s %10s %10s %10s %9s %8s %8s", "sparsity", "nnz", "sparse_ms", "dense_ms",
               "GFLOP/s", "accel", "balance");
   if (check) std::printf(" %9s", "rel_err");
@@ -201,7 +215,11 @@ Command add_spmm_command(CLI::App& app) {
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--tile", o->geometry.tile_tokens, "Tokens per tile (default: chosen)")
       ->check(CLI::Range(1, 1 << 20));
-  cmd->add_flag("--check", o->check, "Check against a float64 reference");
+  cmd->add_option("--precision", o->precision,
+                  "fp32, or bf16: weights streamed and activations held in bf16, fp32 sums")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_flag("--check", o->check,
+                "Check against a float64 reference (of the bf16-rounded operands in bf16)");
   cmd->add_flag("--backward", o->backward, "Also time (and check) backward-data and -weight");
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
 

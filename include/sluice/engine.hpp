@@ -79,9 +79,10 @@ class Engine {
     backward_data(source, placement, dy, dx);
   }
 
-  /// The geometry this engine uses for a layer of this shape.
-  virtual Geometry geometry_for(std::int64_t outputs, std::int64_t inputs,
-                                std::int64_t tokens) const = 0;
+  /// The geometry this engine uses for a layer of this shape (a bf16 layer's tiles are
+  /// wider: its activations take half the bytes).
+  virtual Geometry geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
+                                Precision precision = Precision::fp32) const = 0;
   virtual Isa isa() const = 0;
   virtual std::int32_t threads() const = 0;
   EngineCounters& counters() { return counters_; }
@@ -103,8 +104,8 @@ class CpuEngine final : public Engine {
   explicit CpuEngine(EngineOptions options = {});
   ~CpuEngine() override;
 
-  Geometry geometry_for(std::int64_t outputs, std::int64_t inputs,
-                        std::int64_t tokens) const override;
+  Geometry geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
+                        Precision precision = Precision::fp32) const override;
   Isa isa() const override;
   std::int32_t threads() const override;
 

@@ -6,6 +6,10 @@
 // zeros are never sent — then a carriage return that closes o. After the last output,
 // one end-of-layer packet. Packets travel in chunks that hold whole outputs, so a
 // producer and the engines can work concurrently through a bounded channel.
+//
+// A stream has a precision. fp32 streams carry 8-byte `Packet`s; bf16 streams carry
+// 4-byte `Bf16Packet`s (16-bit input index, bfloat16 value), half the bytes, for layers
+// with fewer than 65535 inputs. Gradient streams are always fp32.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -13,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "sluice/bf16.hpp"
 #include "sluice/csr_matrix.hpp"
 
 namespace sluice {
@@ -32,6 +37,42 @@ inline bool is_control(const Packet& p) {
   return (p.tag & kControlBit) != 0;
 }
 
+/// One 4-byte packet of a bf16 stream. A weight: its input index (< 65535) and its value
+/// in bfloat16. A control packet: index 0xFFFF, and the low half of the fp32 control tag
+/// as value (so carriage return and end-of-layer keep their meaning, see `tag_of`).
+/// Read as a little-endian 32-bit word, the high half is the weight's fp32 bit pattern,
+/// which is how the kernels widen it.
+struct Bf16Packet {
+  std::uint16_t index;
+  std::uint16_t value;
+};
+static_assert(sizeof(Bf16Packet) == 4);
+
+inline constexpr std::uint16_t kBf16ControlIndex = 0xFFFF;
+/// Layers a bf16 stream can address: input indices 0 ... 65534.
+inline constexpr std::uint32_t kMaxBf16Inputs = 0xFFFF;
+
+inline bool is_control(const Bf16Packet& p) {
+  return p.index == kBf16ControlIndex;
+}
+inline constexpr Bf16Packet bf16_control(std::uint32_t control_tag) {
+  return {kBf16ControlIndex, static_cast<std::uint16_t>(control_tag & 0xFFFFU)};
+}
+/// The fp32 stream's tag for a packet of either format (controls map to kCarriageReturn
+/// and kEndOfLayer), and its value as fp32.
+inline std::uint32_t tag_of(const Packet& p) {
+  return p.tag;
+}
+inline std::uint32_t tag_of(const Bf16Packet& p) {
+  return is_control(p) ? 0xFFFF'0000U | p.value : p.index;
+}
+inline float value_of(const Packet& p) {
+  return p.value;
+}
+inline float value_of(const Bf16Packet& p) {
+  return from_bf16(p.value);
+}
+
 enum class StreamKind : std::uint32_t {
   weights = 1,   ///< values are the weights
   mask = 2,      ///< values are not meaningful: only the pattern travels (backward-weight)
@@ -41,17 +82,25 @@ const char* to_string(StreamKind kind);
 
 struct StreamHeader {
   StreamKind kind = StreamKind::weights;
-  std::uint32_t outputs = 0;  ///< rows of W: carriage returns in the stream
-  std::uint32_t inputs = 0;   ///< columns of W: every weight tag is < inputs
-  std::uint64_t nnz = 0;      ///< weight packets in the stream
+  std::uint32_t outputs = 0;              ///< rows of W: carriage returns in the stream
+  std::uint32_t inputs = 0;               ///< columns of W: every weight tag is < inputs
+  std::uint64_t nnz = 0;                  ///< weight packets in the stream
+  Precision precision = Precision::fp32;  ///< which packets the chunks carry
 };
 
 /// A run of whole outputs: [first_output, first_output + outputs), the packets of each
 /// closed by a carriage return; the last chunk of a stream ends with end-of-layer.
+/// The packets are in `packets` (fp32 stream) or `packets_bf16` (bf16 stream).
 struct StreamChunk {
   std::uint32_t first_output = 0;
   std::uint32_t outputs = 0;
   std::vector<Packet> packets;
+  std::vector<Bf16Packet> packets_bf16;
+
+  std::size_t size() const { return packets.size() + packets_bf16.size(); }
+  std::size_t byte_size() const {
+    return packets.size() * sizeof(Packet) + packets_bf16.size() * sizeof(Bf16Packet);
+  }
 };
 using ChunkPtr = std::shared_ptr<const StreamChunk>;
 
@@ -84,7 +133,7 @@ struct WeightStream {
   /// Full validation (see StreamValidator).
   void validate() const;
   std::uint64_t packet_count() const;
-  std::uint64_t byte_size() const { return packet_count() * sizeof(Packet); }
+  std::uint64_t byte_size() const;
 };
 
 /// Default chunk size in packets: large enough to amortise the hand-over, small enough
@@ -92,10 +141,14 @@ struct WeightStream {
 inline constexpr std::size_t kDefaultChunkPackets = 1 << 15;
 
 /// Encodes a CSR matrix as a stream of the given kind (`mask` sends zeros as values).
+/// In bf16 the values are rounded to nearest even; a matrix with more than 65534
+/// columns, or a finite weight too large for bf16, is refused with ShapeError.
 WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind::weights,
-                           std::size_t chunk_packets = kDefaultChunkPackets);
+                           std::size_t chunk_packets = kDefaultChunkPackets,
+                           Precision precision = Precision::fp32);
 
-/// Decodes a complete, valid stream back into CSR (values from the packets).
+/// Decodes a complete, valid stream back into CSR (values from the packets, widened to
+/// fp32 from a bf16 stream).
 CsrMatrix decode_stream(const WeightStream& stream);
 
 /// Serialises a stream to bytes (magic "SLWS", version, header, framed chunks, CRC-32 per

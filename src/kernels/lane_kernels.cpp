@@ -14,4 +14,9 @@ const LaneKernels& lane_kernels(Isa isa) {
   return kScalarKernels;
 }
 
+const Bf16LaneKernels& bf16_lane_kernels(Isa isa) {
+  // AVX2 has no fast bf16 path of its own yet: the portable loops serve it.
+  return isa == Isa::avx512 ? kAvx512Bf16Kernels : kScalarBf16Kernels;
+}
+
 }  // namespace sluice::detail

@@ -10,12 +10,15 @@ namespace sluice::detail {
 
 /// One lane's packets for a run of outputs: output r's weights are
 /// packets[begin[r]], ..., packets[end[r] - 1] (tags = input feature indices).
-struct LaneRuns {
-  const Packet* packets = nullptr;
+template <typename PacketT>
+struct Runs {
+  const PacketT* packets = nullptr;
   const std::uint32_t* begin = nullptr;
   const std::uint32_t* end = nullptr;
   std::int64_t runs = 0;
 };
+using LaneRuns = Runs<Packet>;
+using Bf16LaneRuns = Runs<Bf16Packet>;
 
 /// A token tile of a row-major matrix: row i starts at data + i * stride, `tokens` wide.
 struct Tile {
@@ -26,6 +29,13 @@ struct MutableTile {
   float* data;
   std::int64_t stride;
 };
+/// A resident tile held in bf16: rows padded with zeros to a multiple of 32 tokens, so
+/// kernels may read whole 32-token vectors past `tokens`.
+struct Bf16Tile {
+  const std::uint16_t* data;
+  std::int64_t stride;
+};
+inline constexpr std::int64_t kBf16RowAlign = 32;
 
 struct LaneKernels {
   /// y[r, :] = sum over run r of w * x[tag, :]  (overwrites y's rows 0..runs-1).
@@ -36,10 +46,24 @@ struct LaneKernels {
   void (*backward_weight)(const LaneRuns& runs, Tile dy, Tile x, float* grad, std::int64_t tokens);
 };
 
+/// The same products for a bf16 stream: weights widened from bf16, activations held as
+/// bf16 in the resident tile, every sum in fp32. dY and dX stay fp32 (dX accumulates).
+struct Bf16LaneKernels {
+  void (*forward)(const Bf16LaneRuns& runs, Bf16Tile x, MutableTile y, std::int64_t tokens);
+  void (*backward_data)(const Bf16LaneRuns& runs, Tile dy, MutableTile dx, std::int64_t tokens);
+  void (*backward_weight)(const Bf16LaneRuns& runs, Tile dy, Bf16Tile x, float* grad,
+                          std::int64_t tokens);
+  /// dst[0, padded) = bf16 of src[0, n), then zeros up to `padded` (rounded to nearest even).
+  void (*pack)(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t padded);
+};
+
 const LaneKernels& lane_kernels(Isa isa);
+const Bf16LaneKernels& bf16_lane_kernels(Isa isa);
 
 extern const LaneKernels kScalarKernels;
 extern const LaneKernels kAvx2Kernels;
 extern const LaneKernels kAvx512Kernels;
+extern const Bf16LaneKernels kScalarBf16Kernels;
+extern const Bf16LaneKernels kAvx512Bf16Kernels;
 
 }  // namespace sluice::detail
