@@ -71,11 +71,14 @@ class MeteredSource final : public StreamSource {
     const auto t0 = Clock::now();
     ChunkPtr chunk = inner_->next();
     wait_seconds += since(t0);
-    if (chunk) packets += chunk->packets.size();
+    if (chunk) {
+      packets += chunk->size();
+      bytes += chunk->byte_size();
+    }
     return chunk;
   }
   double wait_seconds = 0;
-  std::uint64_t packets = 0;
+  std::uint64_t packets = 0, bytes = 0;
 
  private:
   StreamSource* inner_;
@@ -85,10 +88,12 @@ class MeteredSource final : public StreamSource {
 /// channel. The destructor drains what the consumer left (after an error) and joins.
 struct LayerStream {
   LayerStream(const ModelMemory& memory, std::int32_t layer, StreamKind kind, std::size_t depth,
-              std::size_t chunk_packets)
-      : channel(depth), source(memory.stream_header(layer, kind), channel), metered(source) {
-    producer = std::thread([&memory, this, layer, kind, chunk_packets] {
-      memory.stream_to(layer, kind, channel, chunk_packets);
+              std::size_t chunk_packets, Precision precision)
+      : channel(depth),
+        source(memory.stream_header(layer, kind, precision), channel),
+        metered(source) {
+    producer = std::thread([&memory, this, layer, kind, chunk_packets, precision] {
+      memory.stream_to(layer, kind, channel, chunk_packets, precision);
     });
   }
   ~LayerStream() {
@@ -222,9 +227,9 @@ struct LayerStreamingExecutor::Impl {
 
   const Placement* placement(std::int32_t layer, std::int32_t k) {
     const auto& s = state[static_cast<std::size_t>(k)];
-    const Geometry g =
-        fabric.engine(k).geometry_for(sizes[static_cast<std::size_t>(layer) + 1],
-                                      sizes[static_cast<std::size_t>(layer)], s.tokens);
+    const Geometry g = fabric.engine(k).geometry_for(
+        sizes[static_cast<std::size_t>(layer) + 1], sizes[static_cast<std::size_t>(layer)],
+        s.tokens, options.precisions[static_cast<std::size_t>(layer)]);
     const std::int32_t lanes = std::max(1, g.lanes);
     auto key = std::make_pair(layer, lanes);
     auto it = placements.find(key);
@@ -234,13 +239,14 @@ struct LayerStreamingExecutor::Impl {
 
   std::unique_ptr<LayerStream> open(std::int32_t layer, StreamKind kind) {
     return std::make_unique<LayerStream>(memory, layer, kind, options.prefetch_depth,
-                                         options.chunk_packets);
+                                         options.chunk_packets,
+                                         options.precisions[static_cast<std::size_t>(layer)]);
   }
 
   void account(const LayerStream& s) {
     metrics.stream_wait_seconds += s.metered.wait_seconds;
     metrics.stream_packets += s.metered.packets;
-    metrics.stream_bytes += s.metered.packets * sizeof(Packet);
+    metrics.stream_bytes += s.metered.bytes;
   }
 
   void forward() {
@@ -439,6 +445,21 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   if (static_cast<std::int32_t>(m.options.activations.size()) != layers) {
     throw ShapeError("executor: " + std::to_string(m.options.activations.size()) +
                      " activations for " + std::to_string(layers) + " layers");
+  }
+  if (m.options.precisions.empty()) {
+    m.options.precisions.assign(static_cast<std::size_t>(layers), Precision::fp32);
+  }
+  if (static_cast<std::int32_t>(m.options.precisions.size()) != layers) {
+    throw ShapeError("executor: " + std::to_string(m.options.precisions.size()) +
+                     " precisions for " + std::to_string(layers) + " layers");
+  }
+  for (std::int32_t l = 0; l < layers; ++l) {
+    try {
+      stream_header_for(memory.weights(l), StreamKind::weights,
+                        m.options.precisions[static_cast<std::size_t>(l)]);
+    } catch (const ShapeError& e) {
+      throw ShapeError("executor: layer " + std::to_string(l) + ": " + e.what());
+    }
   }
   if (m.options.prefetch_depth < 1) throw ShapeError("executor: prefetch depth must be >= 1");
   if (m.options.chunk_packets < 1) throw ShapeError("executor: chunk_packets must be >= 1");

@@ -36,45 +36,6 @@ void check_stream_kind(StreamKind kind, const char* where) {
   }
 }
 
-// One chunk of the layer's stream: outputs [first, last), each closed by a carriage
-// return, and end-of-layer after them if `last_chunk`. Same packets as encode_stream.
-ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
-                      std::int64_t last, bool last_chunk) {
-  const auto& offsets = matrix.row_offsets();
-  const auto& indices = matrix.col_indices();
-  const auto& values = matrix.values();
-  const bool send_values = kind == StreamKind::weights;
-  auto chunk = std::make_shared<StreamChunk>();
-  chunk->first_output = static_cast<std::uint32_t>(first);
-  chunk->outputs = static_cast<std::uint32_t>(last - first);
-  const auto weights = static_cast<std::size_t>(offsets[last] - offsets[first]);
-  chunk->packets.resize(weights + static_cast<std::size_t>(last - first) + (last_chunk ? 1 : 0));
-  Packet* out = chunk->packets.data();
-  for (std::int64_t row = first; row < last; ++row) {
-    for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
-      *out++ = {indices[k], send_values ? values[k] : 0.0F};
-    }
-    *out++ = {kCarriageReturn, 0.0F};
-  }
-  if (last_chunk) *out++ = {kEndOfLayer, 0.0F};
-  return chunk;
-}
-
-// The end of the chunk that starts at output `first`: whole outputs, about
-// `chunk_packets` packets, at least one output (the rule encode_stream follows).
-std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets) {
-  const auto& offsets = matrix.row_offsets();
-  std::int64_t last = first;
-  std::size_t packets = 0;
-  while (last < matrix.rows()) {
-    const auto need = static_cast<std::size_t>(offsets[last + 1] - offsets[last]) + 1;
-    if (last > first && packets + need > chunk_packets) break;
-    packets += need;
-    ++last;
-  }
-  return last;
-}
-
 std::string describe_packet(const Packet& p) {
   if (p.tag == kCarriageReturn) return "a carriage return";
   if (p.tag == kEndOfLayer) return "end-of-layer";
@@ -204,36 +165,39 @@ const Placement& ModelMemory::placement(std::int32_t layer, std::int32_t lanes) 
   return placement_impl(layer, lanes);
 }
 
-StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind) const {
+StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind,
+                                        Precision precision) const {
   check_layer(layer);
-  if (kind != StreamKind::weights && kind != StreamKind::mask && kind != StreamKind::gradient) {
-    throw ShapeError("stream_header: unknown stream kind " +
-                     std::to_string(static_cast<std::uint32_t>(kind)));
+  if (kind == StreamKind::gradient) {
+    // What the engines send back: fp32 whatever the weights streamed in.
+    StreamHeader h = stream_header_for(weights_impl(layer), StreamKind::weights);
+    h.kind = kind;
+    return h;
   }
-  const CsrMatrix& w = weights_impl(layer);
-  return {kind, static_cast<std::uint32_t>(w.rows()), static_cast<std::uint32_t>(w.cols()),
-          static_cast<std::uint64_t>(w.nnz())};
+  check_stream_kind(kind, "stream_header");
+  return stream_header_for(weights_impl(layer), kind, precision);
 }
 
-WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind) const {
+WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind, Precision precision) const {
   check_layer(layer);
   check_stream_kind(kind, "stream");
-  return encode_stream(weights_impl(layer), kind);
+  return encode_stream(weights_impl(layer), kind, kDefaultChunkPackets, precision);
 }
 
 void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& channel,
-                            std::size_t chunk_packets) const {
+                            std::size_t chunk_packets, Precision precision) const {
   try {
     check_layer(layer);
     check_stream_kind(kind, "stream_to");
     if (chunk_packets == 0) throw ShapeError("stream_to: chunk_packets must be at least 1");
     const CsrMatrix& w = weights_impl(layer);
+    stream_header_for(w, kind, precision);  // refuses what cannot be streamed so
     // One chunk at a time: the channel's capacity bounds the memory in flight, and the
     // consumer starts on the first chunk while the rest are still being encoded.
     std::int64_t first = 0;
     do {
       const std::int64_t last = chunk_end(w, first, chunk_packets);
-      channel.push(encode_chunk(w, kind, first, last, last == w.rows()));
+      channel.push(encode_chunk(w, kind, first, last, precision));
       first = last;
     } while (first < w.rows());
     channel.close();

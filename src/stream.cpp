@@ -6,7 +6,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <type_traits>
 
 #include "crc32.hpp"
 #include "sluice/error.hpp"
@@ -206,83 +205,112 @@ std::uint64_t WeightStream::byte_size() const {
   return n;
 }
 
-WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t chunk_packets,
-                           Precision precision) {
+StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precision precision) {
   if (matrix.rows() > 0xFFFF'FFFFLL || matrix.cols() >= kControlBit) {
     throw ShapeError("matrix too large for a stream: " + std::to_string(matrix.rows()) + "x" +
                      std::to_string(matrix.cols()));
   }
-  if (kind == StreamKind::gradient) {
-    throw ShapeError("encode_stream: a gradient stream comes from an engine, not from weights");
+  if (kind != StreamKind::weights && kind != StreamKind::mask) {
+    throw ShapeError(
+        "encode: weights and masks are encoded; a gradient stream comes from an "
+        "engine");
   }
-  const bool bf16 = precision == Precision::bf16;
-  if (bf16 && matrix.cols() > kMaxBf16Inputs) {
+  if (precision != Precision::fp32 && precision != Precision::bf16) {
+    throw ShapeError("encode: unknown precision " +
+                     std::to_string(static_cast<std::uint32_t>(precision)));
+  }
+  if (precision == Precision::bf16 && matrix.cols() > kMaxBf16Inputs) {
     throw ShapeError("a bf16 stream addresses at most " + std::to_string(kMaxBf16Inputs) +
                      " inputs; this layer has " + std::to_string(matrix.cols()) +
                      " (stream it in fp32)");
   }
-  if (precision != Precision::fp32 && !bf16) throw ShapeError("encode_stream: unknown precision");
-  WeightStream stream;
-  stream.header = {kind, static_cast<std::uint32_t>(matrix.rows()),
-                   static_cast<std::uint32_t>(matrix.cols()),
-                   static_cast<std::uint64_t>(matrix.nnz()), precision};
+  return {kind, static_cast<std::uint32_t>(matrix.rows()),
+          static_cast<std::uint32_t>(matrix.cols()), static_cast<std::uint64_t>(matrix.nnz()),
+          precision};
+}
+
+std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets) {
+  const auto& offsets = matrix.row_offsets();
+  std::int64_t last = first;
+  std::size_t packets = 0;
+  while (last < matrix.rows()) {
+    const auto need = static_cast<std::size_t>(offsets[last + 1] - offsets[last]) + 1;
+    if (last > first && packets + need > chunk_packets) break;
+    packets += need;
+    ++last;
+  }
+  return last;
+}
+
+namespace {
+
+Packet make_packet(std::uint32_t index, float value, std::int64_t) {
+  return {index, value};
+}
+Bf16Packet make_bf16_packet(std::uint32_t index, float value, std::int64_t row) {
+  const std::uint16_t b = to_bf16(value);
+  if (std::isfinite(value) && !std::isfinite(from_bf16(b))) {
+    throw ShapeError("weight " + std::to_string(value) + " at (" + std::to_string(row) + ", " +
+                     std::to_string(index) + ") is too large for bf16");
+  }
+  return {static_cast<std::uint16_t>(index), b};
+}
+
+// Outputs [first, last) of `matrix` as packets made by `make`, each output closed by a
+// carriage return, and end-of-layer after the layer's last output.
+template <typename PacketT, typename Make>
+void fill_chunk(std::vector<PacketT>& out, const CsrMatrix& matrix, bool send_values,
+                std::int64_t first, std::int64_t last, Make make, PacketT carriage_return,
+                PacketT end_of_layer) {
   const auto& offsets = matrix.row_offsets();
   const auto& idx = matrix.col_indices();
   const auto& val = matrix.values();
-  const bool send_values = kind == StreamKind::weights;
-  const std::int64_t rows = matrix.rows();
-  // Writes one output's packets (and a carriage return) in either format.
-  auto emit = [&](auto* out, std::int64_t row) {
+  const bool ends = last == matrix.rows();
+  out.resize(static_cast<std::size_t>(offsets[last] - offsets[first] + (last - first)) +
+             (ends ? 1 : 0));
+  PacketT* p = out.data();
+  for (std::int64_t row = first; row < last; ++row) {
     for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
-      const float v = send_values ? val[k] : 0.0F;
-      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(out)>, Packet>) {
-        *out++ = {idx[k], v};
-      } else {
-        const std::uint16_t b = to_bf16(v);
-        if (std::isfinite(v) && !std::isfinite(from_bf16(b))) {
-          throw ShapeError("weight " + std::to_string(v) + " at (" + std::to_string(row) + ", " +
-                           std::to_string(idx[k]) + ") is too large for bf16");
-        }
-        *out++ = {static_cast<std::uint16_t>(idx[k]), b};
-      }
+      *p++ = make(idx[k], send_values ? val[k] : 0.0F, row);
     }
-    return out;
-  };
-  std::int64_t r = 0;
+    *p++ = carriage_return;
+  }
+  if (ends) *p++ = end_of_layer;
+}
+
+}  // namespace
+
+ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
+                      std::int64_t last, Precision precision) {
+  if (first < 0 || last < first || last > matrix.rows()) {
+    throw ShapeError("encode_chunk: outputs [" + std::to_string(first) + ", " +
+                     std::to_string(last) + ") outside the matrix's " +
+                     std::to_string(matrix.rows()));
+  }
+  auto chunk = std::make_shared<StreamChunk>();
+  chunk->first_output = static_cast<std::uint32_t>(first);
+  chunk->outputs = static_cast<std::uint32_t>(last - first);
+  const bool send_values = kind == StreamKind::weights;
+  if (precision == Precision::bf16) {
+    fill_chunk(chunk->packets_bf16, matrix, send_values, first, last, make_bf16_packet,
+               bf16_control(kCarriageReturn), bf16_control(kEndOfLayer));
+  } else {
+    fill_chunk(chunk->packets, matrix, send_values, first, last, make_packet,
+               Packet{kCarriageReturn, 0.0F}, Packet{kEndOfLayer, 0.0F});
+  }
+  return chunk;
+}
+
+WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t chunk_packets,
+                           Precision precision) {
+  WeightStream stream;
+  stream.header = stream_header_for(matrix, kind, precision);
+  std::int64_t first = 0;
   do {
-    // Whole outputs per chunk, about chunk_packets packets (at least one output).
-    std::int64_t r_end = r;
-    std::size_t packets = 0;
-    while (r_end < rows &&
-           (r_end == r || packets + (offsets[r_end + 1] - offsets[r_end]) + 1 <= chunk_packets)) {
-      packets += offsets[r_end + 1] - offsets[r_end] + 1;
-      ++r_end;
-    }
-    const bool last = r_end == rows;
-    auto chunk = std::make_shared<StreamChunk>();
-    chunk->first_output = static_cast<std::uint32_t>(r);
-    chunk->outputs = static_cast<std::uint32_t>(r_end - r);
-    const std::size_t count = packets + (last ? 1 : 0);
-    if (bf16) {
-      chunk->packets_bf16.resize(count);
-      Bf16Packet* out = chunk->packets_bf16.data();
-      for (std::int64_t row = r; row < r_end; ++row) {
-        out = emit(out, row);
-        *out++ = bf16_control(kCarriageReturn);
-      }
-      if (last) *out++ = bf16_control(kEndOfLayer);
-    } else {
-      chunk->packets.resize(count);
-      Packet* out = chunk->packets.data();
-      for (std::int64_t row = r; row < r_end; ++row) {
-        out = emit(out, row);
-        *out++ = {kCarriageReturn, 0.0F};
-      }
-      if (last) *out++ = {kEndOfLayer, 0.0F};
-    }
-    stream.chunks.push_back(std::move(chunk));
-    r = r_end;
-  } while (r < rows);
+    const std::int64_t last = chunk_end(matrix, first, chunk_packets);
+    stream.chunks.push_back(encode_chunk(matrix, kind, first, last, precision));
+    first = last;
+  } while (first < matrix.rows());
   return stream;
 }
 

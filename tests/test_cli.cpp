@@ -2,6 +2,7 @@
 // 1 (bad data) or 2 (bad arguments): never a signal, a hang or a partial output file.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -97,6 +98,30 @@ TEST_F(Cli, AGoodRunChecksAndPrintsJson) {
         "\"bwd_data_ms\"", "\"bwd_weight_ms\"", "\"max_rel_error_bwd\"", "\"peak_rss_bytes\""}) {
     EXPECT_NE(o.output.find(key), std::string::npos) << key << " missing in\n" << o.output;
   }
+}
+
+TEST_F(Cli, Bf16RunsCheckAtFp32ToleranceAndTrain) {
+  const Outcome o =
+      run("spmm --shape 64x48 --sparsity 0.9 --tokens 37 --repeat 1 --check --backward --json "
+          "--precision bf16");
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("\"precision\": \"bf16\""), std::string::npos) << o.output;
+  for (const char* key : {"\"max_rel_error\": ", "\"max_rel_error_bwd\": "}) {
+    const auto at = o.output.find(key);
+    ASSERT_NE(at, std::string::npos) << key;
+    EXPECT_LT(std::stod(o.output.substr(at + std::strlen(key))), 1e-5) << key << o.output;
+  }
+  expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --precision fp16"), 2, "precision");
+
+  const Outcome t =
+      run("train --dataset synthetic --layers 64,32,10 --epochs 1 --precision bf16,fp32 --json");
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_NE(t.output.find("\"precision\": \"bf16,fp32\""), std::string::npos) << t.output;
+  expect_exit(run("train --dataset synthetic --layers 64,32,10 --epochs 1 --precision bf16,bf16,"
+                  "bf16"),
+              2, "layers");
+  expect_exit(run("train --dataset synthetic --layers 64,32,10 --epochs 1 --precision half"), 2,
+              "half");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "sluice/bf16.hpp"
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
@@ -68,6 +69,14 @@ struct Reference {
   std::vector<Activation> acts;
   OptimizerConfig opt;
   std::int64_t step = 0;
+  /// Layers run in bf16: their weights and input activations are rounded to bf16 where
+  /// the engines use them (the products), everything else stays exact.
+  std::vector<bool> bf16;
+  std::vector<std::vector<double>> last_gw, last_gb;  // the last step's gradients
+
+  double held(std::size_t l, double v) const {
+    return !bf16.empty() && bf16[l] ? round_to_bf16(static_cast<float>(v)) : v;
+  }
 
   Reference(const ModelMemory& m, std::vector<Activation> a, OptimizerConfig o)
       : acts(std::move(a)), opt(std::move(o)) {
@@ -121,7 +130,9 @@ struct Reference {
       for (std::int64_t o = 0; o < L.out; ++o)
         for (std::int64_t t = 0; t < T; ++t) {
           double acc = L.b.empty() ? 0 : L.b[o];
-          for (std::int64_t i = 0; i < L.in; ++i) acc += L.w[o * L.in + i] * A[l][i * T + t];
+          for (std::int64_t i = 0; i < L.in; ++i) {
+            acc += held(l, L.w[o * L.in + i]) * held(l, A[l][i * T + t]);
+          }
           Z[l][o * T + t] = acc;
           A[l + 1][o * T + t] = act(acts[l], acc);
         }
@@ -140,6 +151,8 @@ struct Reference {
         d[o * T + t] = (std::exp(A.back()[o * T + t] - lse) - (o == labels[t])) / T;
     }
     ++step;
+    last_gw.assign(layers.size(), {});
+    last_gb.assign(layers.size(), {});
     for (std::size_t l = layers.size(); l-- > 0;) {
       RefLayer& L = layers[l];
       for (std::int64_t k = 0; k < L.out * T; ++k) d[k] *= slope(acts[l], Z[l][k]);
@@ -148,10 +161,12 @@ struct Reference {
         for (std::int64_t t = 0; t < T; ++t) {
           gb[o] += d[o * T + t];
           for (std::int64_t i = 0; i < L.in; ++i) {
-            gw[o * L.in + i] += d[o * T + t] * A[l][i * T + t] * L.mask[o * L.in + i];
-            dx[i * T + t] += L.w[o * L.in + i] * d[o * T + t];
+            gw[o * L.in + i] += d[o * T + t] * held(l, A[l][i * T + t]) * L.mask[o * L.in + i];
+            dx[i * T + t] += held(l, L.w[o * L.in + i]) * d[o * T + t];
           }
         }
+      last_gw[l] = gw;
+      last_gb[l] = gb;
       update(L.w, gw, L.state_w1, L.state_w2, &L.mask);
       update(L.b, gb, L.state_b1, L.state_b2, nullptr);
       d = std::move(dx);
@@ -332,6 +347,54 @@ TEST(Executor, GradientsMatchFiniteDifferences) {
       EXPECT_NEAR(g[l].bias[o], (up - down) / (2 * eps), 2e-3) << "bias layer " << l;
     }
   }
+}
+
+TEST(Executor, Bf16LayersMatchTheReferenceOnRoundedOperands) {
+  // Layers 0 and 2 in bf16, layer 1 in fp32: gradients of the first batch against the
+  // float64 reference that rounds exactly what the engines hold in bf16.
+  const Data data = make_data(kSizes.front(), static_cast<int>(kSizes.back()), 9);
+  HostModelMemory m;
+  build_sparse_mlp(m, kSizes, 0.5, 42);
+  Reference ref(m, kRelu, sgd_momentum());
+  ref.bf16 = {true, false, true};
+  const double ref_loss = ref.train_step(data.x[0], data.labels[0]);
+  for (std::int32_t engines : {1, 2}) {
+    SCOPED_TRACE("engines " + std::to_string(engines));
+    LocalFabricOptions fo;
+    fo.engines = engines;
+    fo.engine.threads = 1;
+    LocalFabric fabric(fo);
+    ExecutorOptions eo;
+    eo.activations = kRelu;
+    eo.precisions = {Precision::bf16, Precision::fp32, Precision::bf16};
+    eo.chunk_packets = 16;
+    LayerStreamingExecutor exec(m, fabric, eo);
+    double loss = 0;
+    const std::vector<LayerGradient> g =
+        exec.gradients({data.x[0].view(), data.labels[0], {}}, &loss);
+    EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss));
+    for (std::size_t l = 0; l < g.size(); ++l) {
+      const CsrMatrix& gw = g[l].weights;
+      double scale = 0;
+      for (double v : ref.last_gw[l]) scale = std::max(scale, std::abs(v));
+      for (std::int64_t o = 0; o < gw.rows(); ++o) {
+        for (auto k = gw.row_offsets()[o]; k < gw.row_offsets()[o + 1]; ++k) {
+          const double want = ref.last_gw[l][o * gw.cols() + gw.col_indices()[k]];
+          ASSERT_NEAR(gw.values()[k], want, 1e-5 * scale) << "layer " << l << " row " << o;
+        }
+        ASSERT_NEAR(g[l].bias[o], ref.last_gb[l][o], 1e-5 * scale) << "bias layer " << l;
+      }
+    }
+  }
+  // A bf16 layer must be addressable with 16-bit indices.
+  HostModelMemory wide;
+  build_sparse_mlp(wide, {70000, 2}, 0.999, 1);
+  LocalFabric fabric;
+  ExecutorOptions eo;
+  eo.precisions = {Precision::bf16};
+  EXPECT_THROW(LayerStreamingExecutor(wide, fabric, eo), ShapeError);
+  eo.precisions = {Precision::bf16, Precision::bf16};
+  EXPECT_THROW(LayerStreamingExecutor(wide, fabric, eo), ShapeError);
 }
 
 TEST(Executor, MemoryBudgetIsEnforcedBeforeAllocating) {

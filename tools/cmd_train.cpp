@@ -40,6 +40,7 @@ struct TrainOptions {
   std::int64_t memory_budget = 0;
   std::size_t prefetch = 4;
   std::string fabric = "local";
+  std::string precision = "fp32";
 };
 
 #ifdef SLUICE_HAVE_MPI
@@ -74,6 +75,25 @@ std::vector<std::int64_t> parse_layers(const std::string& text) {
   }
   if (sizes.size() < 2) throw UsageError("--layers needs at least two sizes, e.g. 64,512,10");
   return sizes;
+}
+
+/// "fp32", "bf16", or one of them per layer, comma-separated.
+std::vector<Precision> parse_precisions(const std::string& text, std::int32_t layers) {
+  std::vector<Precision> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item != "fp32" && item != "bf16") {
+      throw UsageError("--precision: '" + item + "' is neither fp32 nor bf16");
+    }
+    out.push_back(parse_precision(item));
+  }
+  if (out.size() == 1) out.assign(static_cast<std::size_t>(layers), out.front());
+  if (static_cast<std::int32_t>(out.size()) != layers) {
+    throw UsageError("--precision: " + std::to_string(out.size()) + " values for " +
+                     std::to_string(layers) + " layers (give one, or one per layer)");
+  }
+  return out;
 }
 
 Dataset load_data(const TrainOptions& o, std::string& name) {
@@ -128,6 +148,9 @@ Command add_train_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--prefetch", o->prefetch, "Stream chunks prefetched ahead of the engines")
       ->check(CLI::Range(1, 1024));
+  cmd->add_option("--precision", o->precision,
+                  "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
+                  "and master weights), or one per layer: bf16,bf16,fp32");
   cmd->add_option("--fabric", o->fabric,
                   "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
                   "drives and every other rank is one engine")
@@ -207,6 +230,7 @@ Command add_train_command(CLI::App& app) {
     ExecutorOptions eo;
     eo.prefetch_depth = o->prefetch;
     eo.memory_budget_bytes = o->memory_budget;
+    eo.precisions = parse_precisions(o->precision, memory.layer_count());
     LayerStreamingExecutor executor(memory, fabric, eo);
 
     std::ostream& progress = o->json ? std::cerr : std::cout;
@@ -265,6 +289,7 @@ Command add_train_command(CLI::App& app) {
           .field("test_loss", e.loss);
       j.field("final_loss", final_loss).field("steps", steps).field("epochs", o->epochs);
       j.field("engines", o->engines).field("sparsity", o->sparsity);
+      j.field("precision", o->precision);
       j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
       j.field("train_seconds", total.wall_seconds);
       j.field("stream_packets_per_s", total.packets_per_second());

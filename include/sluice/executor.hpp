@@ -51,6 +51,10 @@ struct ExecutorOptions {
   /// One per layer; empty = ReLU on every hidden layer, none on the last.
   std::vector<Activation> activations;
   Loss loss = Loss::softmax_cross_entropy;
+  /// One per layer; empty = fp32 everywhere. A bf16 layer streams its weights in bf16
+  /// (half the bytes) and the engines hold its input activations in bf16; sums, outputs,
+  /// gradients and ModelMemory's master weights stay fp32.
+  std::vector<Precision> precisions;
   /// Chunks the weight stream may run ahead of the engines (the channel's capacity).
   std::size_t prefetch_depth = 4;
   std::size_t chunk_packets = kDefaultChunkPackets;

@@ -49,15 +49,20 @@ class ModelMemory {
   /// The layer's placement on `lanes` lanes (planned once, then kept with the layer).
   const Placement& placement(std::int32_t layer, std::int32_t lanes);
 
-  /// The layer's stream: weights, or the mask alone (`StreamKind::mask`).
-  WeightStream stream(std::int32_t layer, StreamKind kind = StreamKind::weights) const;
+  /// The layer's stream: weights, or the mask alone (`StreamKind::mask`). The master
+  /// values stay fp32; in bf16 they are rounded as they are streamed (half the bytes).
+  WeightStream stream(std::int32_t layer, StreamKind kind = StreamKind::weights,
+                      Precision precision = Precision::fp32) const;
   /// The same, chunk by chunk into a bounded channel (closes it at the end, or fails it).
   /// Chunks are encoded one at a time as the channel takes them. Never throws: every
   /// error, a bad argument included, reaches the consumer through `channel.fail()`.
   void stream_to(std::int32_t layer, StreamKind kind, StreamChannel& channel,
-                 std::size_t chunk_packets = kDefaultChunkPackets) const;
-  /// The header of the layer's stream of `kind` (for a ChannelStreamSource).
-  StreamHeader stream_header(std::int32_t layer, StreamKind kind = StreamKind::weights) const;
+                 std::size_t chunk_packets = kDefaultChunkPackets,
+                 Precision precision = Precision::fp32) const;
+  /// The header of the layer's stream of `kind` (for a ChannelStreamSource). Gradient
+  /// streams are always fp32.
+  StreamHeader stream_header(std::int32_t layer, StreamKind kind = StreamKind::weights,
+                             Precision precision = Precision::fp32) const;
 
   /// Hands in one layer's gradient for the current step: the gradient stream (same mask
   /// and order as the weight stream) and the bias gradient (empty if the layer has none).

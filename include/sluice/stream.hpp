@@ -147,6 +147,17 @@ WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind
                            std::size_t chunk_packets = kDefaultChunkPackets,
                            Precision precision = Precision::fp32);
 
+/// The pieces of encode_stream, for producers that encode a layer chunk by chunk:
+/// the stream's header (ShapeError if the matrix cannot be streamed so), where the chunk
+/// that starts at output `first` ends (whole outputs, about `chunk_packets` packets, at
+/// least one output), and the chunk of outputs [first, last) (end-of-layer after the
+/// matrix's last output).
+StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind,
+                               Precision precision = Precision::fp32);
+std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets);
+ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
+                      std::int64_t last, Precision precision = Precision::fp32);
+
 /// Decodes a complete, valid stream back into CSR (values from the packets, widened to
 /// fp32 from a bf16 stream).
 CsrMatrix decode_stream(const WeightStream& stream);
