@@ -41,6 +41,11 @@ struct Layer {
   CsrMatrix w;
   DenseMatrix w_dense, x, dy;
   WeightStream stream, mask;
+  WeightStream stream_bf16;  ///< the same weights streamed in bf16
+
+  const WeightStream& weights(Precision precision) const {
+    return precision == Precision::bf16 ? stream_bf16 : stream;
+  }
 };
 
 /// Operands for (out, in, tokens, sparsity), built once per process.
@@ -57,6 +62,8 @@ inline const Layer& layer(const benchmark::State& state) {
     slot->dy = testing::random_dense(key[0], key[2], 44);
     slot->stream = encode_stream(slot->w);
     slot->mask = encode_stream(slot->w, StreamKind::mask);
+    slot->stream_bf16 =
+        encode_stream(slot->w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
   }
   return *slot;
 }
@@ -87,10 +94,11 @@ inline Placement placement_for(const Layer& l) {
 }
 
 /// Times the streamed forward of the benchmark's layer and sets its useful GFLOP/s.
-inline void time_sparse_forward(benchmark::State& state, const Layer& l,
-                                const Placement& placement) {
+inline void time_sparse_forward(benchmark::State& state, const Layer& l, const Placement& placement,
+                                Precision precision = Precision::fp32) {
   DenseMatrix y(l.w.rows(), l.x.cols());
-  for (auto _ : state) engine().forward(l.stream, placement, l.x.view(), y.view());
+  const WeightStream& stream = l.weights(precision);
+  for (auto _ : state) engine().forward(stream, placement, l.x.view(), y.view());
   const double flops = 2.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
   state.counters["useful_GFLOPs"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);

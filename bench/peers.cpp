@@ -74,6 +74,32 @@ struct SluicePeer {
     multiply();
     return y.clone();
   }
+  double reference_error(const DenseMatrix& got) const {
+    return testing::forward_error(l.w, l.x.view(), got.view());
+  }
+};
+
+// sluice with the weights streamed and the activations held in bf16 (fp32 sums).
+struct SluiceBf16Peer {
+  const Layer& l;
+  Placement placement;
+  WeightStream stream;
+  DenseMatrix y;
+  explicit SluiceBf16Peer(const Layer& layer)
+      : l(layer),
+        placement(placement_for(layer)),
+        stream(encode_stream(l.w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16)),
+        y(l.w.rows(), l.x.cols()) {}
+  void multiply() { engine().forward(stream, placement, l.x.view(), y.view()); }
+  DenseMatrix result() {
+    multiply();
+    return y.clone();
+  }
+  /// Against float64 on the operands as the engine holds them: fp32 tolerances apply.
+  double reference_error(const DenseMatrix& got) const {
+    return testing::forward_error(testing::rounded_to_bf16(l.w),
+                                  testing::rounded_to_bf16(l.x.view()).view(), got.view());
+  }
 };
 
 struct OneDnnDensePeer {
@@ -337,6 +363,7 @@ const DenseMatrix& sluice_result(const std::string& key, const Layer& l) {
 
 void release_caches() {
   slot<SluicePeer>().value.reset();
+  slot<SluiceBf16Peer>().value.reset();
   slot<OneDnnDensePeer>().value.reset();
   slot<DenseMatrix>().value.reset();
 #ifdef SLUICE_HAVE_EIGEN
@@ -382,12 +409,13 @@ void run_peer(benchmark::State& state, const char* name, const std::string& key,
     Peer& peer = *s.value;
     if (!s.checked) {
       const DenseMatrix got = peer.result();
-      if constexpr (std::is_same_v<Peer, SluicePeer>) {
+      if constexpr (requires { peer.reference_error(got); }) {
         // Sluice is everyone's reference, so it answers to float64 where that is affordable.
         if (useful_flops(l) <= kReferenceFlopLimit) {
-          const double error = testing::forward_error(l.w, l.x.view(), got.view());
+          const double error = peer.reference_error(got);
           if (!(error < kReferenceTolerance)) {
-            throw std::runtime_error("sluice disagrees with the float64 reference on " + key +
+            throw std::runtime_error(std::string(name) +
+                                     " disagrees with the float64 reference on " + key +
                                      ": relative error " + std::to_string(error));
           }
         }
@@ -450,6 +478,7 @@ struct PeerEntry {
 
 std::vector<PeerEntry> peers() {
   std::vector<PeerEntry> list = {{"sluice_fp32", run_peer<SluicePeer>},
+                                 {"sluice_bf16", run_peer<SluiceBf16Peer>},
                                  {"onednn_dense", run_peer<OneDnnDensePeer>}};
 #ifdef SLUICE_HAVE_EIGEN
   list.push_back({"eigen", run_peer<EigenPeer>});
@@ -537,6 +566,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("threads", std::to_string(threads));
   benchmark::AddCustomContext("libraries", configure_threads(threads));
   register_peer_sweep<SluicePeer>("sluice_fp32");
+  register_peer_sweep<SluiceBf16Peer>("sluice_bf16");
   register_peer_sweep<OneDnnDensePeer>("onednn_dense");
 #ifdef SLUICE_HAVE_EIGEN
   register_peer_sweep<EigenPeer>("eigen");

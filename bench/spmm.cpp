@@ -1,5 +1,5 @@
-// Forward: the streamed sparse product vs oneDNN dense sgemm with the zeros included,
-// over the shapes and sparsities. Counters: useful GFLOP/s (2 nnz tokens / time)
+// Forward: the streamed sparse product (fp32 and bf16) vs oneDNN dense sgemm with the zeros
+// included, over the shapes and sparsities. Counters: useful GFLOP/s (2 nnz tokens / time)
 // and acceleration (dense time / sparse time, the dense time measured in this run).
 #include "bench_common.hpp"
 #include "sluice/planner.hpp"
@@ -13,15 +13,15 @@ double dense_forward_seconds(const Layer& l) {
       [&] { baseline::dense_sgemm(l.w_dense.view(), false, l.x.view(), false, y.view()); });
 }
 
-void BM_sparse_forward(benchmark::State& state) {
+void BM_sparse_forward(benchmark::State& state, Precision precision) {
   const Layer& l = layer(state);
   CpuEngine& e = engine();
   const Placement placement = placement_for(l);
-  time_sparse_forward(state, l, placement);
+  time_sparse_forward(state, l, placement, precision);
   DenseMatrix y(l.w.rows(), l.x.cols());
   const double dense = dense_forward_seconds(l);
   const double sparse_s =
-      median_seconds([&] { e.forward(l.stream, placement, l.x.view(), y.view()); });
+      median_seconds([&] { e.forward(l.weights(precision), placement, l.x.view(), y.view()); });
   state.counters["dense_ms"] = dense * 1e3;
   state.counters["acceleration"] = dense / sparse_s;
   state.counters["balance"] = placement.balance();
@@ -43,7 +43,10 @@ void BM_dense_forward(benchmark::State& state) {
 
 int main(int argc, char** argv) {
   using namespace sluice::bench;
-  register_sweep("sparse_forward", BM_sparse_forward);
+  register_sweep("sparse_forward",
+                 [](benchmark::State& s) { BM_sparse_forward(s, sluice::Precision::fp32); });
+  register_sweep("sparse_forward_bf16",
+                 [](benchmark::State& s) { BM_sparse_forward(s, sluice::Precision::bf16); });
   register_sweep("dense_forward", BM_dense_forward);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

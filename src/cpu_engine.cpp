@@ -85,8 +85,10 @@ struct TakenChunk {
   template <typename PacketT>
   Runs<PacketT> runs(std::int32_t lane) const {
     const LaneShare& s = lanes[lane];
-    const PacketT* packets =
-        lanes.size() == 1 ? packets_of<PacketT>(*chunk).data() : routed<PacketT>(s).data();
+    // One lane reads the chunk in place, unless the intake widened it.
+    const PacketT* packets = lanes.size() == 1 && routed<PacketT>(s).empty()
+                                 ? packets_of<PacketT>(*chunk).data()
+                                 : routed<PacketT>(s).data();
     return {packets, s.begin.data(), s.end.data(), static_cast<std::int64_t>(chunk->outputs)};
   }
 };
@@ -238,9 +240,10 @@ void route(const StreamChunk& chunk, std::vector<LaneShare>& shares, std::uint64
 }
 
 /// Pulls every chunk from the source, checks it and routes it to the lanes (with several
-/// lanes, routed packets carry the row's index in its lane's resident buffer).
+/// lanes, routed packets carry the row's index in its lane's resident buffer). `widen`
+/// (one lane, bf16 stream): the lane gets fp32 packets, for the fp32 kernels.
 std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement,
-                                const LaneLayout& layout, bool keep_origin) {
+                                const LaneLayout& layout, bool keep_origin, bool widen = false) {
   const StreamHeader& header = source.header();
   detail::check_header(header);
   std::vector<TakenChunk> taken;
@@ -269,6 +272,11 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
     if (lanes == 1) {
       auto& s = shares[0];
       for (std::uint32_t r = 0; r < chunk.outputs; ++r) s.begin[r] = r == 0 ? 0 : s.end[r - 1] + 1;
+      if (widen) {
+        s.packets.reserve(chunk.packets_bf16.size());
+        for (const Bf16Packet& b : chunk.packets_bf16)
+          s.packets.push_back({tag_of(b), value_of(b)});
+      }
     } else if (header.precision == Precision::bf16) {
       route<Bf16Packet>(chunk, shares, facts.weights, placement, layout, keep_origin);
     } else {
@@ -419,14 +427,19 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
                              MutableMatrixView y, const Placement* next_placement) {
   Impl& m = *impl_;
   const std::int32_t P = placement.lanes;
-  const Precision precision = weights.header().precision;
-  const bool bf16 = precision == Precision::bf16;
+  // Lanes that pack their activation rows hold a bf16 layer's in bf16. A layer too sparse
+  // to pack reads X in place, in fp32: converting all of X would cost more than the
+  // product, so its (few) weights are widened to fp32 instead.
+  const bool pack = should_pack(P, weights.header());
+  const bool bf16 = weights.header().precision == Precision::bf16 && pack;
+  const bool widen = weights.header().precision == Precision::bf16 && !pack;
+  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
   const Geometry g = m.resolve(x.rows, x.cols, P, precision);
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
   std::vector<TakenChunk> chunks;
-  m.arena.execute([&] { chunks = take_in(weights, placement, layout, false); });
+  m.arena.execute([&] { chunks = take_in(weights, placement, layout, false, widen); });
   counters_.intake_seconds += seconds_since(t_intake);
   const std::int64_t tokens = x.cols;
   const std::int64_t outputs = y.rows;
@@ -458,8 +471,6 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
     }
   };
 
-  // bf16 activations exist only in the resident tile: a bf16 layer always packs.
-  const bool pack = bf16 || should_pack(P, weights.header());
   std::vector<double> busy(static_cast<std::size_t>(P) * tiling.blocks, 0.0);
   m.arena.execute([&] {
     detail::parallel_for(
@@ -517,15 +528,18 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const bool want_grad = x != nullptr;
   const std::int64_t inputs = weights.header().inputs;
   const StreamHeader header = weights.header();
-  const bool bf16 = header.precision == Precision::bf16;
+  // As in forward: a bf16 layer's X is held in bf16 where lanes pack, else read in fp32.
+  const bool pack = should_pack(P, header);
+  const bool bf16 = header.precision == Precision::bf16 && pack;
+  const bool widen = header.precision == Precision::bf16 && !pack;
   // dX accumulates in an fp32 tile; X is held in the stream's precision for dW.
   const TokenTiling data_tiling = make_tiling(dy.cols, m.resolve(inputs, dy.cols, P));
   const TokenTiling weight_tiling =
-      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, header.precision));
+      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, bf16 ? Precision::bf16 : Precision::fp32));
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
   std::vector<TakenChunk> chunks;
-  m.arena.execute([&] { chunks = take_in(weights, placement, layout, P > 1); });
+  m.arena.execute([&] { chunks = take_in(weights, placement, layout, P > 1, widen); });
   counters_.intake_seconds += seconds_since(t_intake);
 
   const std::int32_t Q = data_tiling.blocks;
@@ -549,13 +563,10 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   // Two passes over the stream, dX then dW, each keeping one matrix resident: a fused
   // pass would have to keep X and dX in cache together, halving the tile and doubling
   // the passes over the stream, which costs more than the second pass.
-  const bool pack = should_pack(P, header);
   std::vector<double> busy(static_cast<std::size_t>(P) * Q, 0.0);
   auto lane_pass = [&](bool data_pass) {
     const TokenTiling& tiling = data_pass ? data_tiling : weight_tiling;
-    // bf16 activations exist only in the resident tile: dW of a bf16 layer always packs.
-    const bool packed = data_pass ? pack : pack || bf16;
-    const Precision tile_precision = data_pass ? Precision::fp32 : header.precision;
+    const Precision tile_precision = !data_pass && bf16 ? Precision::bf16 : Precision::fp32;
     detail::parallel_for(
         std::int64_t{0}, std::int64_t{P} * Q,
         [&](std::int64_t task) {
@@ -564,25 +575,24 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           const auto t_start = Clock::now();
           const auto& rows = layout.rows[p];
           ResidentTile resident;
-          if (packed) resident.resize(rows.size(), tiling.tile, tile_precision);
+          if (pack) resident.resize(rows.size(), tiling.tile, tile_precision);
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
-            if (data_pass && packed) {
+            if (data_pass && pack) {
               resident.zero(width);
             } else if (data_pass) {
               for (std::int64_t r = 0; r < dx->rows; ++r) std::fill_n(dx->row(r) + t0, width, 0.0F);
             } else if (bf16) {
               resident.load_bf16(rows, x->data, x->stride, t0, width, *m.bf16_kernels);
-            } else if (packed) {
+            } else if (pack) {
               resident.load(rows, x->data, x->stride, t0, width);
             }
-            const MutableTile dx_tile = packed
-                                            ? resident.mutable_tile()
-                                            : MutableTile{dx != nullptr ? dx->data + t0 : nullptr,
-                                                          dx != nullptr ? dx->stride : 0};
+            const MutableTile dx_tile = pack ? resident.mutable_tile()
+                                             : MutableTile{dx != nullptr ? dx->data + t0 : nullptr,
+                                                           dx != nullptr ? dx->stride : 0};
             const Tile x_tile =
-                packed ? resident.tile()
-                       : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
+                pack ? resident.tile()
+                     : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
             for (std::size_t c = 0; c < chunks.size(); ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
@@ -601,7 +611,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                            width);
               }
             }
-            if (data_pass && packed) resident.store(rows, dx->data, dx->stride, t0, width);
+            if (data_pass && pack) resident.store(rows, dx->data, dx->stride, t0, width);
           }
           busy[task] += seconds_since(t_start);
         },
@@ -649,7 +659,9 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
       }
       g->packets.resize(chunk.size());
       for (std::size_t k = 0; k < g->packets.size(); ++k) {
-        const std::uint32_t tag = bf16 ? tag_of(chunk.packets_bf16[k]) : chunk.packets[k].tag;
+        const std::uint32_t tag = header.precision == Precision::bf16
+                                      ? tag_of(chunk.packets_bf16[k])
+                                      : chunk.packets[k].tag;
         g->packets[k] = {tag, (tag & kControlBit) != 0 ? 0.0F : sum[k]};
       }
       out.chunks[c] = std::move(g);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -47,8 +48,9 @@ std::vector<float> gradient_values(const WeightStream& g) {
 }
 
 // Runs forward and both backward products on one engine and checks them. In bf16 the
-// engine holds W and X rounded to bf16 and sums in fp32, so it is checked against the
-// float64 product of the rounded operands at the same fp32 tolerance.
+// engine streams W rounded to bf16, holds X in bf16 where its lanes pack their rows
+// (CpuEngine::packs_tiles; a sparser layer reads X in place, in fp32) and sums in fp32,
+// so it is checked against the float64 product of those operands at fp32 tolerance.
 void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::size_t chunk,
                   std::uint64_t seed, Precision precision = Precision::fp32) {
   SCOPED_TRACE(name(c) + " lanes=" + std::to_string(lanes) + " chunk=" + std::to_string(chunk) +
@@ -61,7 +63,8 @@ void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::siz
   const bool bf16 = precision == Precision::bf16;
   const CsrMatrix w_ref = bf16 ? testing::rounded_to_bf16(w) : w;
   const DenseMatrix x_held = testing::rounded_to_bf16(x.view());
-  const ConstMatrixView x_ref = bf16 ? x_held.view() : x.view();
+  const bool held = bf16 && CpuEngine::packs_tiles(lanes, w.nnz(), c.in);
+  const ConstMatrixView x_ref = held ? x_held.view() : x.view();
 
   DenseMatrix y(c.out, c.tokens);
   y.fill(NAN);  // every element must be written
@@ -107,7 +110,7 @@ class EngineByIsa : public ::testing::TestWithParam<Isa> {};
 // chunks) or of the default size.
 void check_geometries(Isa isa, std::initializer_list<std::int32_t> lane_counts,
                       std::initializer_list<std::int32_t> block_counts, std::uint64_t seed,
-                      Precision precision) {
+                      Precision precision, std::span<const Case> cases = kCases) {
   for (std::int32_t lanes : lane_counts) {
     for (std::int32_t blocks : block_counts) {
       EngineOptions options;
@@ -116,7 +119,7 @@ void check_geometries(Isa isa, std::initializer_list<std::int32_t> lane_counts,
       options.geometry.blocks = blocks;
       options.threads = 2;
       CpuEngine engine(options);
-      for (const Case& c : kCases) {
+      for (const Case& c : cases) {
         check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed, precision);
         ++seed;
       }
@@ -140,6 +143,9 @@ TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
 
 TEST_P(EngineByIsa, Bf16MatchesReferenceOnOddShapesAndGeometries) {
   check_geometries(GetParam(), {1, 3}, {1, 2}, 500, Precision::bf16);
+  // Dense enough that one lane packs its rows too (and so holds them in bf16).
+  const Case dense[] = {{40, 20, 77, 0.2}, {300, 30, 50, 0.5}, {17, 16, 33, 0.0}};
+  check_geometries(GetParam(), {1, 2}, {1, 2}, 700, Precision::bf16, dense);
 }
 
 TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
@@ -148,7 +154,7 @@ TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
     options.isa = GetParam();
     options.geometry.tile_tokens = tile;
     CpuEngine engine(options);
-    check_engine(engine, {23, 41, 300, 0.7}, 1 + tile % 2, 64, 200 + tile, Precision::bf16);
+    check_engine(engine, {64, 41, 300, 0.5}, 1 + tile % 2, 64, 200 + tile, Precision::bf16);
   }
 }
 
@@ -205,15 +211,16 @@ TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
 TEST(Engine, Bf16KeepsTokensApart) {
   // A non-finite activation in one token must not leak into its neighbours, which share
   // the same 32-bit word of a bf16 row.
-  const CsrMatrix w = CsrMatrix::random(9, 12, 0.3, 21);
+  const CsrMatrix w = CsrMatrix::random(64, 12, 0.0, 21);  // dense enough to be held in bf16
+  ASSERT_TRUE(CpuEngine::packs_tiles(1, w.nnz(), 12));
   DenseMatrix x = random_dense(12, 37, 22);
   x(3, 10) = INFINITY;
   x(5, 20) = NAN;
   CpuEngine engine;
-  DenseMatrix y(9, 37);
+  DenseMatrix y(64, 37);
   engine.forward(encode_stream(w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16),
                  round_robin_placement(w, 1), x.view(), y.view());
-  for (std::int64_t o = 0; o < 9; ++o) {
+  for (std::int64_t o = 0; o < 64; ++o) {
     for (std::int64_t t = 0; t < 37; ++t) {
       if (t != 10 && t != 20) EXPECT_TRUE(std::isfinite(y(o, t))) << o << "," << t;
     }

@@ -69,13 +69,14 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens, precision);
   r.geometry = g.to_string();
   // A bf16 product is checked against float64 on the operands rounded as the engine holds
-  // them (W streamed in bf16, X resident in bf16), so the check still catches kernel bugs
-  // at fp32 tolerances; dY stays fp32.
+  // them (W streamed in bf16; X resident in bf16 where lanes pack their rows, else read
+  // in place), so the check still catches kernel bugs at fp32 tolerances; dY stays fp32.
   const bool bf16 = precision == Precision::bf16;
+  const bool x_in_bf16 = bf16 && CpuEngine::packs_tiles(g.lanes, w.nnz(), w.cols());
   const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();
   const CsrMatrix& w_ref = bf16 ? w_held : w;
-  const DenseMatrix x_held = bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
-  const ConstMatrixView x_ref = bf16 ? x_held.view() : x.view();
+  const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
+  const ConstMatrixView x_ref = x_in_bf16 ? x_held.view() : x.view();
 
   // Preparing the layer (planning + encoding the stream) happens once per layer in
   // ModelMemory, so it is reported apart from the product.
