@@ -2,6 +2,7 @@
 // backward-weight, on odd shapes, every ISA this CPU runs and many geometries.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <span>
@@ -155,6 +156,52 @@ TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
     options.geometry.tile_tokens = tile;
     CpuEngine engine(options);
     check_engine(engine, {64, 41, 300, 0.5}, 1 + tile % 2, 64, 200 + tile, Precision::bf16);
+  }
+}
+
+TEST_P(EngineByIsa, Bf16HoldsActivationsRoundedToNearestEven) {
+  // W = I on two lanes (which always pack, so X is held in bf16): Y is X as held.
+  const std::int64_t n = 24, tokens = 45;
+  std::vector<std::int64_t> offsets(n + 1);
+  std::vector<std::uint32_t> indices(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    offsets[i + 1] = i + 1;
+    indices[i] = static_cast<std::uint32_t>(i);
+  }
+  const CsrMatrix eye(n, n, offsets, indices, std::vector<float>(n, 1.0F));
+  DenseMatrix x = random_dense(n, tokens, 31);
+  const float special[] = {1.0F + 0x1p-8F,
+                           1.0F + 3 * 0x1p-8F,
+                           -1.0F - 0x1p-8F,
+                           0x1p-130F * 3,
+                           3.4e38F,
+                           INFINITY,
+                           -INFINITY,
+                           -0.0F,
+                           std::bit_cast<float>(0x7F800001U),
+                           1e-45F,
+                           65504.0F,
+                           0.1F};
+  for (std::size_t k = 0; k < std::size(special); ++k) x(k % n, (k * 7) % tokens) = special[k];
+  EngineOptions options;
+  options.isa = GetParam();
+  options.geometry.lanes = 2;
+  CpuEngine engine(options);
+  DenseMatrix y(n, tokens);
+  engine.forward(encode_stream(eye, StreamKind::weights, 5, Precision::bf16),
+                 round_robin_placement(eye, 2), x.view(), y.view());
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const float want = round_to_bf16(x(i, t));
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(y(i, t))) << i << "," << t;
+      } else if (want == 0.0F) {
+        EXPECT_EQ(y(i, t), 0.0F) << i << "," << t;  // a sum: -0 comes out as +0
+      } else {
+        EXPECT_EQ(std::bit_cast<std::uint32_t>(y(i, t)), std::bit_cast<std::uint32_t>(want))
+            << i << "," << t << ": " << x(i, t);
+      }
+    }
   }
 }
 

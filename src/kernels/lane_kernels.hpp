@@ -30,7 +30,8 @@ struct MutableTile {
   std::int64_t stride;
 };
 /// A resident tile held in bf16: rows padded with zeros to a multiple of 32 tokens, so
-/// kernels may read whole 32-token vectors past `tokens`.
+/// kernels may read whole 32-token vectors past `tokens`. The order of the tokens within a
+/// row is each kernel table's own: its `pack` writes the rows its kernels read.
 struct Bf16Tile {
   const std::uint16_t* data;
   std::int64_t stride;
@@ -53,7 +54,8 @@ struct Bf16LaneKernels {
   void (*backward_data)(const Bf16LaneRuns& runs, Tile dy, MutableTile dx, std::int64_t tokens);
   void (*backward_weight)(const Bf16LaneRuns& runs, Tile dy, Bf16Tile x, float* grad,
                           std::int64_t tokens);
-  /// dst[0, padded) = bf16 of src[0, n), then zeros up to `padded` (rounded to nearest even).
+  /// One resident row: src[0, n) rounded to bf16 (nearest even), then zeros up to
+  /// `padded` (a multiple of 32), in this table's token order.
   void (*pack)(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t padded);
 };
 
@@ -64,6 +66,7 @@ extern const LaneKernels kScalarKernels;
 extern const LaneKernels kAvx2Kernels;
 extern const LaneKernels kAvx512Kernels;
 extern const Bf16LaneKernels kScalarBf16Kernels;
+extern const Bf16LaneKernels kAvx2Bf16Kernels;
 extern const Bf16LaneKernels kAvx512Bf16Kernels;
 
 }  // namespace sluice::detail

@@ -1,15 +1,17 @@
-// AVX-512 lane kernels for bf16 streams. A 64-byte load of a bf16 activation row holds 32
-// tokens; shifting each 32-bit lane left by 16 gives the even tokens as fp32 and masking
-// off its low half gives the odd ones, exactly, so the products and sums stay fp32 FMAs.
-// (The AVX512-BF16 dot product would pair neighbouring tokens, letting a NaN in one token
-// poison the next; and it needs a newer CPU than AVX-512F.) Accumulators keep even and
-// odd tokens apart and are interleaved once per output, at the carriage return.
+// AVX-512 lane kernels for bf16 streams. These kernels keep a resident bf16 row in their
+// own order: each 32-token block is sixteen 32-bit words, word j holding token j in its
+// high half and token 16 + j in its low half. A 64-byte load then gives tokens 0-15 as
+// fp32 by masking off the low halves and tokens 16-31 by shifting them up, exactly and
+// in order, so products and sums are fp32 FMAs and results are stored without shuffles.
+// (The AVX512-BF16 dot product would pair neighbouring tokens, letting a NaN in one poison
+// the other, and needs a newer CPU than AVX-512F; it measured no faster here.)
 #include <immintrin.h>
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, masked loads
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 
 #include "kernels/avx512_reduce.hpp"
 #include "kernels/lane_kernels.hpp"
@@ -17,20 +19,28 @@
 namespace sluice::detail {
 namespace {
 
-constexpr std::int64_t kGroup = 128;     // tokens per group: four 32-token vectors
+constexpr std::int64_t kGroup = 128;     // tokens per group: four 32-token blocks
 constexpr std::uint32_t kPrefetch = 16;  // packets ahead
 
+inline __m512i high_halves() {
+  return _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
+}
+/// A packet's weight in every lane: its 32-bit word (value << 16 | index) without the index.
 inline __m512 broadcast_weight(const Bf16Packet& p) {
-  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(std::uint32_t{p.value} << 16)));
+  std::uint32_t word;
+  std::memcpy(&word, &p, sizeof word);
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_set1_epi32(static_cast<int>(word)), high_halves()));
 }
 inline const std::uint16_t* row_of(const std::uint16_t* x, const Bf16Packet& p, std::int64_t xs) {
   return x + static_cast<std::int64_t>(p.index) * xs;
 }
-inline __m512 even_tokens(__m512i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+/// Tokens 0-15 and 16-31 of a 32-token block, as fp32.
+inline __m512 first_half(__m512i block) {
+  return _mm512_castsi512_ps(_mm512_and_si512(block, high_halves()));
 }
-inline __m512 odd_tokens(__m512i v) {
-  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000U))));
+inline __m512 second_half(__m512i block) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(block, 16));
 }
 /// Mask of the fp32 lanes in [0, 16) that are < n.
 inline __mmask16 first(std::int64_t n) {
@@ -38,38 +48,12 @@ inline __mmask16 first(std::int64_t n) {
                  : static_cast<__mmask16>((1U << std::max<std::int64_t>(n, 0)) - 1U);
 }
 
-/// Writes 32 tokens kept as (even, odd) to out[0, 32), the first `width` of them.
-inline void store_interleaved(float* out, __m512 even, __m512 odd, std::int64_t width) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __m512 a = _mm512_permutex2var_ps(even, lo, odd);
-  const __m512 b = _mm512_permutex2var_ps(even, hi, odd);
-  if (width >= 32) {
-    _mm512_storeu_ps(out, a);
-    _mm512_storeu_ps(out + 16, b);
-  } else {
-    _mm512_mask_storeu_ps(out, first(width), a);
-    _mm512_mask_storeu_ps(out + 16, first(width - 16), b);
-  }
-}
-
-/// Loads 32 fp32 tokens (the first `width`, zeros after) split into (even, odd).
-inline void load_split(const float* in, std::int64_t width, __m512& even, __m512& odd) {
-  const __m512 a = _mm512_maskz_loadu_ps(first(width), in);
-  const __m512 b = _mm512_maskz_loadu_ps(first(width - 16), in + 16);
-  const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  even = _mm512_permutex2var_ps(a, e, b);
-  odd = _mm512_permutex2var_ps(a, o, b);
-}
-
 template <int NV>
 void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t xs, float* y,
                    std::int64_t ys, std::int64_t width) {
   const Bf16Packet* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
-    // Two packets in flight, each with even and odd accumulators.
+    // Two packets in flight, each with accumulators for both halves of every block.
     __m512 ae[NV], ao[NV], be[NV], bo[NV];
     for (int v = 0; v < NV; ++v) ae[v] = ao[v] = be[v] = bo[v] = _mm512_setzero_ps();
     std::uint32_t k = L.begin[r];
@@ -90,10 +74,10 @@ void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t x
       for (int v = 0; v < NV; ++v) {
         const __m512i v0 = _mm512_loadu_si512(x0 + 32 * v);
         const __m512i v1 = _mm512_loadu_si512(x1 + 32 * v);
-        ae[v] = _mm512_fmadd_ps(w0, even_tokens(v0), ae[v]);
-        ao[v] = _mm512_fmadd_ps(w0, odd_tokens(v0), ao[v]);
-        be[v] = _mm512_fmadd_ps(w1, even_tokens(v1), be[v]);
-        bo[v] = _mm512_fmadd_ps(w1, odd_tokens(v1), bo[v]);
+        ae[v] = _mm512_fmadd_ps(w0, first_half(v0), ae[v]);
+        ao[v] = _mm512_fmadd_ps(w0, second_half(v0), ao[v]);
+        be[v] = _mm512_fmadd_ps(w1, first_half(v1), be[v]);
+        bo[v] = _mm512_fmadd_ps(w1, second_half(v1), bo[v]);
       }
     }
     if (k < e) {
@@ -101,14 +85,15 @@ void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t x
       const __m512 w0 = broadcast_weight(p[k]);
       for (int v = 0; v < NV; ++v) {
         const __m512i v0 = _mm512_loadu_si512(x0 + 32 * v);
-        ae[v] = _mm512_fmadd_ps(w0, even_tokens(v0), ae[v]);
-        ao[v] = _mm512_fmadd_ps(w0, odd_tokens(v0), ao[v]);
+        ae[v] = _mm512_fmadd_ps(w0, first_half(v0), ae[v]);
+        ao[v] = _mm512_fmadd_ps(w0, second_half(v0), ao[v]);
       }
     }
     float* out = y + r * ys;
     for (int v = 0; v < NV; ++v) {
-      store_interleaved(out + 32 * v, _mm512_add_ps(ae[v], be[v]), _mm512_add_ps(ao[v], bo[v]),
-                        width - 32 * v);
+      _mm512_mask_storeu_ps(out + 32 * v, first(width - 32 * v), _mm512_add_ps(ae[v], be[v]));
+      _mm512_mask_storeu_ps(out + 32 * v + 16, first(width - 32 * v - 16),
+                            _mm512_add_ps(ao[v], bo[v]));
     }
   }
 }
@@ -120,10 +105,13 @@ void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t 
   const Bf16Packet* p = L.packets;
   GradientBatch batch(grad);
   for (std::int64_t r = 0; r < L.runs; ++r) {
-    // dY's row in the same even/odd order as the widened activations; zeros past the
+    // dY's row split as the blocks are; zeros past the
     // tile's width meet the zero padding of the resident rows.
     __m512 de[NV], dodd[NV];
-    for (int v = 0; v < NV; ++v) load_split(dy + r * dys + 32 * v, width - 32 * v, de[v], dodd[v]);
+    for (int v = 0; v < NV; ++v) {
+      de[v] = _mm512_maskz_loadu_ps(first(width - 32 * v), dy + r * dys + 32 * v);
+      dodd[v] = _mm512_maskz_loadu_ps(first(width - 32 * v - 16), dy + r * dys + 32 * v + 16);
+    }
     const std::uint32_t e = L.end[r];
     for (std::uint32_t k = L.begin[r]; k < e; ++k) {
       if (k + kPrefetch < e) {
@@ -136,8 +124,8 @@ void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t 
       __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
       for (int v = 0; v < NV; ++v) {
         const __m512i xv = _mm512_loadu_si512(x0 + 32 * v);
-        a = _mm512_fmadd_ps(de[v], even_tokens(xv), a);
-        b = _mm512_fmadd_ps(dodd[v], odd_tokens(xv), b);
+        a = _mm512_fmadd_ps(de[v], first_half(xv), a);
+        b = _mm512_fmadd_ps(dodd[v], second_half(xv), b);
       }
       batch.add(k, _mm512_add_ps(a, b));
     }
@@ -227,20 +215,24 @@ void backward_data(const Bf16LaneRuns& L, Tile dy, MutableTile dx, std::int64_t 
   }
 }
 
-/// fp32 -> bf16 rounding to nearest even, NaN kept a NaN: the same bits as to_bf16().
+/// fp32 -> bf16 rounding to nearest even, NaN kept a NaN (the same bits as to_bf16()),
+/// written in this file's block order; zeros from n up to `padded` (a multiple of 32).
+__m512i rounded_high_halves(__m512 values) {
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF'FFFF)), _mm512_set1_epi32(0x7F80'0000));
+  const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040'0000));
+  return _mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), high_halves());
+}
+
 void pack(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t padded) {
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFF'FFFF), inf = _mm512_set1_epi32(0x7F80'0000);
-  const __m512i quiet = _mm512_set1_epi32(0x0040);
-  for (std::int64_t t = 0; t < padded; t += 16) {
-    const __mmask16 m = first(n - t);
-    const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + t));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, abs_mask), inf);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), quiet);
-    const __mmask16 keep = first(padded - t);
-    _mm256_mask_storeu_epi16(dst + t, keep, _mm512_cvtepi32_epi16(rounded));
+  for (std::int64_t t = 0; t < padded; t += 32) {
+    const __m512i first16 = rounded_high_halves(_mm512_maskz_loadu_ps(first(n - t), src + t));
+    const __m512i second16 =
+        rounded_high_halves(_mm512_maskz_loadu_ps(first(n - t - 16), src + t + 16));
+    _mm512_storeu_si512(dst + t, _mm512_or_si512(first16, _mm512_srli_epi32(second16, 16)));
   }
 }
 
