@@ -13,8 +13,9 @@
 #include <bit>
 #include <cstring>
 
-#include "kernels/avx512_reduce.hpp"
+#include "kernels/gradient_batch.hpp"
 #include "kernels/lane_kernels.hpp"
+#include "kernels/token_groups.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -127,41 +128,21 @@ void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t 
         a = _mm512_fmadd_ps(de[v], first_half(xv), a);
         b = _mm512_fmadd_ps(dodd[v], second_half(xv), b);
       }
-      batch.add(k, _mm512_add_ps(a, b));
+      const __m512 sum = _mm512_add_ps(a, b);
+      batch.add(k, _mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
     }
   }
   batch.flush();
 }
 
-template <typename Kernel>
-void for_each_group(std::int64_t tokens, Kernel&& kernel) {
-  for (std::int64_t t0 = 0; t0 < tokens; t0 += kGroup) {
-    const std::int64_t width = std::min(kGroup, tokens - t0);
-    switch ((width + 31) / 32) {
-      case 1:
-        kernel.template operator()<1>(t0, width);
-        break;
-      case 2:
-        kernel.template operator()<2>(t0, width);
-        break;
-      case 3:
-        kernel.template operator()<3>(t0, width);
-        break;
-      default:
-        kernel.template operator()<4>(t0, width);
-        break;
-    }
-  }
-}
-
 void forward(const Bf16LaneRuns& L, Bf16Tile x, MutableTile y, std::int64_t tokens) {
-  for_each_group(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
+  for_each_group<kGroup, 32>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
     forward_group<NV>(L, x.data + t0, x.stride, y.data + t0, y.stride, width);
   });
 }
 
 void backward_weight(const Bf16LaneRuns& L, Tile dy, Bf16Tile x, float* grad, std::int64_t tokens) {
-  for_each_group(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
+  for_each_group<kGroup, 32>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
     backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, width);
   });
 }
@@ -194,25 +175,9 @@ void backward_data_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dy
 }
 
 void backward_data(const Bf16LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
-  for (std::int64_t t0 = 0; t0 < tokens; t0 += 64) {
-    const std::int64_t width = std::min<std::int64_t>(64, tokens - t0);
-    const float* d = dy.data + t0;
-    float* o = dx.data + t0;
-    switch ((width + 15) / 16) {
-      case 1:
-        backward_data_group<1>(L, d, dy.stride, o, dx.stride, width);
-        break;
-      case 2:
-        backward_data_group<2>(L, d, dy.stride, o, dx.stride, width);
-        break;
-      case 3:
-        backward_data_group<3>(L, d, dy.stride, o, dx.stride, width);
-        break;
-      default:
-        backward_data_group<4>(L, d, dy.stride, o, dx.stride, width);
-        break;
-    }
-  }
+  for_each_group<64, 16>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
+    backward_data_group<NV>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, width);
+  });
 }
 
 /// fp32 -> bf16 rounding to nearest even, NaN kept a NaN (the same bits as to_bf16()),

@@ -1,6 +1,7 @@
 #pragma once
-// Horizontal sums for the AVX-512 weight-gradient kernels. Internal; include only from
-// files compiled for AVX-512.
+// Batched horizontal sums for the weight-gradient kernels: one 8-float partial dot
+// product per weight, reduced eight weights at a time. Internal; AVX intrinsics only, so
+// both the AVX2 and the AVX-512 kernel files include it.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -21,9 +22,8 @@ inline __m256 hsum8(const __m256* v) {
 class GradientBatch {
  public:
   explicit GradientBatch(float* grad) : grad_(grad) {}
-  void add(std::uint32_t k, __m512 partial) {
-    pending_[n_] =
-        _mm256_add_ps(_mm512_castps512_ps256(partial), _mm512_extractf32x8_ps(partial, 1));
+  void add(std::uint32_t k, __m256 partial) {
+    pending_[n_] = partial;
     target_[n_++] = k;
     if (n_ == 8) flush();
   }
