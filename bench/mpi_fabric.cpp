@@ -1,9 +1,16 @@
 // bench_mpi_fabric: MpiFabric's weight-stream broadcast and gradient return against plain
 // MPI collectives moving the same bytes. Run under mpirun with >= 2 ranks, e.g.
-//   mpirun -np 2 build/bench/bench_mpi_fabric [stream MB, default 64] [repetitions, default 5]
-// Transport (MpiFabric::probe, no engine work): the weight-stream broadcast of a ~MB
-// megabyte stream against one MPI_Bcast of as many bytes; the broadcast with the gradient
-// values coming back and summed (probe echo) against MPI_Bcast + MPI_Reduce of the values.
+//   mpirun -np 2 build/bench/bench_mpi_fabric [stream MB, default 64] [rounds, default 7]
+// Times are medians (the machine may be shared; best-of hides that). The transport
+// comparison runs in rounds, plain collectives and the fabric back to back, and reports the
+// median of the per-round ratios.
+// Transport (MpiFabric::probe, no engine work):
+// * broadcast: the fp32 weight stream of ~MB megabytes, and the same layer as a bf16
+//   stream (half the bytes), each against one MPI_Bcast of as many bytes;
+// * gradient return: what the fabric moves back is one float per weight (the tags are
+//   rank 0's own), summed over the engines; timed from the moment every engine holds its
+//   gradient stream to the summed, checked stream on rank 0 (last_gradient_seconds),
+//   against one MPI_Reduce (MPI_SUM of float, all ranks) of as many values.
 // Whole operations: forward (one token per engine, so the engines' arithmetic is small)
 // and backward (mask stream, no dX), with the local engine time (the same work on one
 // CpuEngine in rank 0, no MPI): an operation cannot beat max(plain transfer, engine).
@@ -27,15 +34,45 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median wall time of fn() over `reps` calls, after one warm-up call.
 template <typename Fn>
-double best_of(int reps, Fn&& fn) {
-  double best = 1e30;
+double median_of(int reps, Fn&& fn) {
+  fn();
+  std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     const double t0 = now();
     fn();
-    best = std::min(best, now() - t0);
+    t.push_back(now() - t0);
   }
-  return best;
+  return median(t);
+}
+
+// Plain collectives, on every rank: each repetition starts together (barrier) and is
+// timed on rank 0 until its own call returns (for MPI_Reduce: the sum is complete).
+template <typename Fn>
+double collective_median(int reps, Fn&& fn) {
+  std::vector<double> t;
+  for (int r = 0; r <= reps; ++r) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = now();
+    fn();
+    if (r > 0) t.push_back(now() - t0);  // the first call warms up
+  }
+  return median(t);
+}
+
+void plain_bcast(std::vector<char>& buffer) {
+  for (std::size_t off = 0; off < buffer.size(); off += std::size_t{1} << 30) {
+    const auto n =
+        static_cast<int>(std::min<std::size_t>(std::size_t{1} << 30, buffer.size() - off));
+    MPI_Bcast(buffer.data() + off, n, MPI_BYTE, 0, MPI_COMM_WORLD);
+  }
 }
 
 }  // namespace
@@ -47,7 +84,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   const double megabytes = argc > 1 ? std::atof(argv[1]) : 64.0;
-  const int reps = argc > 2 ? std::max(1, std::atoi(argv[2])) : 5;
+  const int reps = argc > 2 ? std::max(1, std::atoi(argv[2])) : 7;
   if (size < 2) {
     if (rank == 0) std::fprintf(stderr, "bench_mpi_fabric: run under mpirun with >= 2 ranks\n");
     MPI_Finalize();
@@ -55,42 +92,78 @@ int main(int argc, char** argv) {
   }
   try {
     using namespace sluice;
-    // The layer: 4096 outputs, 16384 inputs, density chosen for the stream's size.
+    // The layer: 4096 outputs, 16384 inputs, density chosen for the fp32 stream's size.
+    // Every rank builds it (same seed), so the plain collectives move exactly its bytes.
     const std::int64_t outputs = 4096, inputs = 16384;
     const double packets = megabytes * 1e6 / sizeof(Packet);
     const double density = std::min(1.0, packets / static_cast<double>(outputs * inputs));
-    const std::uint64_t stream_bytes =
-        static_cast<std::uint64_t>(density * static_cast<double>(outputs * inputs)) *
-        sizeof(Packet);
-    const std::uint64_t value_count = stream_bytes / sizeof(Packet);
+    CsrMatrix w = CsrMatrix::random(outputs, inputs, 1.0 - density, 1);
+    w.fill_values(2, 0.01F);
+    const WeightStream stream = encode_stream(w, StreamKind::weights);
+    const WeightStream stream_bf16 =
+        encode_stream(w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
+    const WeightStream mask = encode_stream(w, StreamKind::mask);
+    const std::uint64_t stream_bytes = stream.byte_size();
+    const std::uint64_t bf16_bytes = stream_bf16.byte_size();
+    const std::uint64_t nnz = stream.header.nnz;  // the values a gradient return moves
 
-    // Plain collectives of the same sizes, on every rank.
-    std::vector<char> buffer(stream_bytes, 1);
-    std::vector<float> values(value_count, 1.0F), sums(rank == 0 ? value_count : 0);
-    MPI_Barrier(MPI_COMM_WORLD);
-    const double plain_bcast = best_of(reps, [&] {
-      for (std::uint64_t off = 0; off < stream_bytes; off += 1 << 30) {
-        const auto n = static_cast<int>(std::min<std::uint64_t>(1 << 30, stream_bytes - off));
-        MPI_Bcast(buffer.data() + off, n, MPI_BYTE, 0, MPI_COMM_WORLD);
-      }
-      MPI_Barrier(MPI_COMM_WORLD);
-    });
-    const double plain_reduce = best_of(reps, [&] {
-      MPI_Reduce(values.data(), sums.data(), static_cast<int>(value_count), MPI_FLOAT, MPI_SUM, 0,
-                 MPI_COMM_WORLD);
-      MPI_Barrier(MPI_COMM_WORLD);
-    });
-
+    std::vector<char> buffer(stream_bytes, 1), buffer_bf16(bf16_bytes, 1);
+    std::vector<float> values(nnz, 1.0F), sums(rank == 0 ? nnz : 0);
     MpiFabricOptions options;
+
+    // Transport: rounds of plain collectives and fabric probes back to back (a fresh
+    // fabric each round, as serve() holds the engine ranks until stop()), so both see the
+    // same load on a shared machine; ratios are taken per round, then their median.
+    constexpr int kPerRound = 3;
+    std::vector<double> bcast_times, bcast_bf16_times, reduce_times;
+    std::vector<double> probe_times, probe_bf16_times, return_times, echo_times;
+    std::vector<double> bcast_ratios, bcast_bf16_ratios, reduce_ratios;
+    for (int round = 0; round < reps; ++round) {
+      const double bcast = collective_median(kPerRound, [&] { plain_bcast(buffer); });
+      const double bcast_bf16 = collective_median(kPerRound, [&] { plain_bcast(buffer_bf16); });
+      const double reduce = collective_median(kPerRound, [&] {
+        MPI_Reduce(values.data(), sums.data(), static_cast<int>(nnz), MPI_FLOAT, MPI_SUM, 0,
+                   MPI_COMM_WORLD);
+      });
+      MpiFabric fabric(options);
+      if (!fabric.is_driver()) {
+        fabric.serve();
+        continue;
+      }
+      const double probe = median_of(kPerRound, [&] {
+        MemoryStreamSource source(stream);
+        (void)fabric.probe(source, false);
+      });
+      const double probe_bf16 = median_of(kPerRound, [&] {
+        MemoryStreamSource source(stream_bf16);
+        (void)fabric.probe(source, false);
+      });
+      std::vector<double> returns;
+      echo_times.push_back(median_of(kPerRound, [&] {
+        MemoryStreamSource source(stream);
+        (void)fabric.probe(source, true);
+        returns.push_back(fabric.last_gradient_seconds());
+      }));
+      returns.erase(returns.begin());  // the warm-up
+      const double gradient_return = median(returns);
+      fabric.stop();
+      bcast_times.push_back(bcast);
+      bcast_bf16_times.push_back(bcast_bf16);
+      reduce_times.push_back(reduce);
+      probe_times.push_back(probe);
+      probe_bf16_times.push_back(probe_bf16);
+      return_times.push_back(gradient_return);
+      bcast_ratios.push_back(bcast / probe);
+      bcast_bf16_ratios.push_back(bcast_bf16 / probe_bf16);
+      reduce_ratios.push_back(reduce / gradient_return);
+    }
+
+    // Whole operations, on one fabric.
     MpiFabric fabric(options);
     if (!fabric.is_driver()) {
       fabric.serve();
     } else {
       const std::int32_t engines = fabric.engine_count();
-      CsrMatrix w = CsrMatrix::random(outputs, inputs, 1.0 - density, 1);
-      w.fill_values(2, 0.01F);
-      const WeightStream stream = encode_stream(w, StreamKind::weights);
-      const WeightStream mask = encode_stream(w, StreamKind::mask);
       const Geometry g = fabric.engine(0).geometry_for(outputs, inputs, 1);
       const Placement placement = round_robin_placement(w, std::max(1, g.lanes));
       std::vector<DenseMatrix> x, y, dy;
@@ -109,60 +182,76 @@ int main(int argc, char** argv) {
         ys.push_back(y[static_cast<std::size_t>(k)].view());
         dys.push_back(dy[static_cast<std::size_t>(k)].view());
       }
-      const double probe_bcast = best_of(reps, [&] {
-        MemoryStreamSource source(stream);
-        (void)fabric.probe(source, false);
-      });
-      const double probe_echo = best_of(reps, [&] {
-        MemoryStreamSource source(stream);
-        (void)fabric.probe(source, true);
-      });
-      const double fabric_forward = best_of(reps, [&] {
+      const double fabric_forward = median_of(reps, [&] {
         MemoryStreamSource source(stream);
         fabric.forward(source, ps, xs, ys);
       });
-      const double fabric_backward = best_of(reps, [&] {
+      const double fabric_forward_bf16 = median_of(reps, [&] {
+        MemoryStreamSource source(stream_bf16);
+        fabric.forward(source, ps, xs, ys);
+      });
+      std::vector<double> backward_returns;
+      const double fabric_backward = median_of(reps, [&] {
         MemoryStreamSource source(mask);
         (void)fabric.backward(source, ps, xs, dys, {}, false);
+        backward_returns.push_back(fabric.last_gradient_seconds());
       });
+      backward_returns.erase(backward_returns.begin());
+      const double backward_return = median(backward_returns);
       fabric.stop();
       // The engines' own work, in this process, for the bound.
       CpuEngine local(EngineOptions{.threads = fabric.engine(0).threads()});
       DenseMatrix ly(outputs, 1);
       const double engine_forward =
-          best_of(reps, [&] { local.forward(stream, placement, x[0].view(), ly.view()); });
-      const double engine_backward = best_of(
+          median_of(reps, [&] { local.forward(stream, placement, x[0].view(), ly.view()); });
+      const double engine_forward_bf16 =
+          median_of(reps, [&] { local.forward(stream_bf16, placement, x[0].view(), ly.view()); });
+      const double engine_backward = median_of(
           reps, [&] { (void)local.backward(mask, placement, x[0].view(), dy[0].view(), nullptr); });
 
       const double gb = 1e9;
-      const double plain_back = plain_bcast + plain_reduce;
-      std::printf("ranks %d (%d engines), stream %.1f MB (%llu packets), best of %d\n", size,
-                  engines, static_cast<double>(stream_bytes) / 1e6,
-                  static_cast<unsigned long long>(value_count), reps);
+      const double value_bytes = static_cast<double>(nnz * sizeof(float));
       std::printf(
-          "transport broadcast: fabric %.2f ms (%.2f GB/s) | plain MPI_Bcast %.2f ms "
-          "(%.2f GB/s) | ratio %.2f\n",
-          probe_bcast * 1e3, static_cast<double>(stream_bytes) / probe_bcast / gb,
-          plain_bcast * 1e3, static_cast<double>(stream_bytes) / plain_bcast / gb,
-          plain_bcast / probe_bcast);
+          "ranks %d (%d engines); layer %lldx%lld, %llu weights; fp32 stream %.1f MB, bf16 "
+          "stream %.1f MB, gradient values %.1f MB; medians over %d rounds\n",
+          size, engines, static_cast<long long>(outputs), static_cast<long long>(inputs),
+          static_cast<unsigned long long>(nnz), static_cast<double>(stream_bytes) / 1e6,
+          static_cast<double>(bf16_bytes) / 1e6, value_bytes / 1e6, reps);
+      const double bcast_time = median(bcast_times), bcast_bf16_time = median(bcast_bf16_times);
+      const double reduce_time = median(reduce_times);
+      const double probe_bcast = median(probe_times), probe_bcast_bf16 = median(probe_bf16_times);
+      const double gradient_return = median(return_times);
       std::printf(
-          "transport broadcast + gradient return: fabric %.2f ms | plain MPI_Bcast + "
-          "MPI_Reduce %.2f ms | ratio %.2f\n",
-          probe_echo * 1e3, plain_back * 1e3, plain_back / probe_echo);
+          "broadcast fp32: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
+          "ratio %.2f\n",
+          probe_bcast * 1e3, static_cast<double>(stream_bytes) / probe_bcast / gb, bcast_time * 1e3,
+          static_cast<double>(stream_bytes) / bcast_time / gb, median(bcast_ratios));
       std::printf(
-          "forward : fabric %.2f ms (%.2f GB/s) | plain MPI_Bcast %.2f ms (%.2f GB/s) | "
-          "engine alone %.2f ms | ratio plain/fabric %.2f, max(plain,engine)/fabric %.2f\n",
-          fabric_forward * 1e3, static_cast<double>(stream_bytes) / fabric_forward / gb,
-          plain_bcast * 1e3, static_cast<double>(stream_bytes) / plain_bcast / gb,
-          engine_forward * 1e3, plain_bcast / fabric_forward,
-          std::max(plain_bcast, engine_forward) / fabric_forward);
+          "broadcast bf16: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
+          "ratio %.2f | %.2fx faster than the fp32 stream\n",
+          probe_bcast_bf16 * 1e3, static_cast<double>(bf16_bytes) / probe_bcast_bf16 / gb,
+          bcast_bf16_time * 1e3, static_cast<double>(bf16_bytes) / bcast_bf16_time / gb,
+          median(bcast_bf16_ratios), probe_bcast / probe_bcast_bf16);
       std::printf(
-          "backward: fabric %.2f ms | plain MPI_Bcast + MPI_Reduce %.2f ms (reduce %.2f ms, "
-          "%.2f GB/s) | engine alone %.2f ms | ratio plain/fabric %.2f, "
+          "gradient return: fabric %.2f ms (%.2f GB/s) | MPI_Reduce %.2f ms (%.2f GB/s) | "
+          "ratio %.2f (broadcast + return %.2f ms)\n",
+          gradient_return * 1e3, value_bytes / gradient_return / gb, reduce_time * 1e3,
+          value_bytes / reduce_time / gb, median(reduce_ratios), median(echo_times) * 1e3);
+      std::printf(
+          "forward fp32: fabric %.2f ms | MPI_Bcast %.2f ms | engine alone %.2f ms | "
           "max(plain,engine)/fabric %.2f\n",
-          fabric_backward * 1e3, plain_back * 1e3, plain_reduce * 1e3,
-          static_cast<double>(value_count * sizeof(float)) / plain_reduce / gb,
-          engine_backward * 1e3, plain_back / fabric_backward,
+          fabric_forward * 1e3, bcast_time * 1e3, engine_forward * 1e3,
+          std::max(bcast_time, engine_forward) / fabric_forward);
+      std::printf(
+          "forward bf16: fabric %.2f ms | MPI_Bcast %.2f ms | engine alone %.2f ms | "
+          "max(plain,engine)/fabric %.2f\n",
+          fabric_forward_bf16 * 1e3, bcast_bf16_time * 1e3, engine_forward_bf16 * 1e3,
+          std::max(bcast_bf16_time, engine_forward_bf16) / fabric_forward_bf16);
+      const double plain_back = bcast_time + reduce_time;
+      std::printf(
+          "backward: fabric %.2f ms (gradient return %.2f ms) | MPI_Bcast + MPI_Reduce "
+          "%.2f ms | engine alone %.2f ms | max(plain,engine)/fabric %.2f\n",
+          fabric_backward * 1e3, backward_return * 1e3, plain_back * 1e3, engine_backward * 1e3,
           std::max(plain_back, engine_backward) / fabric_backward);
     }
   } catch (const std::exception& e) {

@@ -6,13 +6,20 @@
 // Every fabric operation starts with a small command broadcast from rank 0. Then rank 0
 // scatters each engine's token slice of X (and of dY in backward) and its placement, and
 // broadcasts the weight stream in frames of whole chunks (one MPI_Ibcast per frame over
-// the chunks' own buffers, several frames in flight). Engine ranks receive on their main
+// the chunks' own buffers, several frames in flight); a bf16 stream's chunks travel as their
+// 4-byte packets, half the bytes of fp32 ones. Engine ranks receive on their main
 // thread and feed their engine (on a worker thread) through a bounded channel, so transfer
-// and compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv, each
-// engine's gradient stream point to point. Rank 0 checks every gradient packet's tag
-// against the stream it sent and sums the values in reduce_gradients' fixed pairwise tree
-// order (bias gradients too), so N - 1 MPI engines compute bit for bit what a LocalFabric
-// of N - 1 engines with the same engine options computes, and every run the same.
+// and compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv. Gradient
+// streams come back as values only (4 bytes per weight): rank 0 sent the tags and control
+// packets, so it lays them out itself. The engines sum their values along
+// reduce_gradients' fixed pairwise tree (engine k absorbs k + 1, k + 2, k + 4, ...),
+// segment by segment and pipelined, and engine 0 passes the sum to rank 0 (through a
+// shared-memory window when they share a node, see MpiFabricOptions); each engine
+// also sends a checksum (CRC-32C) of its gradient stream's tags and control packets,
+// which rank 0 compares with that of the stream it sent (FormatError naming the rank if
+// they differ). Bias gradients are summed in the same tree order. So N - 1 MPI engines
+// compute bit for bit what a LocalFabric of N - 1 engines with the same engine options
+// computes, and every run the same.
 //
 // A failure in the middle of an operation cannot be reported to the other ranks without
 // leaving them blocked in a collective, so it prints "sluice[rank r]: <what>" to stderr
@@ -40,6 +47,10 @@ struct MpiFabricOptions {
   /// Chunks are grouped into frames of about this many bytes (at most 64 chunks), one
   /// Ibcast each: fewer, larger messages than one per chunk.
   std::size_t frame_bytes = std::size_t{4} << 20;
+  /// When engine 0 shares rank 0's node, the summed gradient's last hop is a shared-memory
+  /// window (engine 0 writes the sum where rank 0 reads it, nothing is copied); false: by
+  /// messages, as between nodes. Taken from rank 0.
+  bool shared_memory = true;
 };
 
 /// Collective over options.comm: every rank constructs one, with the same options.
@@ -64,9 +75,14 @@ class MpiFabric final : public Fabric {
 
   /// Rank 0, for benchmarks and link checks: broadcasts `stream` to every engine rank as
   /// forward() does, but the ranks take it in without an engine. With `echo`, each rank
-  /// returns the stream's values as its gradient and rank 0 sums them as backward() does
-  /// (weights only); without, the result is empty.
+  /// returns the stream's values (in fp32) as its gradient and rank 0 sums them as
+  /// backward() does (weights only); without, the result is empty.
   ReducedGradient probe(StreamSource& stream, bool echo);
+
+  /// Rank 0, for benchmarks: seconds the last backward() or echo probe() took to return
+  /// the gradients, from the moment every engine had its gradient stream to the summed,
+  /// checked stream on rank 0.
+  double last_gradient_seconds() const;
 
  protected:
   std::int32_t engine_count_impl() const override;

@@ -3,6 +3,7 @@
 #include "sluice/mpi_fabric.hpp"
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cstdio>
 #include <cstring>
@@ -11,6 +12,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "engine_worker.hpp"
 #include "sluice/error.hpp"
@@ -45,24 +50,24 @@ struct Frame {
     FrameMeta m;
     m.chunks = static_cast<std::int32_t>(chunks.size());
     for (std::size_t i = 0; i < chunks.size(); ++i) {
-      m.chunk[i] = {static_cast<std::int64_t>(chunks[i]->packets.size()), chunks[i]->first_output,
+      m.chunk[i] = {static_cast<std::int64_t>(chunks[i]->size()), chunks[i]->first_output,
                     chunks[i]->outputs};
     }
     return m;
   }
 };
 
-// One datatype over a frame's packet buffers, with absolute addresses (used with
-// MPI_BOTTOM).
-MPI_Datatype chunks_type(const std::vector<const Packet*>& buffers,
+// One datatype over a frame's packet buffers (of the stream's precision), with absolute
+// addresses (used with MPI_BOTTOM).
+MPI_Datatype chunks_type(Precision precision, const std::vector<const void*>& buffers,
                          const std::vector<std::size_t>& sizes);
-MPI_Datatype packet_type();
 
 /// Broadcast from rank 0 at the start of every operation.
 struct Command {
   std::int32_t op = 0;
   std::int32_t want_dx = 0;  ///< any engine wants dX (then dX is gathered)
-  std::uint32_t kind = 0, outputs = 0, inputs = 0, unused = 0;
+  std::uint32_t kind = 0, outputs = 0, inputs = 0;
+  std::uint32_t precision = 0;  ///< the weight stream's: which packets its frames carry
   std::uint64_t nnz = 0;
   FrameMeta first;  ///< the stream's first frame
 };
@@ -79,6 +84,7 @@ struct Reply {
   double busy_seconds = 0, intake_seconds = 0;
   std::uint64_t packets = 0, bytes = 0;
   std::uint64_t grad_packets = 0;
+  std::uint64_t grad_values = 0;  ///< weight packets in the gradient stream: values sent
   std::uint32_t grad_kind = 0, grad_outputs = 0, grad_inputs = 0, unused = 0;
   std::uint64_t grad_nnz = 0;
 };
@@ -120,8 +126,145 @@ int to_count(std::uint64_t n, const char* what) {
   return static_cast<int>(n);
 }
 
-// Gradient streams come back point to point, engine by engine, with this tag.
+// Gradient values travel up the engines' reduction tree, and to rank 0, with this tag.
 constexpr int kGradientTag = 17;
+
+// Gradient values travel in segments of this many floats: the reduction tree and rank 0's
+// unpacking work on one segment while the next is in transfer.
+constexpr std::uint64_t kSegmentValues = std::uint64_t{1} << 18;
+
+// A summed gradient stream larger than this is written around the caches.
+constexpr std::uint64_t kStreamingBytes = std::uint64_t{16} << 20;
+
+// --- the tag checksum ------------------------------------------------------------------
+// Rank 0 knows every tag and control packet of a gradient stream (they are the weight
+// stream's), so only values travel; each engine's checksum of its stream's tags proves it
+// returned them in the order rank 0 expects. The checksum is CRC-32C, in four lanes: the
+// tags in order, two to a 64-bit word (the first in the low half), word j into lane
+// j mod 4, an odd last tag alone into the next lane; then the CRC-32C of the word count
+// and the four lanes. x86-64 has an instruction for CRC-32C (three cycles' latency, one
+// per cycle throughput, hence the lanes); the table CRC-32 of crc32.hpp runs at ~2 GB/s
+// here, as long as the whole transfer. Other CPUs compute the same values by table.
+
+constexpr std::uint32_t kCrc32cPolynomial = 0x82F6'3B78U;  // Castagnoli, reflected
+
+constexpr std::array<std::uint32_t, 256> make_crc32c_table() {
+  std::array<std::uint32_t, 256> t{};
+  for (std::uint32_t i = 0; i < 256; ++i) {
+    std::uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1U) != 0 ? kCrc32cPolynomial ^ (c >> 1) : c >> 1;
+    t[i] = c;
+  }
+  return t;
+}
+constexpr std::array<std::uint32_t, 256> kCrc32cTable = make_crc32c_table();
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SLUICE_MPI_HW_CRC 1
+#endif
+
+// One CRC-32C step over the 8 bytes of `word` (little-endian), without pre- or
+// post-inversion, as the crc32 instruction computes it.
+template <bool kHardware>
+inline std::uint32_t crc32c_word(std::uint32_t crc, std::uint64_t word) {
+#ifdef SLUICE_MPI_HW_CRC
+  if constexpr (kHardware) {
+    std::uint64_t c = crc;
+    asm("crc32q %1, %0" : "+r"(c) : "rm"(word));  // SSE4.2; callers check the CPU has it
+    return static_cast<std::uint32_t>(c);
+  }
+#endif
+  for (int b = 0; b < 8; ++b, word >>= 8) crc = (crc >> 8) ^ kCrc32cTable[(crc ^ word) & 0xFFU];
+  return crc;
+}
+
+inline std::uint32_t crc32c_tag(std::uint32_t crc, std::uint32_t tag) {
+  for (int b = 0; b < 4; ++b, tag >>= 8) crc = (crc >> 8) ^ kCrc32cTable[(crc ^ tag) & 0xFFU];
+  return crc;
+}
+
+/// The tags of a stream, chunk by chunk (chunk boundaries do not matter), into the
+/// checksum above; optionally the weight packets' values out, as fp32, in one pass.
+class TagScanner {
+ public:
+  /// The chunk's packets of the stream's precision; returns its number of weight packets.
+  std::uint64_t add(const StreamChunk& chunk, Precision precision, float* values = nullptr) {
+#ifdef SLUICE_MPI_HW_CRC
+    static const bool hardware = __builtin_cpu_supports("sse4.2");
+#else
+    constexpr bool hardware = false;
+#endif
+    if (precision == Precision::bf16) {
+      return hardware ? scan<true>(chunk.packets_bf16, values)
+                      : scan<false>(chunk.packets_bf16, values);
+    }
+    return hardware ? scan<true>(chunk.packets, values) : scan<false>(chunk.packets, values);
+  }
+
+  std::uint32_t checksum() const {
+    std::uint32_t lanes[4] = {lane_[0], lane_[1], lane_[2], lane_[3]};
+    if (pending_) lanes[words_ % 4] = crc32c_tag(lanes[words_ % 4], pending_tag_);
+    std::uint32_t c = crc32c_word<false>(~0U, words_ * 2 + (pending_ ? 1 : 0));
+    c = crc32c_word<false>(c, lanes[0] | (std::uint64_t{lanes[1]} << 32));
+    c = crc32c_word<false>(c, lanes[2] | (std::uint64_t{lanes[3]} << 32));
+    return ~c;
+  }
+
+ private:
+  template <bool kHardware, typename P>
+  std::uint64_t scan(const std::vector<P>& packets, float* values) {
+    const P* p = packets.data();
+    const std::size_t n = packets.size();
+    std::uint64_t written = 0;
+    auto value = [&](const P& q) {
+      if (!is_control(q)) {
+        if (values != nullptr) values[written] = value_of(q);
+        ++written;
+      }
+    };
+    auto word = [&](std::size_t i) {
+      return tag_of(p[i]) | (std::uint64_t{tag_of(p[i + 1])} << 32);
+    };
+    auto one_word = [&](std::size_t i) {
+      lane_[words_ % 4] = crc32c_word<kHardware>(lane_[words_ % 4], word(i));
+      ++words_;
+      value(p[i]);
+      value(p[i + 1]);
+    };
+    std::size_t i = 0;
+    if (pending_ && n > 0) {  // the odd tag of the previous chunk and this chunk's first
+      lane_[words_ % 4] = crc32c_word<kHardware>(
+          lane_[words_ % 4], pending_tag_ | (std::uint64_t{tag_of(p[0])} << 32));
+      ++words_;
+      value(p[0]);
+      pending_ = false;
+      i = 1;
+    }
+    for (; i + 2 <= n && words_ % 4 != 0; i += 2) one_word(i);
+    std::uint32_t c0 = lane_[0], c1 = lane_[1], c2 = lane_[2], c3 = lane_[3];
+    for (; i + 8 <= n; i += 8) {
+      c0 = crc32c_word<kHardware>(c0, word(i));
+      c1 = crc32c_word<kHardware>(c1, word(i + 2));
+      c2 = crc32c_word<kHardware>(c2, word(i + 4));
+      c3 = crc32c_word<kHardware>(c3, word(i + 6));
+      for (std::size_t k = 0; k < 8; ++k) value(p[i + k]);
+      words_ += 4;
+    }
+    lane_[0] = c0, lane_[1] = c1, lane_[2] = c2, lane_[3] = c3;
+    for (; i + 2 <= n; i += 2) one_word(i);
+    if (i < n) {
+      pending_ = true;
+      pending_tag_ = tag_of(p[i]);
+      value(p[i]);
+    }
+    return written;
+  }
+
+  std::uint32_t lane_[4] = {~0U, ~0U, ~0U, ~0U};
+  std::uint64_t words_ = 0;  ///< 64-bit words folded into the lanes so far
+  bool pending_ = false;     ///< an odd tag waits for the next chunk's first
+  std::uint32_t pending_tag_ = 0;
+};
 
 // Copies a strided view into a contiguous buffer, row after row.
 void pack(ConstMatrixView m, float* out) {
@@ -137,17 +280,30 @@ void unpack(const float* in, MutableMatrixView m) {
 
 using Worker = detail::EngineWorker;
 
+template <typename P>
 MPI_Datatype packet_type() {
   static const MPI_Datatype type = [] {
     MPI_Datatype t = MPI_DATATYPE_NULL;
-    MPI_Type_contiguous(sizeof(Packet), MPI_BYTE, &t);
+    MPI_Type_contiguous(sizeof(P), MPI_BYTE, &t);
     MPI_Type_commit(&t);
     return t;
   }();
   return type;
 }
 
-MPI_Datatype chunks_type(const std::vector<const Packet*>& buffers,
+// A chunk's packet buffer of the stream's precision; the other one must be empty.
+const void* packet_data(const StreamChunk& c, Precision precision) {
+  const bool bf16 = precision == Precision::bf16;
+  if (bf16 ? !c.packets.empty() : !c.packets_bf16.empty()) {
+    throw FormatError(std::string("MpiFabric: a chunk of an ") + to_string(precision) +
+                      " stream (outputs from " + std::to_string(c.first_output) +
+                      ") carries packets of the other precision");
+  }
+  return bf16 ? static_cast<const void*>(c.packets_bf16.data())
+              : static_cast<const void*>(c.packets.data());
+}
+
+MPI_Datatype chunks_type(Precision precision, const std::vector<const void*>& buffers,
                          const std::vector<std::size_t>& sizes) {
   std::vector<int> lengths;
   std::vector<MPI_Aint> addresses;
@@ -158,9 +314,11 @@ MPI_Datatype chunks_type(const std::vector<const Packet*>& buffers,
     lengths.push_back(to_count(sizes[i], "a stream chunk"));
   }
   MPI_Datatype type = MPI_DATATYPE_NULL;
-  mpi_check(MPI_Type_create_hindexed(static_cast<int>(buffers.size()), lengths.data(),
-                                     addresses.data(), packet_type(), &type),
-            "MPI_Type_create_hindexed");
+  mpi_check(
+      MPI_Type_create_hindexed(
+          static_cast<int>(buffers.size()), lengths.data(), addresses.data(),
+          precision == Precision::bf16 ? packet_type<Bf16Packet>() : packet_type<Packet>(), &type),
+      "MPI_Type_create_hindexed");
   mpi_check(MPI_Type_commit(&type), "MPI_Type_commit");
   return type;
 }
@@ -182,6 +340,68 @@ MPI_Datatype chunks_type(const std::vector<const Packet*>& buffers,
   abort_all_ranks(error.what());
 }
 
+namespace {
+
+/// Rank 0: the stream it broadcast, kept for the gradient streams that come back in its
+/// order: their tags are checked against it and the sum is laid out like it.
+struct SentStream {
+  std::vector<ChunkPtr> chunks;
+  std::vector<std::uint64_t> chunk_values;  ///< weight packets in each chunk
+  Precision precision = Precision::fp32;
+  std::uint64_t packets = 0, values = 0;
+  TagScanner tags;
+};
+
+// One chunk of the summed gradient: the tags and control packets of the chunk rank 0 sent
+// (either precision), the values `v` in fp32.
+template <typename P>
+void lay_out_gradient(const std::vector<P>& sent, const float* v, Packet* out, bool /*streaming*/) {
+  for (const P& p : sent) {
+    *out++ = is_control(p) ? Packet{tag_of(p), 0.0F} : Packet{tag_of(p), *v++};
+  }
+}
+
+// The same from an fp32 chunk, two packets a step. `streaming`: non-temporal stores, for a
+// result larger than the caches (writing around them saves reading every line first,
+// which is a third of this loop's memory traffic).
+void lay_out_gradient(const std::vector<Packet>& sent, const float* v, Packet* out,
+                      bool streaming) {
+  const Packet* in = sent.data();
+  const std::size_t n = sent.size();
+  std::size_t i = 0;
+#if defined(__SSE2__)
+  auto one = [&](std::size_t k) {
+    out[k] = is_control(in[k]) ? Packet{in[k].tag, 0.0F} : Packet{in[k].tag, *v++};
+  };
+  if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
+    for (; i + 2 <= n; i += 2) {
+      const __m128i two = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+      if ((_mm_movemask_ps(_mm_castsi128_ps(two)) & 0b0101) != 0) {  // a control packet
+        one(i);
+        one(i + 1);
+        continue;
+      }
+      const __m128i tags = _mm_shuffle_epi32(two, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m128i values = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
+      const __m128i packets = _mm_unpacklo_epi32(tags, values);
+      auto* to = reinterpret_cast<__m128i*>(out + i);
+      if (streaming) {
+        _mm_stream_si128(to, packets);
+      } else {
+        _mm_store_si128(to, packets);
+      }
+      v += 2;
+    }
+    if (streaming) _mm_sfence();
+  }
+#endif
+  for (; i < n; ++i) {
+    out[i] = is_control(in[i]) ? Packet{in[i].tag, 0.0F} : Packet{in[i].tag, *v++};
+  }
+}
+
+}  // namespace
+
 struct MpiFabric::Impl {
   MpiFabricOptions options;
   MPI_Comm comm = MPI_COMM_NULL;
@@ -193,16 +413,60 @@ struct MpiFabric::Impl {
   // Engine ranks: chunk buffers of earlier operations, reused (no fresh pages to fault in
   // and zero for every layer).
   std::vector<std::shared_ptr<StreamChunk>> pool;
-  // Rank 0: one buffer of gradient values per engine, reused.
-  std::vector<std::unique_ptr<Packet[]>> gradient_buffers;
   // Rank 0: the chunks of the gradient streams handed out, reused once released.
   std::vector<std::shared_ptr<StreamChunk>> result_pool;
-  // Engine ranks: the gradient stream as one message, reused.
-  std::unique_ptr<Packet[]> send_buffer;
-  std::uint64_t send_capacity = 0;
-  std::size_t gradient_capacity = 0;
+  // Gradient values: rank 0's sum as it arrives; an engine's own values, to which it adds
+  // its children's in the reduction tree (one buffer per child). Reused from call to call.
+  std::vector<float> values;
+  std::vector<std::vector<float>> child_values;
+  // When engine 0 shares a node with rank 0, the last hop of the gradient sum is shared
+  // memory: a window of rank 0's on `pair` (ranks 0 and 1) into which engine 0 packs and
+  // sums its values directly, so rank 0 lays out values no one copied. Otherwise (other
+  // node, or the MPI cannot make the window) that hop is a send like the others.
+  MPI_Comm pair = MPI_COMM_NULL;
+  MPI_Win window = MPI_WIN_NULL;
+  float* window_values = nullptr;  // rank 0's memory, on ranks 0 and 1
+  std::uint64_t window_capacity = 0;
+  bool window_failed = false;
+  double last_gradient_seconds = 0;  // rank 0
 
   std::int32_t engines() const { return size - 1; }
+
+  // Ranks 0 and 1 together: a shared window of at least `needed` floats (the stream's
+  // packets, which bound its values), made when the gradients outgrow it (both see the
+  // same counts). Whether it worked is agreed; if not, the fabric keeps to sends.
+  void ensure_window(std::uint64_t needed) {
+    if (pair == MPI_COMM_NULL || window_failed) return;
+    if (window != MPI_WIN_NULL && needed <= window_capacity) return;
+    free_window();
+    const std::uint64_t capacity = std::max(needed, kSegmentValues);
+    const MPI_Aint bytes = rank == 0 ? static_cast<MPI_Aint>(capacity * sizeof(float)) : 0;
+    void* base = nullptr;
+    int ok = MPI_Win_allocate_shared(bytes, sizeof(float), MPI_INFO_NULL, pair, &base, &window) ==
+             MPI_SUCCESS;
+    if (ok && rank != 0) {
+      MPI_Aint size = 0;
+      int unit = 0;
+      ok = MPI_Win_shared_query(window, 0, &size, &unit, &base) == MPI_SUCCESS &&
+           static_cast<std::uint64_t>(size) >= capacity * sizeof(float);
+    }
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, pair), "window check");
+    if (!ok) {
+      if (window != MPI_WIN_NULL) MPI_Win_free(&window);
+      window = MPI_WIN_NULL;
+      window_failed = true;
+      return;
+    }
+    window_values = static_cast<float*>(base);
+    window_capacity = capacity;
+  }
+
+  void free_window() {
+    if (window != MPI_WIN_NULL) mpi_check(MPI_Win_free(&window), "MPI_Win_free");
+    window = MPI_WIN_NULL;
+    window_values = nullptr;
+    window_capacity = 0;
+  }
 
   // --- rank 0 ---------------------------------------------------------------------
 
@@ -214,6 +478,7 @@ struct MpiFabric::Impl {
     c.outputs = h.outputs;
     c.inputs = h.inputs;
     c.nnz = h.nnz;
+    c.precision = static_cast<std::uint32_t>(h.precision);
     c.first = first.meta();
     mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, comm), "command broadcast");
   }
@@ -308,17 +573,17 @@ struct MpiFabric::Impl {
            (f.chunks.empty() || bytes < options.frame_bytes)) {
       ChunkPtr c = source.next();
       if (!c) break;
-      to_count(c->packets.size() * sizeof(Packet), "a stream chunk's bytes");
-      bytes += c->packets.size() * sizeof(Packet);
+      to_count(c->byte_size(), "a stream chunk's bytes");
+      bytes += c->byte_size();
       f.chunks.push_back(std::move(c));
     }
     return f;
   }
 
   // Pipelined broadcast: frame i's bytes and frame i+1's sizes go out together, up to
-  // `window` frames in flight. `kept` collects the chunks (backward checks the gradient
-  // streams' tags against them and lays the sum out like them).
-  void broadcast_stream(StreamSource& source, Frame first, std::vector<ChunkPtr>* kept) {
+  // `window` frames in flight. `kept` collects the chunks and their tag checksum, computed
+  // while the frames are in flight.
+  void broadcast_stream(StreamSource& source, Frame first, SentStream* kept) {
     struct InFlight {
       Frame frame;
       FrameMeta next;
@@ -330,26 +595,36 @@ struct MpiFabric::Impl {
       flight.pop_front();
     };
     Frame current = std::move(first);
-    std::vector<const Packet*> buffers;
+    const Precision precision = source.header().precision;
+    std::vector<const void*> buffers;
     std::vector<std::size_t> sizes;
+    if (kept != nullptr) kept->precision = precision;
     while (!current.chunks.empty()) {
       buffers.clear();
       sizes.clear();
       for (const ChunkPtr& c : current.chunks) {
-        if (kept != nullptr) kept->push_back(c);
-        buffers.push_back(c->packets.data());
-        sizes.push_back(c->packets.size());
+        buffers.push_back(packet_data(*c, precision));
+        sizes.push_back(c->size());
       }
       auto f = std::make_unique<InFlight>();
       Frame next = pull_frame(source);
       f->next = next.meta();
-      MPI_Datatype type = chunks_type(buffers, sizes);
+      MPI_Datatype type = chunks_type(precision, buffers, sizes);
       // MPI_BOTTOM + absolute addresses: rank 0 only reads these buffers.
       const int rc = MPI_Ibcast(MPI_BOTTOM, 1, type, 0, comm, &f->requests[0]);
       MPI_Type_free(&type);  // freed when the broadcast is done with it
       mpi_check(rc, "stream broadcast");
       mpi_check(MPI_Ibcast(&f->next, sizeof(FrameMeta), MPI_BYTE, 0, comm, &f->requests[1]),
                 "stream broadcast");
+      if (kept != nullptr) {
+        for (const ChunkPtr& c : current.chunks) {
+          const std::uint64_t v = kept->tags.add(*c, precision);
+          kept->chunks.push_back(c);
+          kept->chunk_values.push_back(v);
+          kept->packets += c->size();
+          kept->values += v;
+        }
+      }
       f->frame = std::move(current);
       flight.push_back(std::move(f));
       while (flight.size() >= options.window) retire();
@@ -375,22 +650,23 @@ struct MpiFabric::Impl {
     return replies;
   }
 
-  // After the engines' replies: each engine's gradient packets (tags and values) into a
-  // buffer of its own, kept from call to call; every tag checked against the stream rank 0
-  // sent; the values summed in reduce_gradients' tree order; one stream laid out like the
-  // chunks rank 0 sent.
-  WeightStream collect_gradients(const std::vector<ChunkPtr>& sent) {
+  // After the engines' replies: the sum of their gradient values, which comes down the
+  // engines' reduction tree (see send_gradient) from engine 0, segment by segment; each
+  // chunk of the result is laid out as soon as its values are in: the tags and control
+  // packets of the chunk rank 0 sent, the summed values. Then every engine's tag checksum
+  // is compared with that of the sent stream.
+  WeightStream collect_gradients(const SentStream& sent) {
     const auto n = static_cast<std::size_t>(engines());
     const std::vector<Reply> replies = gather_replies();
-    std::uint64_t packets = 0;
-    for (const ChunkPtr& c : sent) packets += c->packets.size();
     for (std::size_t k = 0; k < n; ++k) {
       const Reply& a = replies[1];
       const Reply& b = replies[k + 1];
-      if (b.grad_packets != packets) {
-        throw FormatError("MpiFabric: engine " + std::to_string(k) + "'s gradient stream has " +
-                          std::to_string(b.grad_packets) + " packets, the weight stream " +
-                          std::to_string(packets));
+      if (b.grad_packets != sent.packets || b.grad_values != sent.values) {
+        throw FormatError("MpiFabric: engine " + std::to_string(k) + " (rank " +
+                          std::to_string(k + 1) + ")'s gradient stream has " +
+                          std::to_string(b.grad_packets) + " packets, " +
+                          std::to_string(b.grad_values) + " of them weights; the weight stream " +
+                          std::to_string(sent.packets) + " and " + std::to_string(sent.values));
       }
       if (a.grad_kind != b.grad_kind || a.grad_outputs != b.grad_outputs ||
           a.grad_inputs != b.grad_inputs || a.grad_nnz != b.grad_nnz) {
@@ -398,42 +674,28 @@ struct MpiFabric::Impl {
                           " return gradient streams with different headers");
       }
     }
-    if (gradient_capacity < packets) gradient_buffers.clear();
-    while (gradient_buffers.size() < n) {
-      gradient_buffers.emplace_back(new Packet[std::max<std::uint64_t>(packets, 1)]);
+    const double start = MPI_Wtime();  // every engine has its gradient stream
+    const std::uint64_t total = sent.values;
+    const std::uint64_t segments = (total + kSegmentValues - 1) / kSegmentValues;
+    ensure_window(sent.packets);
+    // With the window, a segment's message is empty: it says engine 0 has written that
+    // segment's sum into it. Without, it carries the values.
+    const float* sums = window_values;
+    if (window == MPI_WIN_NULL) {
+      values.resize(total);
+      sums = values.data();
+    } else {
+      mpi_check(MPI_Win_lock_all(MPI_MODE_NOCHECK, window), "MPI_Win_lock_all");
     }
-    gradient_capacity = std::max(gradient_capacity, packets);
-    std::vector<MPI_Request> requests(n, MPI_REQUEST_NULL);
-    for (std::size_t k = 0; k < n; ++k) {
-      mpi_check(MPI_Irecv(gradient_buffers[k].get(), to_count(packets, "a gradient stream"),
-                          packet_type(), static_cast<int>(k) + 1, kGradientTag, comm, &requests[k]),
-                "gradient receive");
-    }
-    wait_all(static_cast<int>(requests.size()), requests.data(), "gradient receive");
-    for (std::size_t k = 0; k < n; ++k) {
-      const Packet* mine = gradient_buffers[k].get();
-      for (const ChunkPtr& c : sent) {
-        for (const Packet& p : c->packets) {
-          if (mine->tag != p.tag) {
-            throw FormatError("MpiFabric: engine " + std::to_string(k) +
-                              "'s gradient stream has tag " + std::to_string(mine->tag) +
-                              " at packet " + std::to_string(mine - gradient_buffers[k].get()) +
-                              " where the weight stream has " + std::to_string(p.tag));
-          }
-          ++mine;
-        }
-      }
-    }
-    // The sum in reduce_gradients' tree order (at distance d, i absorbs i + d; control
-    // packets keep engine i's value): the same float additions as LocalFabric makes.
-    for (std::size_t d = 1; d < n; d *= 2) {
-      for (std::size_t i = 0; i + d < n; i += 2 * d) {
-        Packet* a = gradient_buffers[i].get();
-        const Packet* b = gradient_buffers[i + d].get();
-        for (std::uint64_t j = 0; j < packets; ++j) {
-          if (!is_control(a[j])) a[j].value += b[j].value;
-        }
-      }
+    std::vector<MPI_Request> requests(segments, MPI_REQUEST_NULL);
+    for (std::uint64_t s = 0; s < segments; ++s) {
+      const std::uint64_t offset = s * kSegmentValues;
+      const auto count = static_cast<int>(std::min(kSegmentValues, total - offset));
+      const int rc = window != MPI_WIN_NULL
+                         ? MPI_Irecv(nullptr, 0, MPI_BYTE, 1, kGradientTag, comm, &requests[s])
+                         : MPI_Irecv(values.data() + offset, count, MPI_FLOAT, 1, kGradientTag,
+                                     comm, &requests[s]);
+      mpi_check(rc, "gradient receive");
     }
     WeightStream result;
     const Reply& r = replies[1];
@@ -441,20 +703,53 @@ struct MpiFabric::Impl {
     result.header.outputs = r.grad_outputs;
     result.header.inputs = r.grad_inputs;
     result.header.nnz = r.grad_nnz;
-    const Packet* at = gradient_buffers[0].get();
+    result.header.precision = Precision::fp32;  // gradients always travel in fp32
+    std::uint64_t at = 0, arrived = 0, next_segment = 0;
     std::size_t cursor = 0;  // in result_pool
-    for (const ChunkPtr& c : sent) {
+    const bool streaming = sent.packets * sizeof(Packet) > kStreamingBytes;
+    for (std::size_t i = 0; i < sent.chunks.size(); ++i) {
+      const StreamChunk& c = *sent.chunks[i];
+      const std::uint64_t need = at + sent.chunk_values[i];
+      while (arrived < need) {
+        wait_all(1, &requests[next_segment], "gradient receive");
+        if (window != MPI_WIN_NULL) mpi_check(MPI_Win_sync(window), "MPI_Win_sync");
+        arrived = std::min(total, ++next_segment * kSegmentValues);
+      }
       // A chunk nobody else holds any more (ModelMemory is done with that gradient) is
       // reused: fresh pages cost more here than the copy itself.
       while (cursor < result_pool.size() && result_pool[cursor].use_count() > 1) ++cursor;
       if (cursor == result_pool.size()) result_pool.push_back(std::make_shared<StreamChunk>());
       std::shared_ptr<StreamChunk> chunk = result_pool[cursor++];
-      chunk->first_output = c->first_output;
-      chunk->outputs = c->outputs;
-      chunk->packets.assign(at, at + c->packets.size());
-      at += c->packets.size();
+      chunk->first_output = c.first_output;
+      chunk->outputs = c.outputs;
+      chunk->packets.resize(c.size());
+      if (sent.precision == Precision::bf16) {
+        lay_out_gradient(c.packets_bf16, sums + at, chunk->packets.data(), streaming);
+      } else {
+        lay_out_gradient(c.packets, sums + at, chunk->packets.data(), streaming);
+      }
+      at = need;
       result.chunks.push_back(std::move(chunk));
     }
+    wait_all(static_cast<int>(requests.size()), requests.data(), "gradient receive");
+    if (window != MPI_WIN_NULL) mpi_check(MPI_Win_unlock_all(window), "MPI_Win_unlock_all");
+    std::vector<std::uint32_t> checksums(static_cast<std::size_t>(size));
+    const std::uint32_t none = 0;
+    mpi_check(MPI_Gather(&none, 1, MPI_UINT32_T, checksums.data(), 1, MPI_UINT32_T, 0, comm),
+              "checksum gather");
+    const std::uint32_t expected = sent.tags.checksum();
+    for (std::size_t k = 0; k < n; ++k) {
+      if (checksums[k + 1] != expected) {
+        char text[256];
+        std::snprintf(text, sizeof text,
+                      "MpiFabric: engine %zu (rank %zu) returned a gradient stream whose tags or "
+                      "control packets differ from the weight stream's (tag checksum %08x, "
+                      "expected %08x)",
+                      k, k + 1, checksums[k + 1], expected);
+        throw FormatError(text);
+      }
+    }
+    last_gradient_seconds = MPI_Wtime() - start;
     return result;
   }
 
@@ -499,7 +794,7 @@ struct MpiFabric::Impl {
 
   // Receives frame after frame; the next frame's broadcast is posted before this one's
   // chunks go to the engine, so the transfer goes on while the engine works.
-  void receive_stream(const FrameMeta& first, StreamChannel& channel,
+  void receive_stream(const FrameMeta& first, Precision precision, StreamChannel& channel,
                       std::vector<std::shared_ptr<StreamChunk>>& used) {
     struct Posted {
       std::vector<std::shared_ptr<StreamChunk>> chunks;
@@ -508,7 +803,7 @@ struct MpiFabric::Impl {
     };
     auto post = [&](const FrameMeta& meta) {
       auto p = std::make_unique<Posted>();
-      std::vector<const Packet*> buffers;
+      std::vector<const void*> buffers;
       std::vector<std::size_t> sizes;
       for (std::int32_t i = 0; i < meta.chunks; ++i) {
         std::shared_ptr<StreamChunk> chunk;
@@ -521,12 +816,20 @@ struct MpiFabric::Impl {
         used.push_back(chunk);
         chunk->first_output = meta.chunk[i].first_output;
         chunk->outputs = meta.chunk[i].outputs;
-        chunk->packets.resize(static_cast<std::size_t>(meta.chunk[i].packets));
-        buffers.push_back(chunk->packets.data());
-        sizes.push_back(chunk->packets.size());
+        const auto packets = static_cast<std::size_t>(meta.chunk[i].packets);
+        if (precision == Precision::bf16) {
+          chunk->packets.clear();
+          chunk->packets_bf16.resize(packets);
+          buffers.push_back(chunk->packets_bf16.data());
+        } else {
+          chunk->packets_bf16.clear();
+          chunk->packets.resize(packets);
+          buffers.push_back(chunk->packets.data());
+        }
+        sizes.push_back(packets);
         p->chunks.push_back(std::move(chunk));
       }
-      MPI_Datatype type = chunks_type(buffers, sizes);
+      MPI_Datatype type = chunks_type(precision, buffers, sizes);
       const int rc = MPI_Ibcast(MPI_BOTTOM, 1, type, 0, comm, &p->requests[0]);
       MPI_Type_free(&type);
       mpi_check(rc, "stream broadcast");
@@ -575,6 +878,11 @@ struct MpiFabric::Impl {
     header.outputs = cmd.outputs;
     header.inputs = cmd.inputs;
     header.nnz = cmd.nnz;
+    header.precision = static_cast<Precision>(cmd.precision);
+    if (header.precision != Precision::fp32 && header.precision != Precision::bf16) {
+      throw FormatError("MpiFabric: unknown stream precision " + std::to_string(cmd.precision) +
+                        " from rank 0");
+    }
     StreamChannel channel(options.window * kMaxFrameChunks);
     const EngineCounters before = engine->counters();
     WeightStream gradient;
@@ -605,7 +913,7 @@ struct MpiFabric::Impl {
       }
     });
     std::vector<std::shared_ptr<StreamChunk>> used;
-    receive_stream(cmd.first, channel, used);
+    receive_stream(cmd.first, header.precision, channel, used);
     done.get();
     if (error) std::rethrow_exception(error);
     // The engine has let go of the chunks: their buffers serve the next operation.
@@ -630,25 +938,92 @@ struct MpiFabric::Impl {
       reply.grad_inputs = gradient.header.inputs;
       reply.grad_nnz = gradient.header.nnz;
       reply.grad_packets = gradient.packet_count();
+      reply.grad_values = gradient.header.nnz;
     }
     mpi_check(MPI_Gather(&reply, sizeof(Reply), MPI_BYTE, nullptr, 0, MPI_BYTE, 0, comm),
               "reply gather");
     if (returns_gradient) {
-      // One contiguous message (MPI moves that in a single copy on a node, which it does
-      // not for a datatype spread over the chunks).
-      const std::uint64_t packets = reply.grad_packets;
-      if (send_capacity < packets) {
-        send_buffer.reset(new Packet[packets]);
-        send_capacity = packets;
-      }
-      Packet* at = send_buffer.get();
-      for (const ChunkPtr& c : gradient.chunks) {
-        at = std::copy(c->packets.begin(), c->packets.end(), at);
-      }
-      mpi_check(MPI_Send(send_buffer.get(), to_count(packets, "a gradient stream"), packet_type(),
-                         0, kGradientTag, comm),
-                "gradient send");
+      const std::uint32_t checksum = send_gradient(gradient);
+      mpi_check(MPI_Gather(&checksum, 1, MPI_UINT32_T, nullptr, 0, MPI_UINT32_T, 0, comm),
+                "checksum gather");
     }
+  }
+
+  // This engine's part of the gradient reduction. The engines form reduce_gradients' tree:
+  // engine k absorbs engines k + 1, k + 2, k + 4, ... (while k is a multiple of twice the
+  // distance), in that order, and passes the sum to engine k - lowbit(k); engine 0 passes
+  // it to rank 0. So the float additions are LocalFabric's, bit for bit, and the same
+  // every run. Only the weight packets' values travel (rank 0 knows the tags); they are
+  // packed from the chunks and sent segment by segment, so packing, adding and sending
+  // overlap along the tree. Returns the checksum of the stream's tags.
+  std::uint32_t send_gradient(const WeightStream& gradient) {
+    const std::int64_t k = rank - 1, n = engines();
+    std::vector<std::int64_t> children;
+    for (std::int64_t d = 1; k % (2 * d) == 0 && k + d < n; d *= 2) children.push_back(k + d);
+    const int parent = k == 0 ? 0 : static_cast<int>(k - (k & -k)) + 1;
+    const std::uint64_t total = gradient.header.nnz;
+    const std::uint64_t segments = (total + kSegmentValues - 1) / kSegmentValues;
+    // Room for every packet: a stream with more weights than its header says is caught
+    // below, after packing, not by writing past the buffer. Engine 0 packs straight into
+    // rank 0's window if there is one.
+    ensure_window(gradient.packet_count());
+    const bool shared = k == 0 && window != MPI_WIN_NULL;
+    float* mine = shared ? window_values : nullptr;
+    if (!shared) {
+      values.resize(std::max(total, gradient.packet_count()));
+      mine = values.data();
+    }
+    if (child_values.size() < children.size()) child_values.resize(children.size());
+    std::vector<MPI_Request> receives(children.size() * segments, MPI_REQUEST_NULL);
+    for (std::size_t c = 0; c < children.size(); ++c) {
+      child_values[c].resize(total);
+      for (std::uint64_t s = 0; s < segments; ++s) {
+        const std::uint64_t offset = s * kSegmentValues;
+        const auto count = static_cast<int>(std::min(kSegmentValues, total - offset));
+        mpi_check(MPI_Irecv(child_values[c].data() + offset, count, MPI_FLOAT,
+                            static_cast<int>(children[c]) + 1, kGradientTag, comm,
+                            &receives[c * segments + s]),
+                  "gradient receive");
+      }
+    }
+    if (shared) mpi_check(MPI_Win_lock_all(MPI_MODE_NOCHECK, window), "MPI_Win_lock_all");
+    std::vector<MPI_Request> sends(segments, MPI_REQUEST_NULL);
+    auto finish_segment = [&](std::uint64_t s) {
+      const std::uint64_t offset = s * kSegmentValues;
+      const std::uint64_t count = std::min(kSegmentValues, total - offset);
+      float* sum = mine + offset;
+      for (std::size_t c = 0; c < children.size(); ++c) {
+        wait_all(1, &receives[c * segments + s], "gradient receive");
+        const float* theirs = child_values[c].data() + offset;
+        for (std::uint64_t j = 0; j < count; ++j) sum[j] += theirs[j];
+      }
+      if (shared) {  // the sum is in rank 0's memory: make it visible, then say so
+        mpi_check(MPI_Win_sync(window), "MPI_Win_sync");
+        mpi_check(MPI_Isend(nullptr, 0, MPI_BYTE, 0, kGradientTag, comm, &sends[s]),
+                  "gradient send");
+      } else {
+        mpi_check(MPI_Isend(sum, static_cast<int>(count), MPI_FLOAT, parent, kGradientTag, comm,
+                            &sends[s]),
+                  "gradient send");
+      }
+    };
+    TagScanner tags;
+    std::uint64_t packed = 0, next_segment = 0;
+    for (const ChunkPtr& c : gradient.chunks) {
+      packed += tags.add(*c, gradient.header.precision, mine + packed);
+      while (next_segment < segments &&
+             std::min(total, (next_segment + 1) * kSegmentValues) <= packed) {
+        finish_segment(next_segment++);
+      }
+    }
+    if (packed != total) {
+      throw FormatError("MpiFabric: engine " + std::to_string(k) + "'s gradient stream has " +
+                        std::to_string(packed) + " weight packets, its header says " +
+                        std::to_string(total));
+    }
+    if (shared) mpi_check(MPI_Win_unlock_all(window), "MPI_Win_unlock_all");
+    wait_all(static_cast<int>(sends.size()), sends.data(), "gradient send");
+    return tags.checksum();
   }
 };
 
@@ -678,6 +1053,9 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
   }
   // A communicator of its own, so the fabric's collectives never match the caller's.
   mpi_check(MPI_Comm_dup(m.options.comm, &m.comm), "MPI_Comm_dup");
+  // Errors come back as codes (mpi_check turns them into exceptions, which end every rank
+  // with a message), and a window the MPI cannot make is not fatal.
+  mpi_check(MPI_Comm_set_errhandler(m.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
 
   const EngineOptions& eo = m.options.engine;
   WireEngine wire;
@@ -694,7 +1072,25 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
             "MPI_Comm_split_type");
   int node_ranks = 1;
   MPI_Comm_size(node, &node_ranks);
+  // Does engine 0 (rank 1) share rank 0's node? Rank 0 knows, and tells everyone.
+  int pair_shares_node = 0;
+  if (m.rank == 0) {
+    MPI_Group all = MPI_GROUP_NULL, local = MPI_GROUP_NULL;
+    MPI_Comm_group(m.comm, &all);
+    MPI_Comm_group(node, &local);
+    const int one = 1;
+    int in_node = MPI_UNDEFINED;
+    MPI_Group_translate_ranks(all, 1, &one, local, &in_node);
+    pair_shares_node = in_node != MPI_UNDEFINED && m.options.shared_memory ? 1 : 0;
+    MPI_Group_free(&all);
+    MPI_Group_free(&local);
+  }
   MPI_Comm_free(&node);
+  mpi_check(MPI_Bcast(&pair_shares_node, 1, MPI_INT, 0, m.comm), "node broadcast");
+  if (pair_shares_node != 0) {
+    mpi_check(MPI_Comm_split(m.comm, m.rank <= 1 ? 0 : MPI_UNDEFINED, m.rank, &m.pair),
+              "MPI_Comm_split");
+  }
 
   auto options_from = [](const WireEngine& w) {
     EngineOptions o;
@@ -744,11 +1140,16 @@ MpiFabric::~MpiFabric() {
       abort_all_ranks(e);
     }
   }
+  if (impl_->pair != MPI_COMM_NULL) MPI_Comm_free(&impl_->pair);
   if (impl_->comm != MPI_COMM_NULL) MPI_Comm_free(&impl_->comm);
 }
 
 int MpiFabric::rank() const {
   return impl_->rank;
+}
+
+double MpiFabric::last_gradient_seconds() const {
+  return impl_->last_gradient_seconds;
 }
 
 void MpiFabric::stop() {
@@ -759,6 +1160,7 @@ void MpiFabric::stop() {
   c.op = static_cast<std::int32_t>(Op::stop);
   mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
   m.stopped = true;
+  m.free_window();  // collective: the engine ranks free it as they leave serve()
 }
 
 void MpiFabric::serve() {
@@ -771,6 +1173,7 @@ void MpiFabric::serve() {
       mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
       if (c.op == static_cast<std::int32_t>(Op::stop)) {
         m.stopped = true;
+        m.free_window();
         return;
       }
       if (c.op < static_cast<std::int32_t>(Op::forward) ||
@@ -871,7 +1274,7 @@ ReducedGradient MpiFabric::backward_impl(StreamSource& weights,
     m.scatter_jobs(placements, xs, dxs);
     m.scatter_matrices(xs);
     m.scatter_matrices(dys);
-    std::vector<ChunkPtr> sent;
+    SentStream sent;
     m.broadcast_stream(weights, std::move(first), &sent);
     if (want_dx) {
       std::vector<MutableMatrixView*> targets(n, nullptr);
@@ -904,7 +1307,7 @@ ReducedGradient MpiFabric::probe(StreamSource& stream, bool echo) {
   try {
     Frame first = m.pull_frame(stream);
     m.send_command(echo ? Op::probe_echo : Op::probe, stream.header(), false, first);
-    std::vector<ChunkPtr> sent;
+    SentStream sent;
     m.broadcast_stream(stream, std::move(first), echo ? &sent : nullptr);
     if (echo) {
       sum.weights = m.collect_gradients(sent);

@@ -3,6 +3,8 @@
 // tests and the LocalFabric reference; the other ranks serve their engines. Run under
 // mpirun with 2 or more ranks. With --inject-corrupt-stream, rank 0 sends the engines a
 // corrupt stream instead: every rank must then end with "sluice[rank r]: ..." (not hang).
+// With --no-shared-memory, the summed gradient reaches rank 0 by messages only (as
+// between nodes).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -124,6 +126,31 @@ TEST(MpiFabric, TrainingMatchesLocalFabric) {
   EXPECT_GT(on_mpi.totals().engine_busy_seconds, 0.0);  // the engine ranks' counters came back
 }
 
+// bf16 layers stream their weights at half the bytes; the engines rebuild the chunks in
+// bf16 and the gradients come back in fp32, as in-process.
+TEST(MpiFabric, Bf16TrainingMatchesLocalFabric) {
+  const std::vector<std::int64_t> sizes = {19, 33, 7};
+  const std::int32_t engines = g_fabric->engine_count();
+  HostModelMemory remote, local;
+  build(remote, sizes, OptimizerKind::adam);
+  build(local, sizes, OptimizerKind::adam);
+  LocalFabric local_fabric = make_local(engines);
+  ExecutorOptions eo;
+  eo.precisions = {Precision::bf16, Precision::fp32};  // one of each on the same fabric
+  eo.chunk_packets = 11;
+  LayerStreamingExecutor on_mpi(remote, *g_fabric, eo);
+  LayerStreamingExecutor on_local(local, local_fabric, eo);
+  for (int step = 0; step < 3; ++step) {
+    Data d =
+        make_data(sizes.front(), sizes.back(), 21 + step, 300 + static_cast<std::uint64_t>(step));
+    const Batch batch{d.x.view(), d.labels, {}};
+    const StepResult a = on_mpi.train_step(batch);
+    const StepResult b = on_local.train_step(batch);
+    EXPECT_EQ(a.loss, b.loss) << "step " << step;
+  }
+  expect_same_models(remote, local);
+}
+
 TEST(MpiFabric, GradientsMatchLocalFabricWithGeluAndMse) {
   const std::vector<std::int64_t> sizes = {9, 31, 4};
   const std::int32_t engines = g_fabric->engine_count();
@@ -234,6 +261,64 @@ TEST(MpiFabric, ProbeEchoSumsEveryEnginesCopyOfTheStream) {
   }
 }
 
+// n copies of v summed in reduce_gradients' pairwise tree order, as the fabric sums them.
+float tree_sum(float v, std::int32_t n) {
+  std::vector<float> parts(static_cast<std::size_t>(n), v);
+  for (std::size_t d = 1; d < parts.size(); d *= 2) {
+    for (std::size_t i = 0; i + d < parts.size(); i += 2 * d) parts[i] += parts[i + d];
+  }
+  return parts.front();
+}
+
+// Gradient values travel in segments of 2^18 floats, chunks end anywhere in them, and the
+// shared window grows: a stream of ~600k weights in odd-sized chunks crosses all of that.
+TEST(MpiFabric, ProbeEchoOfAStreamOfSeveralSegments) {
+  const std::int32_t engines = g_fabric->engine_count();
+  CsrMatrix w = CsrMatrix::random(601, 2003, 0.5, 12);
+  w.fill_values(13, 1.0F);
+  const WeightStream stream = encode_stream(w, StreamKind::weights, 10007);
+  ASSERT_GT(stream.header.nnz, 2U * (1U << 18));
+  for (int repeat = 0; repeat < 2; ++repeat) {  // the second reuses the buffers
+    MemoryStreamSource source(stream);
+    const ReducedGradient sum = g_fabric->probe(source, true);
+    ASSERT_EQ(sum.weights.chunks.size(), stream.chunks.size());
+    std::size_t wrong = 0;
+    for (std::size_t c = 0; c < stream.chunks.size(); ++c) {
+      const auto& sent = stream.chunks[c]->packets;
+      const auto& got = sum.weights.chunks[c]->packets;
+      ASSERT_EQ(got.size(), sent.size());
+      for (std::size_t k = 0; k < sent.size(); ++k) {
+        const float expected = is_control(sent[k]) ? 0.0F : tree_sum(sent[k].value, engines);
+        if (got[k].tag != sent[k].tag || got[k].value != expected) ++wrong;
+      }
+    }
+    EXPECT_EQ(wrong, 0U) << "repeat " << repeat;
+  }
+}
+
+TEST(MpiFabric, ProbeEchoOfABf16StreamSumsItsWidenedValuesInFp32) {
+  const std::int32_t engines = g_fabric->engine_count();
+  CsrMatrix w = CsrMatrix::random(23, 41, 0.6, 8);
+  w.fill_values(9, 1.0F);
+  const WeightStream stream = encode_stream(w, StreamKind::weights, 6, Precision::bf16);
+  ASSERT_EQ(stream.header.precision, Precision::bf16);
+  MemoryStreamSource source(stream);
+  const ReducedGradient sum = g_fabric->probe(source, true);
+  EXPECT_EQ(sum.weights.header.precision, Precision::fp32);
+  ASSERT_EQ(sum.weights.chunks.size(), stream.chunks.size());
+  for (std::size_t c = 0; c < stream.chunks.size(); ++c) {
+    const auto& sent = stream.chunks[c]->packets_bf16;
+    const auto& got = sum.weights.chunks[c]->packets;
+    ASSERT_EQ(got.size(), sent.size());
+    for (std::size_t k = 0; k < sent.size(); ++k) {
+      ASSERT_EQ(got[k].tag, tag_of(sent[k]));
+      const float expected =
+          is_control(sent[k]) ? 0.0F : value_of(sent[k]) * static_cast<float>(engines);
+      EXPECT_EQ(got[k].value, expected);  // n equal bf16 values: exact in fp32
+    }
+  }
+}
+
 // Rank 0 streams a weight with an input index out of range: the engine ranks' validation
 // throws inside serve(), which must end every rank.
 void send_corrupt_stream() {
@@ -260,14 +345,17 @@ int main(int argc, char** argv) {
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  bool inject = false;
-  for (int i = 1; i < argc; ++i)
+  bool inject = false, shared_memory = true;
+  for (int i = 1; i < argc; ++i) {
     inject = inject || std::string(argv[i]) == "--inject-corrupt-stream";
+    shared_memory = shared_memory && std::string(argv[i]) != "--no-shared-memory";
+  }
   int result = 0;
   try {
     sluice::MpiFabricOptions options;
     options.engine.threads = sluice::kThreads;
     options.window = 3;
+    options.shared_memory = shared_memory;
     sluice::MpiFabric fabric(options);
     if (rank == 0) {
       sluice::g_fabric = &fabric;
