@@ -1,7 +1,6 @@
 #include "sluice/stream.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -9,7 +8,9 @@
 #include <mutex>
 
 #include "crc32.hpp"
+#include "kernels/stream_scan.hpp"
 #include "sluice/error.hpp"
+#include "sluice/isa.hpp"
 #include "stream_check.hpp"
 
 namespace sluice {
@@ -36,39 +37,18 @@ std::string describe_chunk(const StreamChunk& chunk, std::uint64_t chunk_index) 
 
 namespace {
 
-/// Whether a packet's value is finite, from its bits (branch-free, so loops vectorise).
-inline bool finite_bits(const Packet& p) {
-  return (std::bit_cast<std::uint32_t>(p.value) & 0x7F80'0000U) != 0x7F80'0000U;
+/// The vectorised scan for this CPU (capped by SLUICE_ISA, so tests reach the others).
+const StreamScan& scan() {
+  static const StreamScan& chosen = stream_scan(default_isa());
+  return chosen;
 }
-inline bool finite_bits(const Bf16Packet& p) {
-  return (p.value & 0x7F80U) != 0x7F80U;
+bool scan_chunk(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
+                bool check_values, std::uint32_t* carriage_returns) {
+  return scan().fp32(p, n, inputs, outputs, check_values, carriage_returns);
 }
-
-/// The fast path of the check: one pass without branches or early exits, which the
-/// compiler vectorises, and which is true only if the chunk is well formed. A false
-/// sends the chunk through check_packets' packet-by-packet pass, which names the fault.
-template <typename PacketT>
-bool well_formed(const PacketT* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
-                 bool check_values) {
-  std::uint32_t bad = 0;
-  std::uint64_t returns = 0;
-  for (std::size_t k = 0; k < n; ++k) {
-    const std::uint32_t tag = tag_of(p[k]);
-    const std::uint32_t prev = k > 0 ? tag_of(p[k - 1]) : kCarriageReturn;
-    const bool control = (tag & kControlBit) != 0;
-    const bool after_control = (prev & kControlBit) != 0;
-    bad |= static_cast<std::uint32_t>(!control && tag >= inputs);
-    bad |= static_cast<std::uint32_t>(!control && !after_control && tag <= prev);
-    bad |= static_cast<std::uint32_t>(check_values && !control && !finite_bits(p[k]));
-    bad |= static_cast<std::uint32_t>(control && tag != kCarriageReturn && tag != kEndOfLayer);
-    bad |= static_cast<std::uint32_t>(tag == kEndOfLayer &&
-                                      (k + 1 != n || (k > 0 && prev != kCarriageReturn)));
-    returns += tag == kCarriageReturn ? 1 : 0;
-  }
-  // Nothing but end-of-layer after the last carriage return.
-  const std::uint32_t last = n > 0 ? tag_of(p[n - 1]) : kCarriageReturn;
-  const bool closed = (last & kControlBit) != 0;
-  return bad == 0 && closed && returns == outputs;
+bool scan_chunk(const Bf16Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
+                bool check_values, std::uint32_t* carriage_returns) {
+  return scan().bf16(p, n, inputs, outputs, check_values, carriage_returns);
 }
 
 template <typename PacketT>
@@ -83,15 +63,11 @@ ChunkFacts check_packets(const StreamHeader& header, const StreamChunk& chunk,
   ChunkFacts facts;
   const PacketT* p = packets.data();
   const std::size_t n = packets.size();
-  if (well_formed(p, n, header.inputs, chunk.outputs, check_values)) {
+  // Well-formed chunks (all but corrupt ones) pass the vectorised scan; only a chunk it
+  // does not accept goes packet by packet below, to say what is wrong and where.
+  if (scan_chunk(p, n, header.inputs, chunk.outputs, check_values, carriage_returns)) {
     facts.ends_layer = n > 0 && tag_of(p[n - 1]) == kEndOfLayer;
     facts.weights = n - chunk.outputs - (facts.ends_layer ? 1 : 0);
-    if (carriage_returns != nullptr) {
-      std::uint32_t r = 0;
-      for (std::size_t k = 0; k < n; ++k) {
-        if (tag_of(p[k]) == kCarriageReturn) carriage_returns[r++] = static_cast<std::uint32_t>(k);
-      }
-    }
     return facts;
   }
   std::uint64_t closed = 0;

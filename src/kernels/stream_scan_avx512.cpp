@@ -1,0 +1,119 @@
+// The stream check's fast path with AVX-512: sixteen packets per step, every rule a
+// compare into a mask, carriage-return positions written by compression. The packets
+// left after the last whole step go through the scalar rules.
+#include <immintrin.h>
+
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, inside its own intrinsics
+
+#include <bit>
+
+#include "kernels/stream_scan.hpp"
+
+namespace sluice::detail {
+namespace {
+
+/// The rules on sixteen packets, given their tags and which values are finite.
+class Scanner {
+ public:
+  Scanner(std::uint32_t inputs, std::uint32_t outputs, bool check_values,
+          std::uint32_t* carriage_returns)
+      : inputs_(_mm512_set1_epi32(static_cast<int>(inputs))),
+        inputs_scalar_(inputs),
+        outputs_(outputs),
+        check_values_(check_values),
+        carriage_returns_(carriage_returns) {}
+
+  void step(std::size_t k, __m512i tags, __mmask16 finite) {
+    const __m512i cr = _mm512_set1_epi32(static_cast<int>(kCarriageReturn));
+    const __m512i eol = _mm512_set1_epi32(static_cast<int>(kEndOfLayer));
+    // prev[j] = tag of packet k + j - 1 (the last of the previous step for j = 0).
+    const __m512i prev = _mm512_alignr_epi32(tags, last_, 15);
+    const __mmask16 control = _mm512_movepi32_mask(tags);
+    const __mmask16 weight = static_cast<__mmask16>(~control);
+    const __mmask16 after_weight = static_cast<__mmask16>(~_mm512_movepi32_mask(prev));
+    const __mmask16 is_cr = _mm512_cmpeq_epi32_mask(tags, cr);
+    const __mmask16 is_eol = _mm512_cmpeq_epi32_mask(tags, eol);
+    bad_ |= _mm512_mask_cmpge_epu32_mask(weight, tags, inputs_);
+    bad_ |= _mm512_mask_cmple_epu32_mask(weight & after_weight, tags, prev);
+    if (check_values_) bad_ |= weight & static_cast<__mmask16>(~finite);
+    bad_ |= control & static_cast<__mmask16>(~(is_cr | is_eol));
+    const auto found = static_cast<std::uint32_t>(std::popcount(static_cast<unsigned>(is_cr)));
+    if (carriage_returns_ != nullptr && found > 0 && returns_ + found <= outputs_) {
+      // Compress in a register, then store: a compressing store is slow on AMD cores.
+      const __m512i positions =
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k)),
+                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      _mm512_mask_storeu_epi32(carriage_returns_ + returns_,
+                               static_cast<__mmask16>((1U << found) - 1U),
+                               _mm512_maskz_compress_epi32(is_cr, positions));
+    }
+    returns_ += found;
+    ends_ += static_cast<std::uint32_t>(std::popcount(static_cast<unsigned>(is_eol)));
+    last_ = tags;
+  }
+
+  /// Finishes packets [from, n) with the scalar rules and gives the verdict.
+  template <typename PacketT>
+  bool finish(const PacketT* p, std::size_t from, std::size_t n) {
+    std::uint32_t bad = bad_ != 0 ? 1U : 0U;
+    alignas(64) std::uint32_t last[16];
+    _mm512_store_si512(last, last_);
+    scan_packets(p, from, n, last[15], inputs_scalar_, outputs_, check_values_, carriage_returns_,
+                 bad, returns_, ends_);
+    return scan_verdict(p, n, outputs_, bad, returns_, ends_);
+  }
+
+ private:
+  __m512i inputs_;
+  std::uint32_t inputs_scalar_;
+  std::uint32_t outputs_;
+  bool check_values_;
+  std::uint32_t* carriage_returns_;
+  __m512i last_ = _mm512_set1_epi32(static_cast<int>(kCarriageReturn));
+  __mmask16 bad_ = 0;
+  std::uint32_t returns_ = 0, ends_ = 0;
+};
+
+bool scan_fp32(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
+               bool check_values, std::uint32_t* carriage_returns) {
+  Scanner scanner(inputs, outputs, check_values, carriage_returns);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i exponent = _mm512_set1_epi32(0x7F80'0000);
+  std::size_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    // Sixteen 8-byte packets: tags at even 32-bit positions, values at odd ones.
+    const __m512i a = _mm512_loadu_si512(p + k);
+    const __m512i b = _mm512_loadu_si512(p + k + 8);
+    const __m512i tags = _mm512_permutex2var_epi32(a, even, b);
+    const __m512i values =
+        _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+    const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(values, exponent), exponent);
+    scanner.step(k, tags, finite);
+  }
+  return scanner.finish(p, k, n);
+}
+
+bool scan_bf16(const Bf16Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
+               bool check_values, std::uint32_t* carriage_returns) {
+  Scanner scanner(inputs, outputs, check_values, carriage_returns);
+  const __m512i low = _mm512_set1_epi32(0xFFFF);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF'0000U));
+  const __m512i exponent = _mm512_set1_epi32(0x7F80'0000);
+  std::size_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    // Sixteen words value << 16 | index; a control's tag is 0xFFFF << 16 | value.
+    const __m512i words = _mm512_loadu_si512(p + k);
+    const __m512i index = _mm512_and_si512(words, low);
+    const __mmask16 control = _mm512_cmpeq_epi32_mask(index, low);
+    const __m512i tags = _mm512_mask_or_epi32(index, control, _mm512_srli_epi32(words, 16), high);
+    const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(words, exponent), exponent);
+    scanner.step(k, tags, finite);
+  }
+  return scanner.finish(p, k, n);
+}
+
+}  // namespace
+
+const StreamScan kAvx512StreamScan{scan_fp32, scan_bf16};
+
+}  // namespace sluice::detail
