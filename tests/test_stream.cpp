@@ -11,8 +11,10 @@
 #include <cstring>
 
 #include "crc32.hpp"
+#include "kernels/stream_scan.hpp"
 #include "sluice/bf16.hpp"
 #include "sluice/error.hpp"
+#include "sluice/isa.hpp"
 #include "sluice/stream.hpp"
 
 namespace sluice {
@@ -280,6 +282,95 @@ TEST(Stream, ReadsVersionOneSerialisation) {
   std::uint32_t three = 3;
   std::memcpy(v1.data() + 4, &three, 4);
   EXPECT_THROW(deserialize_stream(v1), FormatError);
+}
+
+// The rules of a chunk, packet by packet, as plainly as they can be written: what the
+// vectorised scans must agree with.
+template <typename PacketT>
+bool plain_rules(const std::vector<PacketT>& p, std::uint32_t inputs, std::uint32_t outputs,
+                 bool values, std::vector<std::uint32_t>& returns) {
+  std::uint64_t closed = 0;
+  std::int64_t prev = -1;
+  for (std::size_t k = 0; k < p.size(); ++k) {
+    const std::uint32_t t = tag_of(p[k]);
+    if ((t & kControlBit) == 0) {
+      if (t >= inputs || static_cast<std::int64_t>(t) <= prev ||
+          (values && !std::isfinite(value_of(p[k]))) || closed == outputs) {
+        return false;
+      }
+      prev = t;
+    } else if (t == kCarriageReturn) {
+      if (closed == outputs) return false;
+      ++closed;
+      prev = -1;
+      returns.push_back(static_cast<std::uint32_t>(k));
+    } else if (t != kEndOfLayer || k + 1 != p.size() || prev != -1) {
+      return false;
+    }
+  }
+  return closed == outputs;
+}
+
+TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
+  std::vector<const detail::StreamScan*> scans = {&detail::kScalarStreamScan};
+  if (cpu_supports(Isa::avx512)) scans.push_back(&detail::kAvx512StreamScan);
+  std::mt19937 rng(11);
+  int accepted_long = 0;
+  for (int it = 0; it < 20000; ++it) {
+    const std::uint32_t inputs = 1 + rng() % 60, outputs = rng() % 6;
+    const bool values = rng() % 4 != 0;
+    // A valid chunk of random outputs, then up to two corruptions.
+    std::vector<Packet> ps;
+    for (std::uint32_t o = 0; o < outputs; ++o) {
+      for (std::uint32_t i = 0; i < inputs; ++i) {
+        if (rng() % 3 == 0) ps.push_back({i, static_cast<float>(rng() % 100) - 50});
+      }
+      ps.push_back({kCarriageReturn, 0});
+    }
+    if (rng() % 2 != 0) ps.push_back({kEndOfLayer, 0});
+    for (int m = static_cast<int>(rng() % 3); m > 0 && !ps.empty(); --m) {
+      const std::size_t k = rng() % ps.size();
+      switch (rng() % 6) {
+        case 0:
+          ps[k].tag = rng() % (inputs + 2);
+          break;
+        case 1:
+          ps[k].value = NAN;
+          break;
+        case 2:
+          ps[k].value = INFINITY;
+          break;
+        case 3:
+          std::swap(ps[k], ps[rng() % ps.size()]);
+          break;
+        case 4:
+          ps.erase(ps.begin() + static_cast<std::ptrdiff_t>(k));
+          break;
+        default:
+          ps[k].tag = rng() % 2 != 0 ? kCarriageReturn : kEndOfLayer;
+          break;
+      }
+    }
+    std::vector<Bf16Packet> bs;
+    for (const Packet& q : ps) {
+      bs.push_back(is_control(q) ? bf16_control(q.tag)
+                                 : Bf16Packet{static_cast<std::uint16_t>(q.tag), to_bf16(q.value)});
+    }
+    std::vector<std::uint32_t> want32, want16;
+    const bool ok32 = plain_rules(ps, inputs, outputs, values, want32);
+    const bool ok16 = plain_rules(bs, inputs, outputs, values, want16);
+    accepted_long += ok32 && ps.size() >= 32 ? 1 : 0;
+    for (const detail::StreamScan* scan : scans) {
+      std::vector<std::uint32_t> got32(outputs), got16(outputs);
+      ASSERT_EQ(scan->fp32(ps.data(), ps.size(), inputs, outputs, values, got32.data()), ok32)
+          << "iteration " << it;
+      ASSERT_EQ(scan->bf16(bs.data(), bs.size(), inputs, outputs, values, got16.data()), ok16)
+          << "iteration " << it;
+      if (ok32) EXPECT_EQ(got32, want32) << "iteration " << it;
+      if (ok16) EXPECT_EQ(got16, want16) << "iteration " << it;
+    }
+  }
+  EXPECT_GT(accepted_long, 1000);  // the vector paths saw many long valid chunks
 }
 
 TEST(StreamChannel, HandsChunksOverInOrderAndBlocksWhenFull) {
