@@ -2,6 +2,14 @@
 // zmm registers); the accumulators stay in registers for a whole output, and two
 // independent sets of them hide the FMA latency. The last vector of a group is masked,
 // so any token count works and nothing past a row's end is touched.
+//
+// Prefetching, as measured on Zen 5 with a 64-token tile filling the 1 MiB L2: each
+// packet's row is asked for kPrefetch packets ahead, its first line only (asking for
+// every line, or further ahead, was 10-20% slower: the extra requests queue behind the
+// misses that matter). The stream itself, read once per tile, is asked for well ahead
+// with a non-temporal hint so it passes without evicting tile rows (forward ~10%
+// faster, the weight gradient a few percent; the data gradient, bound by writing its
+// rows back, unchanged).
 #include <immintrin.h>
 
 // GCC 12 warns falsely inside _mm512_maskz_loadu_ps (its pass-through operand is unused).
@@ -15,7 +23,8 @@ namespace sluice::detail {
 namespace {
 
 constexpr std::int64_t kGroup = 64;
-constexpr std::uint32_t kPrefetch = 16;  // packets ahead
+constexpr std::uint32_t kPrefetch = 16;      // packets ahead, for tile rows
+constexpr std::uint32_t kStreamAhead = 256;  // packets ahead, for the stream itself
 
 inline __mmask16 tail_mask(std::int64_t width) {
   const std::int64_t rem = width - (width - 1) / 16 * 16;  // 1..16
@@ -24,6 +33,20 @@ inline __mmask16 tail_mask(std::int64_t width) {
 
 inline const float* row_of(const float* base, std::uint32_t tag, std::int64_t stride) {
   return base + static_cast<std::int64_t>(tag) * stride;
+}
+
+/// Asks for a whole dY row one output ahead: each output's row is read once per tile,
+/// and with short runs (high sparsity) its miss would otherwise stall the next output.
+template <int NV>
+inline void prefetch_row(const float* row) {
+  for (int v = 0; v < NV; ++v) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * v), _MM_HINT_T0);
+  }
+}
+
+// always_inline: GCC 12 was seen to drop the prefetch from a plain inline helper.
+[[gnu::always_inline]] inline void prefetch_stream(const Packet* packet) {
+  _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
 }
 
 template <int NV, bool kTail>
@@ -51,6 +74,7 @@ void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y,
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
     for (; k + 2 <= e; k += 2) {
+      if ((k & 6) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       const float* x0 = row_of(x, p[k].tag, xs);
       const float* x1 = row_of(x, p[k + 1].tag, xs);
       const __m512 w0 = _mm512_set1_ps(p[k].value);
@@ -85,6 +109,7 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
   const Packet* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
+    if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
     __m512 dv[NV];
     for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
     std::uint32_t k = L.begin[r];
@@ -116,72 +141,87 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
   }
 }
 
-/// Horizontal sums of eight vectors at once: [sum(v0), ..., sum(v7)]. Reducing eight
-/// together costs about a third of reducing each alone, and the weight gradient needs
-/// one reduction per non-zero per tile.
-inline __m256 hsum8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+/// [sum(v[0]), ..., sum(v[7])]. Each step folds pairs of vectors into one, so eight
+/// dot products cost 16 shuffles and 8 adds together: about a third of reducing each
+/// alone, and the weight gradient needs one reduction per non-zero per token group.
+inline __m256 reduce8(const __m512* v) {
+  __m512 h[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = v[2 * j], b = v[2 * j + 1];
+    // [a.lo + a.hi, b.lo + b.hi] (256-bit halves): 8 partials of a, then 8 of b.
+    h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  __m512 q[2];
+  for (int j = 0; j < 2; ++j) {
+    const __m512 a = h[2 * j], b = h[2 * j + 1];
+    // 128-bit block i now holds 4 partials of v[4j + i].
+    q[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  // Block i: [2 partials of v[i], 2 partials of v[4 + i]].
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Block i: [sum v[i], sum v[i], sum v[4 + i], sum v[4 + i]].
+  const __m512 s = _mm512_add_ps(r, _mm512_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s));
 }
 
-/// Collects per-weight partial dot products and adds their sums to the gradient eight
-/// at a time.
-class GradientBatch {
- public:
-  explicit GradientBatch(float* grad) : grad_(grad) {}
-  void add(std::uint32_t k, __m512 partial) {
-    pending_[n_] =
-        _mm256_add_ps(_mm512_castps512_ps256(partial), _mm512_extractf32x8_ps(partial, 1));
-    target_[n_++] = k;
-    if (n_ == 8) flush();
+/// dot(dy, x) over the group, left as 16 partial sums (two chains at the full width).
+template <int NV, bool kTail>
+inline __m512 dot_partial(const __m512* dv, const float* x, __mmask16 tail) {
+  if constexpr (NV == 4) {
+    const __m512 a = _mm512_fmadd_ps(dv[1], load<NV, kTail>(x, 1, tail),
+                                     _mm512_mul_ps(dv[0], load<NV, kTail>(x, 0, tail)));
+    const __m512 b = _mm512_fmadd_ps(dv[3], load<NV, kTail>(x, 3, tail),
+                                     _mm512_mul_ps(dv[2], load<NV, kTail>(x, 2, tail)));
+    return _mm512_add_ps(a, b);
+  } else {
+    __m512 a = _mm512_mul_ps(dv[0], load<NV, kTail>(x, 0, tail));
+    for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV, kTail>(x, v, tail), a);
+    return a;
   }
-  void flush() {
-    if (n_ == 0) return;
-    for (int j = n_; j < 8; ++j) pending_[j] = _mm256_setzero_ps();
-    const __m256 sums = hsum8(pending_);
-    if (n_ == 8 && target_[7] == target_[0] + 7) {  // the usual case: eight in a row
-      float* g = grad_ + target_[0];
-      _mm256_storeu_ps(g, _mm256_add_ps(_mm256_loadu_ps(g), sums));
-    } else {
-      alignas(32) float each[8];
-      _mm256_store_ps(each, sums);
-      for (int j = 0; j < n_; ++j) grad_[target_[j]] += each[j];
-    }
-    n_ = 0;
-  }
-
- private:
-  float* grad_;
-  __m256 pending_[8];
-  std::uint32_t target_[8];
-  int n_ = 0;
-};
+}
 
 template <int NV, bool kTail>
 void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
                            std::int64_t xs, float* grad, __mmask16 tail) {
   const Packet* p = L.packets;
-  GradientBatch batch(grad);
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
+    if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
     __m512 dv[NV];
     for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+    std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    for (std::uint32_t k = L.begin[r]; k < e; ++k) {
-      if (k + kPrefetch < e) {
-        const float* n0 = row_of(x, p[k + kPrefetch].tag, xs);
-        for (int v = 0; v < NV; v += 4) {
-          _mm_prefetch(reinterpret_cast<const char*>(n0 + 16 * v), _MM_HINT_T0);
+    // A run's packets are contiguous, so eight in a row have their gradients in a row:
+    // the eight dot products stay in registers and go out as one vector.
+    for (; k + 8 <= e; k += 8) {
+      prefetch_stream(p + k + kStreamAhead);
+      __m512 part[8];
+      for (std::uint32_t j = 0; j < 8; ++j) {
+        if (k + j + kPrefetch < e) {
+          const float* next = row_of(x, p[k + j + kPrefetch].tag, xs);
+          for (int v = 0; v < NV; v += 4) {
+            _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
+          }
         }
+        part[j] = dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail);
       }
-      const float* x0 = row_of(x, p[k].tag, xs);
-      __m512 a = _mm512_mul_ps(dv[0], load<NV, kTail>(x0, 0, tail));
-      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV, kTail>(x0, v, tail), a);
-      batch.add(k, a);
+      float* g = grad + k;
+      _mm256_storeu_ps(g, _mm256_add_ps(_mm256_loadu_ps(g), reduce8(part)));
+    }
+    if (k < e) {
+      const auto n = static_cast<int>(e - k);
+      __m512 part[8];
+      for (int j = 0; j < 8; ++j) {
+        part[j] = j < n ? dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail)
+                        : _mm512_setzero_ps();
+      }
+      const auto m = static_cast<__mmask8>((1U << n) - 1U);
+      float* g = grad + k;
+      _mm256_mask_storeu_ps(g, m, _mm256_add_ps(_mm256_maskz_loadu_ps(m, g), reduce8(part)));
     }
   }
-  batch.flush();
 }
 
 // Runs `kernel.template operator()<NV, kTail>(t0, tail)` over the tile in groups of at
