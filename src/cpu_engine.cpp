@@ -337,6 +337,9 @@ struct CpuEngine::Impl {
   const detail::Bf16LaneKernels* bf16_kernels = nullptr;
   tbb::task_arena arena;
   std::unique_ptr<PinningObserver> pinning;
+  // The token blocks' weight-gradient buffers, kept between calls: faulting in fresh
+  // pages for them every backward cost more than the sums they hold.
+  std::vector<float> gradient_scratch;
 
   // A lane keeps one activation tile resident per pass. Its budget is the whole L2:
   // measured here, every pass over the stream costs more than the few tile rows that
@@ -545,19 +548,25 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const std::int32_t Q = data_tiling.blocks;
   if (weight_tiling.blocks != Q) throw std::logic_error("backward: token blocks differ per pass");
   // grads[q][c][k]: block q's share of the gradient of packet k of chunk c (P == 1), or
-  // of the lane's k-th routed packet, lane after lane (P > 1).
-  std::vector<std::vector<std::vector<float>>> grads(Q);
+  // of the lane's k-th routed packet, lane after lane (P > 1). Allocated here but zeroed
+  // by the lane tasks, each its own part: in parallel, and on the core that uses it.
+  std::vector<std::vector<float*>> grads(want_grad ? Q : 0);
   // Offsets of each lane's routed packets inside a chunk's gradient buffer.
   auto lane_offset = [&](std::size_t c, std::int32_t p) {
     std::size_t off = 0;
     for (std::int32_t l = 0; l < p; ++l) off += chunks[c].lanes[l].routed_count();
     return off;
   };
-  for (auto& per_chunk : grads) {
-    if (!want_grad) break;
-    per_chunk.resize(chunks.size());
-    for (std::size_t c = 0; c < chunks.size(); ++c) {
-      per_chunk[c].assign(chunks[c].chunk->size(), 0.0F);
+  if (want_grad) {
+    std::size_t packets = 0;
+    for (const auto& c : chunks) packets += c.chunk->size();
+    if (m.gradient_scratch.size() < Q * packets) m.gradient_scratch.resize(Q * packets);
+    float* next = m.gradient_scratch.data();
+    for (auto& per_chunk : grads) {
+      for (const auto& c : chunks) {
+        per_chunk.push_back(next);
+        next += c.chunk->size();
+      }
     }
   }
   // Two passes over the stream, dX then dW, each keeping one matrix resident: a fused
@@ -576,6 +585,11 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           const auto& rows = layout.rows[p];
           ResidentTile resident;
           if (pack) resident.resize(rows.size(), tiling.tile, tile_precision);
+          for (std::size_t c = 0; c < chunks.size() && !data_pass; ++c) {
+            const std::size_t size =
+                P == 1 ? chunks[c].chunk->size() : chunks[c].lanes[p].routed_count();
+            std::fill_n(grads[q][c] + (P > 1 ? lane_offset(c, p) : 0), size, 0.0F);
+          }
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
             if (data_pass && pack) {
@@ -596,8 +610,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
             for (std::size_t c = 0; c < chunks.size(); ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
-              float* g_out =
-                  data_pass ? nullptr : grads[q][c].data() + (P > 1 ? lane_offset(c, p) : 0);
+              float* g_out = data_pass ? nullptr : grads[q][c] + (P > 1 ? lane_offset(c, p) : 0);
               if (bf16 && data_pass) {
                 m.bf16_kernels->backward_data(chunks[c].runs<Bf16Packet>(p), dy_tile, dx_tile,
                                               width);
@@ -643,26 +656,33 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
       auto g = std::make_shared<StreamChunk>();
       g->first_output = chunk.first_output;
       g->outputs = chunk.outputs;
-      std::vector<float> sum(chunk.size(), 0.0F);
-      for (std::int32_t q = 0; q < Q; ++q) {  // blocks in a fixed order: reproducible sums
-        const std::vector<float>& part = grads[q][c];
-        if (P == 1) {
-          for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
-        } else {
+      g->packets.resize(chunk.size());
+      auto tag_at = [&](std::size_t k) {
+        return header.precision == Precision::bf16 ? tag_of(chunk.packets_bf16[k])
+                                                   : chunk.packets[k].tag;
+      };
+      // Blocks are added in a fixed order, so sums are reproducible. (With no tokens no
+      // lane ran and the gradient is zero.)
+      const std::int32_t blocks = dy.cols > 0 ? Q : 0;
+      if (P == 1) {  // in place: block q's k-th value is packet k's (zero for controls)
+        for (std::size_t k = 0; k < g->packets.size(); ++k) {
+          float sum = 0.0F;
+          for (std::int32_t q = 0; q < blocks; ++q) sum += grads[q][c][k];
+          g->packets[k] = {tag_at(k), sum};
+        }
+      } else {  // routed: each lane's values go back to their packets' positions
+        for (std::size_t k = 0; k < g->packets.size(); ++k) g->packets[k] = {tag_at(k), 0.0F};
+        for (std::int32_t q = 0; q < blocks; ++q) {
+          const float* part = grads[q][c];
           std::size_t off = 0;
           for (std::int32_t l = 0; l < P; ++l) {
             const auto& origin = chunks[c].lanes[l].origin;
-            for (std::size_t k = 0; k < origin.size(); ++k) sum[origin[k]] += part[off + k];
+            for (std::size_t k = 0; k < origin.size(); ++k) {
+              g->packets[origin[k]].value += part[off + k];
+            }
             off += origin.size();
           }
         }
-      }
-      g->packets.resize(chunk.size());
-      for (std::size_t k = 0; k < g->packets.size(); ++k) {
-        const std::uint32_t tag = header.precision == Precision::bf16
-                                      ? tag_of(chunk.packets_bf16[k])
-                                      : chunk.packets[k].tag;
-        g->packets[k] = {tag, (tag & kControlBit) != 0 ? 0.0F : sum[k]};
       }
       out.chunks[c] = std::move(g);
     });

@@ -225,6 +225,19 @@ TEST(Engine, EmptyRowsAndColumnsAndAllZero) {
   }
 }
 
+TEST(Engine, NoTokensGiveZeroGradients) {
+  const CsrMatrix w = CsrMatrix::random(30, 20, 0.5, 4);
+  for (std::int32_t lanes : {1, 3}) {
+    CpuEngine engine;
+    DenseMatrix x(20, 0), dy(30, 0), dx(20, 0);
+    MutableMatrixView dx_view = dx.view();
+    const WeightStream g = engine.backward(encode_stream(w), round_robin_placement(w, lanes),
+                                           x.view(), dy.view(), &dx_view);
+    ASSERT_EQ(static_cast<std::int64_t>(gradient_values(g).size()), w.nnz());
+    for (float v : gradient_values(g)) EXPECT_EQ(v, 0.0F);
+  }
+}
+
 TEST(Engine, BitwiseReproducibleAcrossRuns) {
   const CsrMatrix w = CsrMatrix::random(300, 200, 0.8, 5, RowDistribution::powerlaw);
   const DenseMatrix x = random_dense(200, 77, 6);
