@@ -273,9 +273,10 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
       auto& s = shares[0];
       for (std::uint32_t r = 0; r < chunk.outputs; ++r) s.begin[r] = r == 0 ? 0 : s.end[r - 1] + 1;
       if (widen) {
-        s.packets.reserve(chunk.packets_bf16.size());
-        for (const Bf16Packet& b : chunk.packets_bf16)
-          s.packets.push_back({tag_of(b), value_of(b)});
+        const std::vector<Bf16Packet>& in = chunk.packets_bf16;
+        s.packets.resize(in.size());
+        Packet* out = s.packets.data();
+        for (std::size_t k = 0; k < in.size(); ++k) out[k] = {tag_of(in[k]), value_of(in[k])};
       }
     } else if (header.precision == Precision::bf16) {
       route<Bf16Packet>(chunk, shares, facts.weights, placement, layout, keep_origin);
