@@ -20,8 +20,22 @@
 namespace sluice::detail {
 namespace {
 
-constexpr std::int64_t kGroup = 128;     // tokens per group: four 32-token blocks
-constexpr std::uint32_t kPrefetch = 16;  // packets ahead
+constexpr std::int64_t kGroup = 128;         // tokens per group: four 32-token blocks
+constexpr std::uint32_t kPrefetch = 16;      // packets ahead, for the rows they name
+constexpr std::uint32_t kStreamAhead = 256;  // packets ahead, for the stream itself
+
+// always_inline: GCC 12 was seen to drop the prefetch from a plain inline helper. The
+// stream is read once per tile, so it should not displace the tile: non-temporal.
+[[gnu::always_inline]] inline void prefetch_stream(const Bf16Packet* packet) {
+  _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
+}
+/// Asks for `floats` of an fp32 row (dY of the next output: read once per tile, and with
+/// short runs its miss would stall the next output).
+[[gnu::always_inline]] inline void prefetch_lines(const float* row, std::int64_t floats) {
+  for (std::int64_t f = 0; f < floats; f += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + f), _MM_HINT_T0);
+  }
+}
 
 inline __m512i high_halves() {
   return _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
@@ -60,6 +74,7 @@ void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t x
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
     for (; k + 2 <= e; k += 2) {
+      if ((k & 14) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       if (k + kPrefetch + 2 <= e) {
         const std::uint16_t* n0 = row_of(x, p[k + kPrefetch], xs);
         const std::uint16_t* n1 = row_of(x, p[k + kPrefetch + 1], xs);
@@ -106,6 +121,7 @@ void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t 
   const Bf16Packet* p = L.packets;
   GradientBatch batch(grad);
   for (std::int64_t r = 0; r < L.runs; ++r) {
+    if (r + 1 < L.runs) prefetch_lines(dy + (r + 1) * dys, 32 * NV);
     // dY's row split as the blocks are; zeros past the
     // tile's width meet the zero padding of the resident rows.
     __m512 de[NV], dodd[NV];
@@ -115,6 +131,7 @@ void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t 
     }
     const std::uint32_t e = L.end[r];
     for (std::uint32_t k = L.begin[r]; k < e; ++k) {
+      if ((k & 15) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       if (k + kPrefetch < e) {
         const std::uint16_t* n0 = row_of(x, p[k + kPrefetch], xs);
         for (int v = 0; v < NV; ++v) {
@@ -156,10 +173,12 @@ void backward_data_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dy
   __mmask16 m[NV];
   for (int v = 0; v < NV; ++v) m[v] = first(width - 16 * v);
   for (std::int64_t r = 0; r < L.runs; ++r) {
+    if (r + 1 < L.runs) prefetch_lines(dy + (r + 1) * dys, 16 * NV);
     __m512 d[NV];
     for (int v = 0; v < NV; ++v) d[v] = _mm512_maskz_loadu_ps(m[v], dy + r * dys + 16 * v);
     const std::uint32_t e = L.end[r];
     for (std::uint32_t k = L.begin[r]; k < e; ++k) {
+      if ((k & 15) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       if (k + kPrefetch < e) {
         const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch].index) * dxs;
         for (int v = 0; v < NV; ++v) __builtin_prefetch(next + 16 * v, 1, 3);
