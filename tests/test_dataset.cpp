@@ -1,6 +1,7 @@
 // Data sets: CSV (plain and gzip'd), the digits shape check, errors with line numbers,
 // the seeded synthetic task, the fixed split and standardization.
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cmath>
@@ -14,7 +15,9 @@ namespace sluice {
 namespace {
 
 std::filesystem::path temp(const std::string& name) {
-  return std::filesystem::temp_directory_path() / ("sluice_dataset_" + name);
+  // The process id keeps tests that ctest runs in parallel off each other's files.
+  return std::filesystem::temp_directory_path() /
+         ("sluice_dataset_" + std::to_string(::getpid()) + "_" + name);
 }
 
 void write(const std::filesystem::path& p, const std::string& text) {

@@ -2,6 +2,7 @@
 // double-precision reimplementation, atomic steps with non-finite gradients, and the
 // checks on gradient streams.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -226,9 +227,10 @@ void run_steps(Model& m, int steps, std::uint32_t seed) {
 
 // Everything a ModelMemory holds, including optimizer state (through a checkpoint's bytes).
 std::string fingerprint(const ModelMemory& mm) {
+  // The process id keeps test processes that ctest runs in parallel (each test is one,
+  // with the same seed and, under a sanitizer, often the same addresses) apart.
   const auto path = std::filesystem::temp_directory_path() /
-                    ("sluice_test_optimizer_" +
-                     std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+                    ("sluice_test_optimizer_" + std::to_string(::getpid()) + "_" +
                      std::to_string(reinterpret_cast<std::uintptr_t>(&mm)) + ".ck");
   mm.save(path);
   std::ifstream in(path, std::ios::binary);
