@@ -197,8 +197,20 @@ class ResidentTile {
   std::size_t rows_ = 0, stride_ = 16;
 };
 
-bool should_pack(std::int32_t lanes, const StreamHeader& header) {
-  return CpuEngine::packs_tiles(lanes, header.nnz, header.inputs);
+/// How lanes hold a layer's activations. Lanes that pack their rows hold a bf16 layer's in
+/// bf16. A bf16 layer too sparse to pack reads X in place, in fp32: converting all of X
+/// would cost more than the product, so its (few) weights are widened to fp32 instead.
+struct Holding {
+  bool pack;   ///< rows copied into a resident tile
+  bool bf16;   ///< ... and held there in bf16
+  bool widen;  ///< a bf16 stream read with the fp32 kernels
+  Precision precision() const { return bf16 ? Precision::bf16 : Precision::fp32; }
+};
+
+Holding holding_for(std::int32_t lanes, const StreamHeader& header) {
+  const bool pack = CpuEngine::packs_tiles(lanes, header.nnz, header.inputs);
+  const bool bf16_stream = header.precision == Precision::bf16;
+  return {pack, bf16_stream && pack, bf16_stream && !pack};
 }
 
 /// Sends each weight packet of a chunk to the lane that owns its input feature, with the
@@ -431,14 +443,11 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
                              MutableMatrixView y, const Placement* next_placement) {
   Impl& m = *impl_;
   const std::int32_t P = placement.lanes;
-  // Lanes that pack their activation rows hold a bf16 layer's in bf16. A layer too sparse
-  // to pack reads X in place, in fp32: converting all of X would cost more than the
-  // product, so its (few) weights are widened to fp32 instead.
-  const bool pack = should_pack(P, weights.header());
-  const bool bf16 = weights.header().precision == Precision::bf16 && pack;
-  const bool widen = weights.header().precision == Precision::bf16 && !pack;
-  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
-  const Geometry g = m.resolve(x.rows, x.cols, P, precision);
+  // (Plain bools, not a structured binding: lambdas below capture them, which Clang 14,
+  // the sanitizer and fuzz builds' compiler, cannot do with bindings.)
+  const Holding holding = holding_for(P, weights.header());
+  const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
+  const Geometry g = m.resolve(x.rows, x.cols, P, holding.precision());
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
@@ -484,7 +493,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
           const auto q = static_cast<std::int32_t>(task / P);
           const auto t_start = Clock::now();
           ResidentTile resident;
-          if (pack) resident.resize(layout.rows[p].size(), tiling.tile, precision);
+          if (pack) resident.resize(layout.rows[p].size(), tiling.tile, holding.precision());
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
             if (bf16) {
@@ -532,14 +541,12 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const bool want_grad = x != nullptr;
   const std::int64_t inputs = weights.header().inputs;
   const StreamHeader header = weights.header();
-  // As in forward: a bf16 layer's X is held in bf16 where lanes pack, else read in fp32.
-  const bool pack = should_pack(P, header);
-  const bool bf16 = header.precision == Precision::bf16 && pack;
-  const bool widen = header.precision == Precision::bf16 && !pack;
-  // dX accumulates in an fp32 tile; X is held in the stream's precision for dW.
+  const Holding holding = holding_for(P, header);
+  const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
+  // dX accumulates in an fp32 tile; X is held as holding_for says for dW.
   const TokenTiling data_tiling = make_tiling(dy.cols, m.resolve(inputs, dy.cols, P));
   const TokenTiling weight_tiling =
-      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, bf16 ? Precision::bf16 : Precision::fp32));
+      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, holding.precision()));
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
   std::vector<TakenChunk> chunks;
