@@ -1,12 +1,13 @@
 // The gather roofline of this machine: the inner step of the streamed product,
 // acc[0:T] += w * X[i, 0:T] for a stream of random (w, i), with the activation block X
 // sized to sit in L1, L2, L3 or DRAM, on every core at once; in fp32 (64 tokens per row)
-// and with X in bf16 (128 tokens per row, the same 256 bytes, widened exactly to fp32).
+// and with X in bf16 (128 tokens per row, the same 256 bytes, widened exactly to fp32);
+// and the backward-data step, which writes each row back (`scatter_roofline`).
 // Its GFLOP/s per level is the bound the streamed kernels can approach. `sluice_*` report
 // the engine's own useful GFLOP/s on the 4096 x 4096 x 256 layer at 90% sparsity
-// (forward and backward, fp32 and bf16), to set against the probe with a 1 MiB block in
-// the same precision from the same run. (A probe timed inside the engine's benchmark
-// measured low: the engine's idle workers and migrated threads disturb it.)
+// (forward, backward-data and backward-weight, fp32 and bf16), to set against the probe
+// of the same step with a 1 MiB block from the same run. (A probe timed inside the engine's
+// benchmark measured low: the engine's idle workers and migrated threads disturb it.)
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -106,30 +107,71 @@ __attribute__((target("avx512f"))) float gather_axpy_bf16(const Probe& p) {
   return _mm512_reduce_add_ps(s);
 }
 
+// The backward-data step: X[i, 0:T] += w * d, a read-modify-write of the row (the engine's
+// dX tile) with d in registers. Its rate against the gather's says how much dearer
+// scattering a row is than gathering one: the backward pass does one of each per weight
+// and token tile (dX and dW), the forward one gather.
+__attribute__((target("avx512f"))) float scatter_axpy(Probe& p) {
+  __m512 d[4];
+  for (int v = 0; v < 4; ++v) d[v] = _mm512_set1_ps(0.25F * static_cast<float>(v + 1));
+  const Packet* k = p.packets.data();
+  float* x = p.x.data();
+  const std::size_t n = p.packets.size();
+  for (std::size_t j = 0; j + 2 <= n; j += 2) {
+    float* r0 = x + static_cast<std::int64_t>(k[j].tag) * kTokens;
+    float* r1 = x + static_cast<std::int64_t>(k[j + 1].tag) * kTokens;
+    if (j + 18 <= n) {
+      __builtin_prefetch(x + static_cast<std::int64_t>(k[j + 16].tag) * kTokens, 1, 3);
+      __builtin_prefetch(x + static_cast<std::int64_t>(k[j + 17].tag) * kTokens, 1, 3);
+    }
+    const __m512 w0 = _mm512_set1_ps(k[j].value), w1 = _mm512_set1_ps(k[j + 1].value);
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_ps(r0 + 16 * v, _mm512_fmadd_ps(w0, d[v], _mm512_loadu_ps(r0 + 16 * v)));
+      _mm512_storeu_ps(r1 + 16 * v, _mm512_fmadd_ps(w1, d[v], _mm512_loadu_ps(r1 + 16 * v)));
+    }
+  }
+  return x[0];
+}
+
 /// Useful flops of one probe pass: 2 per weight and token.
 double probe_flops(const Probe& p, Precision precision) {
   const double tokens = precision == Precision::bf16 ? 2 * kTokens : kTokens;
   return 2.0 * tokens * static_cast<double>(p.packets.size());
 }
 
-float run_probe(const Probe& p, Precision precision) {
-  return precision == Precision::bf16 ? gather_axpy_bf16(p) : gather_axpy(p);
+enum class Step { gather, gather_bf16, scatter };
+
+float run_probe(Probe& p, Step step) {
+  switch (step) {
+    case Step::gather_bf16:
+      return gather_axpy_bf16(p);
+    case Step::scatter:
+      return scatter_axpy(p);
+    default:
+      return gather_axpy(p);
+  }
 }
 
-void BM_gather_roofline(benchmark::State& state, Precision precision) {
+void BM_roofline(benchmark::State& state, Step step) {
   if (!cpu_supports(Isa::avx512)) {
     state.SkipWithError("the probe needs AVX-512");
     return;
   }
-  const Probe probe = make_probe(state.range(0), 17 + state.thread_index());
-  for (auto _ : state) benchmark::DoNotOptimize(run_probe(probe, precision));
+  const Precision precision = step == Step::gather_bf16 ? Precision::bf16 : Precision::fp32;
+  Probe probe = make_probe(state.range(0), 17 + state.thread_index());
+  for (auto _ : state) benchmark::DoNotOptimize(run_probe(probe, step));
   state.counters["GFLOPs"] = benchmark::Counter(probe_flops(probe, precision),
                                                 benchmark::Counter::kIsIterationInvariantRate);
   state.counters["block_KiB"] = benchmark::Counter(static_cast<double>(state.range(0)) / 1024,
                                                    benchmark::Counter::kAvgThreads);
 }
 
-void BM_sluice(benchmark::State& state, Precision precision, bool backward) {
+/// The engine's passes, each to be set against its own probe: the forward and the
+/// weight gradient gather rows (gather_roofline), the data gradient scatters them
+/// (scatter_roofline).
+enum class Pass { forward, backward_data, backward_weight };
+
+void BM_sluice(benchmark::State& state, Precision precision, Pass pass) {
   if (!cpu_supports(Isa::avx512)) {
     state.SkipWithError("the roofline probe needs AVX-512");
     return;
@@ -139,17 +181,21 @@ void BM_sluice(benchmark::State& state, Precision precision, bool backward) {
   const WeightStream& stream = l.weights(precision);
   DenseMatrix y(l.w.rows(), l.x.cols()), dx(l.w.cols(), l.x.cols());
   MutableMatrixView dx_view = dx.view();
-  auto run = [&] {
-    if (backward) {
-      benchmark::DoNotOptimize(
-          engine().backward(stream, placement, l.x.view(), l.dy.view(), &dx_view));
-    } else {
-      engine().forward(stream, placement, l.x.view(), y.view());
+  for (auto _ : state) {
+    switch (pass) {
+      case Pass::forward:
+        engine().forward(stream, placement, l.x.view(), y.view());
+        break;
+      case Pass::backward_data:
+        engine().backward_data(stream, placement, l.dy.view(), dx_view);
+        break;
+      case Pass::backward_weight:
+        benchmark::DoNotOptimize(
+            engine().backward(stream, placement, l.x.view(), l.dy.view(), nullptr));
+        break;
     }
-  };
-  for (auto _ : state) run();
-  const double flops =
-      (backward ? 4.0 : 2.0) * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
+  }
+  const double flops = 2.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
   state.counters["useful_GFLOPs"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -161,27 +207,28 @@ int main(int argc, char** argv) {
   using namespace sluice::bench;
   const int threads = static_cast<int>(engine().threads());
   // L1 (32 KiB), L2 (256 KiB, 512 KiB, 1 MiB), L3 (8 MiB), DRAM (256 MiB) on every core.
-  const std::pair<const char*, sluice::Precision> probes[] = {
-      {"gather_roofline", sluice::Precision::fp32},
-      {"gather_roofline_bf16", sluice::Precision::bf16}};
-  for (const auto& [name, precision] : probes) {
+  const std::pair<const char*, Step> probes[] = {{"gather_roofline", Step::gather},
+                                                 {"gather_roofline_bf16", Step::gather_bf16},
+                                                 {"scatter_roofline", Step::scatter}};
+  for (const auto& [name, step] : probes) {
     for (std::int64_t bytes :
          {32LL << 10, 256LL << 10, 512LL << 10, 1LL << 20, 8LL << 20, 256LL << 20}) {
-      benchmark::RegisterBenchmark(
-          name, [precision](benchmark::State& s) { BM_gather_roofline(s, precision); })
+      benchmark::RegisterBenchmark(name, [step](benchmark::State& s) { BM_roofline(s, step); })
           ->Arg(bytes)
           ->Threads(threads)
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
     }
   }
-  for (const bool backward : {false, true}) {
+  const std::pair<const char*, Pass> passes[] = {{"sluice_forward", Pass::forward},
+                                                 {"sluice_backward_data", Pass::backward_data},
+                                                 {"sluice_backward_weight", Pass::backward_weight}};
+  for (const auto& [pass_name, pass] : passes) {
     for (const sluice::Precision precision : {sluice::Precision::fp32, sluice::Precision::bf16}) {
-      const std::string name = std::string(backward ? "sluice_backward" : "sluice_forward") +
-                               (precision == sluice::Precision::bf16 ? "_bf16" : "");
+      const std::string name =
+          std::string(pass_name) + (precision == sluice::Precision::bf16 ? "_bf16" : "");
       benchmark::RegisterBenchmark(
-          name.c_str(),
-          [precision, backward](benchmark::State& s) { BM_sluice(s, precision, backward); })
+          name.c_str(), [precision, pass](benchmark::State& s) { BM_sluice(s, precision, pass); })
           ->Args({4096, 4096, 256, 900})
           ->ArgNames({"out", "in", "tokens", "sparsity_permille"})
           ->UseRealTime()
