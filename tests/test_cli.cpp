@@ -100,6 +100,23 @@ TEST_F(Cli, AGoodRunChecksAndPrintsJson) {
   }
 }
 
+TEST_F(Cli, Bf16ReportsTheGeometryTheLayerRunsWith) {
+  // Dense enough, lanes hold X in bf16 on twice as wide tiles; too sparse to pack, the
+  // layer runs on fp32 tiles and the report says so.
+  auto geometry = [&](const char* sparsity) {
+    const Outcome o = run(std::string("spmm --shape 64x48 --tokens 200 --threads 1 --repeat 1 "
+                                      "--precision bf16 --json --sparsity ") +
+                          sparsity);
+    EXPECT_EQ(o.exit_code, 0) << o.output;
+    const auto at = o.output.find("\"geometry\": \"");
+    return at == std::string::npos
+               ? std::string()
+               : o.output.substr(at + 13, o.output.find('"', at + 13) - at - 13);
+  };
+  EXPECT_EQ(geometry("0.5"), "1x1/128");
+  EXPECT_EQ(geometry("0.99"), "1x1/64");
+}
+
 TEST_F(Cli, Bf16RunsCheckAtFp32ToleranceAndTrain) {
   const Outcome o =
       run("spmm --shape 64x48 --sparsity 0.9 --tokens 37 --repeat 1 --check --backward --json "

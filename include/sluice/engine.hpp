@@ -80,7 +80,8 @@ class Engine {
   }
 
   /// The geometry this engine uses for a layer of this shape (a bf16 layer's tiles are
-  /// wider: its activations take half the bytes).
+  /// wider: its activations take half the bytes; but a bf16 layer too sparse to pack its
+  /// tiles, see CpuEngine::packs_tiles, runs with the fp32 geometry).
   virtual Geometry geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
                                 Precision precision = Precision::fp32) const = 0;
   virtual Isa isa() const = 0;
