@@ -11,6 +11,14 @@
 //   rank 0's own), summed over the engines; timed from the moment every engine holds its
 //   gradient stream to the summed, checked stream on rank 0 (last_gradient_seconds),
 //   against one MPI_Reduce (MPI_SUM of float, all ranks) of as many values.
+// Both sides move the same bytes but do not end in the same state: MPI_Reduce leaves 4-byte
+// sums, the fabric a gradient stream (8-byte packets: rank 0 also writes every tag from the
+// stream it sent, 2x the output bytes), so the return ratio is a floor on the transport's.
+// The plain collectives use Open MPI's single copy (CMA) for a contiguous buffer, whose
+// speed here varies from run to run (4-8 GB/s on this VM); the fabric uses either Open
+// MPI's two-sided copy (one engine) or engines' own single-copy reads (several engines or
+// shared cores, see mpi_fabric.hpp). Another busy process on the machine slows the
+// two-sided copy 3-4x and a single copy hardly: check the load before trusting a ratio.
 // Whole operations: forward (one token per engine, so the engines' arithmetic is small)
 // and backward (mask stream, no dX), with the local engine time (the same work on one
 // CpuEngine in rank 0, no MPI): an operation cannot beat max(plain transfer, engine).

@@ -5,10 +5,19 @@
 //
 // Every fabric operation starts with a small command broadcast from rank 0. Then rank 0
 // scatters each engine's token slice of X (and of dY in backward) and its placement, and
-// broadcasts the weight stream in frames of whole chunks (one MPI_Ibcast per frame over
-// the chunks' own buffers, several frames in flight); a bf16 stream's chunks travel as their
-// 4-byte packets, half the bytes of fp32 ones. Engine ranks receive on their main
-// thread and feed their engine (on a worker thread) through a bounded channel, so transfer
+// sends the weight stream in frames of whole chunks, several frames in flight (each frame's
+// broadcast carries the next one's sizes, so engines post ahead); a bf16 stream's chunks
+// travel as their 4-byte packets, half the bytes of fp32 ones. By default a frame is one
+// MPI_Ibcast over the chunks' own buffers. When every rank shares rank 0's node and there
+// are several engines or more ranks than cores (and shared_memory, and the OS lets a
+// process read another's memory, checked at construction), engines instead read each frame
+// straight out of rank 0's memory (process_vm_readv: one copy, by the engine, as Open MPI
+// does for a contiguous message) and tell rank 0 when they have; only sizes and addresses
+// are broadcast. Open MPI moves a frame of several buffers through bounce buffers (rank 0
+// copies in, the engine copies out, every 32 KB): with one engine and a core each that is
+// faster than one copy by one process, but it needs both ranks running at once and
+// collapses when cores are shared. Engine ranks receive on their main thread and hand
+// whole frames to their engine (on a worker thread) through a bounded channel, so transfer
 // and compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv. Gradient
 // streams come back as values only (4 bytes per weight): rank 0 sent the tags and control
 // packets, so it lays them out itself. The engines sum their values along
@@ -42,14 +51,15 @@ struct MpiFabricOptions {
   /// Options of every engine (taken from rank 0); threads 0 = the cores of the engine's
   /// node divided by the number of ranks on that node.
   EngineOptions engine;
-  /// Stream frames (Ibcasts) rank 0 keeps in flight.
+  /// Stream frames rank 0 keeps in flight (and engine ranks keep posted).
   std::size_t window = 4;
   /// Chunks are grouped into frames of about this many bytes (at most 64 chunks), one
   /// Ibcast each: fewer, larger messages than one per chunk.
   std::size_t frame_bytes = std::size_t{4} << 20;
   /// When engine 0 shares rank 0's node, the summed gradient's last hop is a shared-memory
-  /// window (engine 0 writes the sum where rank 0 reads it, nothing is copied); false: by
-  /// messages, as between nodes. Taken from rank 0.
+  /// window (engine 0 writes the sum where rank 0 reads it, nothing is copied), and when
+  /// all ranks share it, engines may read the stream from rank 0's memory (see above);
+  /// false: both by messages, as between nodes. Taken from rank 0.
   bool shared_memory = true;
 };
 
