@@ -15,10 +15,10 @@
 // sums, the fabric a gradient stream (8-byte packets: rank 0 also writes every tag from the
 // stream it sent, 2x the output bytes), so the return ratio is a floor on the transport's.
 // The plain collectives use Open MPI's single copy (CMA) for a contiguous buffer, whose
-// speed here varies from run to run (4-8 GB/s on this VM); the fabric uses either Open
-// MPI's two-sided copy (one engine) or engines' own single-copy reads (several engines or
-// shared cores, see mpi_fabric.hpp). Another busy process on the machine slows the
-// two-sided copy 3-4x and a single copy hardly: check the load before trusting a ratio.
+// speed here varies from run to run (4-8 GB/s on this VM); on one node the fabric's engines
+// read the frames themselves, also a single copy (between nodes, frames are Ibcasts; see
+// mpi_fabric.hpp). Another busy process slows every copy: check the load before trusting
+// a ratio.
 // Whole operations: forward (one token per engine, so the engines' arithmetic is small)
 // and backward (mask stream, no dX), with the local engine time (the same work on one
 // CpuEngine in rank 0, no MPI): an operation cannot beat max(plain transfer, engine).

@@ -7,28 +7,25 @@
 // scatters each engine's token slice of X (and of dY in backward) and its placement, and
 // sends the weight stream in frames of whole chunks, several frames in flight (each frame's
 // broadcast carries the next one's sizes, so engines post ahead); a bf16 stream's chunks
-// travel as their 4-byte packets, half the bytes of fp32 ones. By default a frame is one
-// MPI_Ibcast over the chunks' own buffers. When every rank shares rank 0's node and there
-// are several engines or more ranks than cores (and shared_memory, and the OS lets a
-// process read another's memory, checked at construction), engines instead read each frame
-// straight out of rank 0's memory (process_vm_readv: one copy, by the engine, as Open MPI
-// does for a contiguous message) and tell rank 0 when they have; only sizes and addresses
-// are broadcast. Open MPI moves a frame of several buffers through bounce buffers (rank 0
-// copies in, the engine copies out, every 32 KB): with one engine and a core each that is
-// faster than one copy by one process, but it needs both ranks running at once and
-// collapses when cores are shared. Engine ranks receive on their main thread and hand
-// whole frames to their engine (on a worker thread) through a bounded channel, so transfer
-// and compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv. Gradient
-// streams come back as values only (4 bytes per weight): rank 0 sent the tags and control
-// packets, so it lays them out itself. The engines sum their values along
-// reduce_gradients' fixed pairwise tree (engine k absorbs k + 1, k + 2, k + 4, ...),
-// segment by segment and pipelined, and engine 0 passes the sum to rank 0 (through a
-// shared-memory window when they share a node, see MpiFabricOptions); each engine
-// also sends a checksum (CRC-32C) of its gradient stream's tags and control packets,
-// which rank 0 compares with that of the stream it sent (FormatError naming the rank if
-// they differ). Bias gradients are summed in the same tree order. So N - 1 MPI engines
-// compute bit for bit what a LocalFabric of N - 1 engines with the same engine options
-// computes, and every run the same.
+// travel as their 4-byte packets, half the bytes of fp32 ones. Between nodes a frame is one
+// MPI_Ibcast over the chunks' own buffers. When every rank shares rank 0's node (and
+// shared_memory, and the OS lets a process read another's memory, checked at
+// construction), engines instead read each frame straight out of rank 0's memory
+// (process_vm_readv: one copy, by the engine, as Open MPI does for a contiguous message)
+// and tell rank 0 when they have; only sizes and addresses are broadcast. Open MPI moves a
+// frame of several buffers through bounce buffers (rank 0 copies in, the engine copies
+// out, every 32 KB), which needs both ranks running at once and collapses 2-3x whenever
+// the engine's threads or anything else take a core. Engine ranks receive on their main thread and
+// hand whole frames to their engine (on a worker thread) through a bounded channel, so transfer and
+// compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv. Gradient streams come back
+// as values only (4 bytes per weight): rank 0 sent the tags and control packets, so it lays them
+// out itself. The engines sum their values along reduce_gradients' fixed pairwise tree (engine k
+// absorbs k + 1, k + 2, k + 4, ...), segment by segment and pipelined, and engine 0 passes the sum
+// to rank 0 (through a shared-memory window when they share a node, see MpiFabricOptions); each
+// engine also sends a checksum (CRC-32C) of its gradient stream's tags and control packets, which
+// rank 0 compares with that of the stream it sent (FormatError naming the rank if they differ).
+// Bias gradients are summed in the same tree order. So N - 1 MPI engines compute bit for bit what a
+// LocalFabric of N - 1 engines with the same engine options computes, and every run the same.
 //
 // A failure in the middle of an operation cannot be reported to the other ranks without
 // leaving them blocked in a collective, so it prints "sluice[rank r]: <what>" to stderr

@@ -1334,14 +1334,12 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
       std::random_device random;
       probe_word[0] = (std::uint64_t{random()} << 32) | random();
       probe_word[1] = (std::uint64_t{random()} << 32) | random() | 1U;
-      // With one engine on its own core, Open MPI's two-sided copy (rank 0 copies in,
-      // the engine copies out, pipelined) uses both cores and beats one process copying
-      // alone (~10 vs ~12 ms for 64 MB here); with several engines, or more ranks than
-      // cores, each engine reading for itself scales and needs no core of rank 0's.
-      const auto cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
-      probe.wanted =
-          m.options.shared_memory && node_ranks == m.size && (m.size > 2 || node_ranks > cores) ? 1
-                                                                                                : 0;
+      // Open MPI's two-sided copy of a frame (rank 0 copies in, the engine copies out,
+      // pipelined) needs both processes running at once: with one engine and a core each
+      // it measured ~1.0-1.4x MPI_Bcast here, but 0.3-0.6x in half the runs, whenever
+      // the engine's own threads or anything else took a core. Each engine reading for
+      // itself measured a steady 0.8-0.9x with one engine, and scales with several.
+      probe.wanted = m.options.shared_memory && node_ranks == m.size ? 1 : 0;
       probe.pid = getpid();
       probe.address = reinterpret_cast<std::uintptr_t>(&probe_word[0]);
       probe.expected[0] = probe_word[0];
