@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <thread>
 #include <type_traits>
@@ -341,6 +342,10 @@ class PinningObserver final : public tbb::task_scheduler_observer {
 
 }  // namespace
 
+// Below this many flops a layer's product runs as one task: waking a second thread
+// costs more than it saves.
+constexpr std::uint64_t kSerialFlops = std::uint64_t{1} << 21;
+
 struct CpuEngine::Impl {
   EngineOptions options;
   Isa isa = Isa::scalar;
@@ -359,12 +364,17 @@ struct CpuEngine::Impl {
   // spill to L3 (each packet's work is fixed, so wider tiles amortise it).
   // A bf16 tile holds twice the tokens in the same bytes; its kernels work on up to 128.
   Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes,
-                   Precision precision = Precision::fp32) const {
+                   Precision precision = Precision::fp32,
+                   std::uint64_t nnz = std::numeric_limits<std::uint64_t>::max()) const {
     const bool bf16 = precision == Precision::bf16;
     const std::int64_t element = bf16 ? 2 : static_cast<std::int64_t>(sizeof(float));
     Geometry g = options.geometry;
     const std::int64_t budget = std::max<std::int64_t>(16 << 10, l2_bytes);
-    if (g.blocks <= 0) {
+    if (g.blocks <= 0 &&
+        nnz < kSerialFlops / 2 / static_cast<std::uint64_t>(std::max<std::int64_t>(tokens, 1))) {
+      // Too little work to wake another thread for: one block does it all.
+      g.blocks = 1;
+    } else if (g.blocks <= 0) {
       // Split tokens first: no partial sums to reduce. Keep blocks at least 16 tokens wide.
       g.blocks = static_cast<std::int32_t>(std::clamp<std::int64_t>(
           (tokens + 15) / 16, 1, std::max(1, threads / std::max(1, lanes))));
@@ -422,7 +432,7 @@ std::int32_t CpuEngine::threads() const {
 }
 
 Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
-                                 Precision precision) const {
+                                 Precision precision, std::uint64_t nnz) const {
   (void)outputs;
   const Impl& m = *impl_;
   std::int32_t lanes = m.options.geometry.lanes;
@@ -436,7 +446,10 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
       lanes *= 2;
     }
   }
-  return m.resolve(inputs, tokens, lanes, precision);
+  if (nnz == 0) return m.resolve(inputs, tokens, lanes, precision);
+  // As the products decide (holding_for, and resolve's serial case).
+  const bool widened = precision == Precision::bf16 && !packs_tiles(lanes, nnz, inputs);
+  return m.resolve(inputs, tokens, lanes, widened ? Precision::fp32 : precision, nnz);
 }
 
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
@@ -447,7 +460,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   // the sanitizer and fuzz builds' compiler, cannot do with bindings.)
   const Holding holding = holding_for(P, weights.header());
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
-  const Geometry g = m.resolve(x.rows, x.cols, P, holding.precision());
+  const Geometry g = m.resolve(x.rows, x.cols, P, holding.precision(), weights.header().nnz);
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
@@ -544,9 +557,10 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const Holding holding = holding_for(P, header);
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
   // dX accumulates in an fp32 tile; X is held as holding_for says for dW.
-  const TokenTiling data_tiling = make_tiling(dy.cols, m.resolve(inputs, dy.cols, P));
+  const TokenTiling data_tiling =
+      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, Precision::fp32, header.nnz));
   const TokenTiling weight_tiling =
-      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, holding.precision()));
+      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, holding.precision(), header.nnz));
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
   std::vector<TakenChunk> chunks;

@@ -256,6 +256,29 @@ TEST(Engine, BitwiseReproducibleAcrossRuns) {
   }
 }
 
+TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
+  EngineOptions options;
+  options.threads = 2;
+  options.l2_bytes = 1 << 20;
+  CpuEngine engine(options);
+  const std::uint64_t tenth = 512 * 512 / 10;
+  // Tokens split over both threads, unless there is too little work to wake one for.
+  EXPECT_EQ(engine.geometry_for(512, 512, 256).blocks, 2);
+  EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::fp32, tenth).blocks, 2);
+  EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::fp32, 100).blocks, 1);
+  // bf16 tiles are twice as wide, unless the layer is too sparse to pack them.
+  EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::fp32, tenth).tile_tokens, 64);
+  EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, tenth).tile_tokens, 128);
+  EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, 2000).tile_tokens, 64);
+  // And a small layer still gives the right numbers as one block.
+  const CsrMatrix w = CsrMatrix::random(40, 30, 0.9, 12);
+  const DenseMatrix x = random_dense(30, 50, 13);
+  ASSERT_EQ(engine.geometry_for(40, 30, 50, Precision::fp32, w.nnz()).blocks, 1);
+  DenseMatrix y(40, 50);
+  engine.forward(encode_stream(w), round_robin_placement(w, 1), x.view(), y.view());
+  EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+}
+
 TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
   // Any next-layer placement gives the same numbers (only where the sum ends changes).
   const CsrMatrix w = CsrMatrix::random(50, 60, 0.5, 8);

@@ -66,15 +66,14 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   r.isa = to_string(engine.isa());
   const Precision precision = parse_precision(o.precision);
   r.precision = o.precision;
-  const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens, precision);
+  // The geometry the products below run with (the non-zeros decide some of it).
+  const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens, precision, w.nnz());
+  r.geometry = g.to_string();
   // A bf16 product is checked against float64 on the operands rounded as the engine holds
   // them (W streamed in bf16; X resident in bf16 where lanes pack their rows, else read
   // in place), so the check still catches kernel bugs at fp32 tolerances; dY stays fp32.
   const bool bf16 = precision == Precision::bf16;
   const bool x_in_bf16 = bf16 && CpuEngine::packs_tiles(g.lanes, w.nnz(), w.cols());
-  // A bf16 layer too sparse to pack runs on fp32 tiles: report the geometry it runs with.
-  r.geometry =
-      (bf16 && !x_in_bf16 ? engine.geometry_for(w.rows(), w.cols(), o.tokens) : g).to_string();
   const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();
   const CsrMatrix& w_ref = bf16 ? w_held : w;
   const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();

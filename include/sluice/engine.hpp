@@ -80,10 +80,13 @@ class Engine {
   }
 
   /// The geometry this engine uses for a layer of this shape (a bf16 layer's tiles are
-  /// wider: its activations take half the bytes; but a bf16 layer too sparse to pack its
-  /// tiles, see CpuEngine::packs_tiles, runs with the fp32 geometry).
+  /// wider: its activations take half the bytes). With the layer's non-zeros (`nnz` > 0)
+  /// it is exactly the geometry a product runs with: a bf16 layer too sparse to pack its
+  /// tiles (see CpuEngine::packs_tiles) runs with the fp32 geometry, and a layer with too
+  /// little work to share runs as one token block. The lanes do not depend on `nnz`.
   virtual Geometry geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
-                                Precision precision = Precision::fp32) const = 0;
+                                Precision precision = Precision::fp32,
+                                std::uint64_t nnz = 0) const = 0;
   virtual Isa isa() const = 0;
   virtual std::int32_t threads() const = 0;
   EngineCounters& counters() { return counters_; }
@@ -106,7 +109,8 @@ class CpuEngine final : public Engine {
   ~CpuEngine() override;
 
   Geometry geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
-                        Precision precision = Precision::fp32) const override;
+                        Precision precision = Precision::fp32,
+                        std::uint64_t nnz = 0) const override;
   Isa isa() const override;
   std::int32_t threads() const override;
 
