@@ -168,7 +168,8 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     run.work.outputs = outputs;
     run.work.inputs = inputs;
     run.work.tokens = o.tokens;
-    run.work.geometry = s.geometry;
+    // As the product will run (a very sparse point may be too little work to share).
+    run.work.geometry = engine.geometry_for(outputs, inputs, o.tokens, Precision::fp32, w.nnz());
     run.work.max_lane_nnz = static_cast<double>(layer.placement.max_lane_nnz());
     run.work.cache_bytes = static_cast<double>(topology().l3_bytes);
     run.work.packed_tiles = CpuEngine::packs_tiles(s.geometry.lanes, w.nnz(), inputs);
