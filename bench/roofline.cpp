@@ -3,11 +3,10 @@
 // sized to sit in L1, L2, L3 or DRAM, on every core at once; in fp32 (64 tokens per row)
 // and with X in bf16 (128 tokens per row, the same 256 bytes, widened exactly to fp32);
 // and the backward-data step, which writes each row back (`scatter_roofline`).
-// Its GFLOP/s per level is the bound the streamed kernels can approach. `sluice_*` report
-// the engine's own useful GFLOP/s on the 4096 x 4096 x 256 layer at 90% sparsity
-// (forward, backward-data and backward-weight, fp32 and bf16), to set against the probe
-// of the same step with a 1 MiB block from the same run. (A probe timed inside the engine's
-// benchmark measured low: the engine's idle workers and migrated threads disturb it.)
+// Its GFLOP/s per level (all cores together) is what the streamed kernels can approach.
+// `sluice_*` report the engine's own useful GFLOP/s on the 4096 x 4096 x 256 layer
+// at 90% sparsity (forward, backward-data and backward-weight, fp32 and bf16), to set
+// against the probe of the same step with a 1 MiB block from the same run.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
