@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -89,6 +90,22 @@ void expect_same_models(const HostModelMemory& a, const HostModelMemory& b) {
   }
 }
 
+/// The same model twice, on the MPI fabric and on a LocalFabric with as many engines,
+/// each driven by an executor with the same options.
+struct Twins {
+  Twins(const std::vector<std::int64_t>& sizes, OptimizerKind kind,
+        const ExecutorOptions& options = {})
+      : local_fabric(make_local(g_fabric->engine_count())) {
+    build(remote, sizes, kind);
+    build(local, sizes, kind);
+    on_mpi.emplace(remote, *g_fabric, options);
+    on_local.emplace(local, local_fabric, options);
+  }
+  HostModelMemory remote, local;
+  LocalFabric local_fabric;
+  std::optional<LayerStreamingExecutor> on_mpi, on_local;
+};
+
 TEST(MpiFabric, CountsEnginesAndRefusesToServeOnRankZero) {
   int size = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -101,16 +118,12 @@ TEST(MpiFabric, CountsEnginesAndRefusesToServeOnRankZero) {
 
 TEST(MpiFabric, TrainingMatchesLocalFabric) {
   const std::vector<std::int64_t> sizes = {13, 17, 11, 5};
-  const std::int32_t engines = g_fabric->engine_count();
-  HostModelMemory remote, local;
-  build(remote, sizes, OptimizerKind::adam);
-  build(local, sizes, OptimizerKind::adam);
-  LocalFabric local_fabric = make_local(engines);
   ExecutorOptions eo;
   eo.chunk_packets = 7;  // many small chunks: the broadcast pipeline really pipelines
   eo.prefetch_depth = 2;
-  LayerStreamingExecutor on_mpi(remote, *g_fabric, eo);
-  LayerStreamingExecutor on_local(local, local_fabric, eo);
+  Twins twins(sizes, OptimizerKind::adam, eo);
+  LayerStreamingExecutor& on_mpi = *twins.on_mpi;
+  LayerStreamingExecutor& on_local = *twins.on_local;
   for (int step = 0; step < 6; ++step) {
     const std::int64_t tokens = 23 + step;  // odd batches: uneven token slices
     Data d = make_data(sizes.front(), sizes.back(), tokens, 100 + static_cast<std::uint64_t>(step));
@@ -122,7 +135,7 @@ TEST(MpiFabric, TrainingMatchesLocalFabric) {
     EXPECT_EQ(a.accuracy, b.accuracy);
     EXPECT_GT(a.metrics.stream_packets, 0U);
   }
-  expect_same_models(remote, local);
+  expect_same_models(twins.remote, twins.local);
   EXPECT_GT(on_mpi.totals().engine_busy_seconds, 0.0);  // the engine ranks' counters came back
 }
 
@@ -130,16 +143,12 @@ TEST(MpiFabric, TrainingMatchesLocalFabric) {
 // bf16 and the gradients come back in fp32, as in-process.
 TEST(MpiFabric, Bf16TrainingMatchesLocalFabric) {
   const std::vector<std::int64_t> sizes = {19, 33, 7};
-  const std::int32_t engines = g_fabric->engine_count();
-  HostModelMemory remote, local;
-  build(remote, sizes, OptimizerKind::adam);
-  build(local, sizes, OptimizerKind::adam);
-  LocalFabric local_fabric = make_local(engines);
   ExecutorOptions eo;
   eo.precisions = {Precision::bf16, Precision::fp32};  // one of each on the same fabric
   eo.chunk_packets = 11;
-  LayerStreamingExecutor on_mpi(remote, *g_fabric, eo);
-  LayerStreamingExecutor on_local(local, local_fabric, eo);
+  Twins twins(sizes, OptimizerKind::adam, eo);
+  LayerStreamingExecutor& on_mpi = *twins.on_mpi;
+  LayerStreamingExecutor& on_local = *twins.on_local;
   for (int step = 0; step < 3; ++step) {
     Data d =
         make_data(sizes.front(), sizes.back(), 21 + step, 300 + static_cast<std::uint64_t>(step));
@@ -148,21 +157,17 @@ TEST(MpiFabric, Bf16TrainingMatchesLocalFabric) {
     const StepResult b = on_local.train_step(batch);
     EXPECT_EQ(a.loss, b.loss) << "step " << step;
   }
-  expect_same_models(remote, local);
+  expect_same_models(twins.remote, twins.local);
 }
 
 TEST(MpiFabric, GradientsMatchLocalFabricWithGeluAndMse) {
   const std::vector<std::int64_t> sizes = {9, 31, 4};
-  const std::int32_t engines = g_fabric->engine_count();
-  HostModelMemory remote, local;
-  build(remote, sizes, OptimizerKind::sgd);
-  build(local, sizes, OptimizerKind::sgd);
-  LocalFabric local_fabric = make_local(engines);
   ExecutorOptions eo;
   eo.loss = Loss::mse;
   eo.activations = {Activation::gelu, Activation::none};
-  LayerStreamingExecutor on_mpi(remote, *g_fabric, eo);
-  LayerStreamingExecutor on_local(local, local_fabric, eo);
+  Twins twins(sizes, OptimizerKind::sgd, eo);
+  LayerStreamingExecutor& on_mpi = *twins.on_mpi;
+  LayerStreamingExecutor& on_local = *twins.on_local;
   Data d = make_data(sizes.front(), sizes.back(), 37, 7);
   Batch batch{d.x.view(), {}, ConstMatrixView(d.targets.view())};
   double la = 0, lb = 0;
@@ -179,13 +184,9 @@ TEST(MpiFabric, GradientsMatchLocalFabricWithGeluAndMse) {
 
 TEST(MpiFabric, InferenceAndEvaluationMatchLocalFabric) {
   const std::vector<std::int64_t> sizes = {6, 40, 40, 3};
-  const std::int32_t engines = g_fabric->engine_count();
-  HostModelMemory remote, local;
-  build(remote, sizes, OptimizerKind::adam);
-  build(local, sizes, OptimizerKind::adam);
-  LocalFabric local_fabric = make_local(engines);
-  LayerStreamingExecutor on_mpi(remote, *g_fabric);
-  LayerStreamingExecutor on_local(local, local_fabric);
+  Twins twins(sizes, OptimizerKind::adam);
+  LayerStreamingExecutor& on_mpi = *twins.on_mpi;
+  LayerStreamingExecutor& on_local = *twins.on_local;
   Data d = make_data(sizes.front(), sizes.back(), 50, 3);
   const DenseMatrix ya = on_mpi.infer(d.x.view());
   const DenseMatrix yb = on_local.infer(d.x.view());
