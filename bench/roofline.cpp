@@ -69,6 +69,23 @@ Probe make_probe(std::int64_t block_bytes, std::uint64_t seed) {
   return p;
 }
 
+/// Row `packet.tag` of a block (every probe's rows are kRowBytes, whatever they hold).
+template <typename T>
+T* row_of(T* block, const Packet& packet) {
+  return block +
+         static_cast<std::int64_t>(packet.tag) * kRowBytes / static_cast<std::int64_t>(sizeof(T));
+}
+
+/// As the engine's kernels do: asks for the rows of the packets 16 ahead of the pair at j
+/// (kWrite: to be written).
+template <int kWrite, typename T>
+void prefetch_pair(T* block, const Packet* k, std::size_t j, std::size_t n) {
+  if (j + 18 <= n) {
+    __builtin_prefetch(row_of(block, k[j + 16]), kWrite, 3);
+    __builtin_prefetch(row_of(block, k[j + 17]), kWrite, 3);
+  }
+}
+
 __attribute__((target("avx512f"))) float gather_axpy(const Probe& p) {
   __m512 a[4], b[4];
   for (int v = 0; v < 4; ++v) a[v] = b[v] = _mm512_setzero_ps();
@@ -76,16 +93,9 @@ __attribute__((target("avx512f"))) float gather_axpy(const Probe& p) {
   const float* x = p.x.data();
   const std::size_t n = p.packets.size();
   for (std::size_t j = 0; j + 2 <= n; j += 2) {
-    const float* r0 = x + static_cast<std::int64_t>(k[j].tag) * kTokens;
-    const float* r1 = x + static_cast<std::int64_t>(k[j + 1].tag) * kTokens;
-    if (j + 18 <= n) {
-      _mm_prefetch(
-          reinterpret_cast<const char*>(x + static_cast<std::int64_t>(k[j + 16].tag) * kTokens),
-          _MM_HINT_T0);
-      _mm_prefetch(
-          reinterpret_cast<const char*>(x + static_cast<std::int64_t>(k[j + 17].tag) * kTokens),
-          _MM_HINT_T0);
-    }
+    const float* r0 = row_of(x, k[j]);
+    const float* r1 = row_of(x, k[j + 1]);
+    prefetch_pair<0>(x, k, j, n);
     const __m512 w0 = _mm512_set1_ps(k[j].value), w1 = _mm512_set1_ps(k[j + 1].value);
     for (int v = 0; v < 4; ++v) {
       a[v] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(r0 + 16 * v), a[v]);
@@ -106,18 +116,10 @@ __attribute__((target("avx512f"))) float gather_axpy_bf16(const Probe& p) {
   const Packet* k = p.packets.data();
   const auto* x = reinterpret_cast<const std::uint16_t*>(p.x.data());
   const std::size_t n = p.packets.size();
-  constexpr std::int64_t row = kRowBytes / 2;
   for (std::size_t j = 0; j + 2 <= n; j += 2) {
-    const std::uint16_t* r0 = x + static_cast<std::int64_t>(k[j].tag) * row;
-    const std::uint16_t* r1 = x + static_cast<std::int64_t>(k[j + 1].tag) * row;
-    if (j + 18 <= n) {
-      _mm_prefetch(
-          reinterpret_cast<const char*>(x + static_cast<std::int64_t>(k[j + 16].tag) * row),
-          _MM_HINT_T0);
-      _mm_prefetch(
-          reinterpret_cast<const char*>(x + static_cast<std::int64_t>(k[j + 17].tag) * row),
-          _MM_HINT_T0);
-    }
+    const std::uint16_t* r0 = row_of(x, k[j]);
+    const std::uint16_t* r1 = row_of(x, k[j + 1]);
+    prefetch_pair<0>(x, k, j, n);
     const __m512 w0 = _mm512_set1_ps(k[j].value), w1 = _mm512_set1_ps(k[j + 1].value);
     for (int v = 0; v < 4; ++v) {
       const __m512i x0 = _mm512_loadu_si512(r0 + 32 * v), x1 = _mm512_loadu_si512(r1 + 32 * v);
@@ -145,12 +147,9 @@ __attribute__((target("avx512f"))) float scatter_axpy(Probe& p) {
   float* x = p.x.data();
   const std::size_t n = p.packets.size();
   for (std::size_t j = 0; j + 2 <= n; j += 2) {
-    float* r0 = x + static_cast<std::int64_t>(k[j].tag) * kTokens;
-    float* r1 = x + static_cast<std::int64_t>(k[j + 1].tag) * kTokens;
-    if (j + 18 <= n) {
-      __builtin_prefetch(x + static_cast<std::int64_t>(k[j + 16].tag) * kTokens, 1, 3);
-      __builtin_prefetch(x + static_cast<std::int64_t>(k[j + 17].tag) * kTokens, 1, 3);
-    }
+    float* r0 = row_of(x, k[j]);
+    float* r1 = row_of(x, k[j + 1]);
+    prefetch_pair<1>(x, k, j, n);
     const __m512 w0 = _mm512_set1_ps(k[j].value), w1 = _mm512_set1_ps(k[j + 1].value);
     for (int v = 0; v < 4; ++v) {
       _mm512_storeu_ps(r0 + 16 * v, _mm512_fmadd_ps(w0, d[v], _mm512_loadu_ps(r0 + 16 * v)));
