@@ -208,10 +208,14 @@ struct Holding {
   Precision precision() const { return bf16 ? Precision::bf16 : Precision::fp32; }
 };
 
-Holding holding_for(std::int32_t lanes, const StreamHeader& header) {
-  const bool pack = CpuEngine::packs_tiles(lanes, header.nnz, header.inputs);
-  const bool bf16_stream = header.precision == Precision::bf16;
+Holding holding_for(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs,
+                    Precision precision) {
+  const bool pack = CpuEngine::packs_tiles(lanes, nnz, inputs);
+  const bool bf16_stream = precision == Precision::bf16;
   return {pack, bf16_stream && pack, bf16_stream && !pack};
+}
+Holding holding_for(std::int32_t lanes, const StreamHeader& header) {
+  return holding_for(lanes, header.nnz, header.inputs, header.precision);
 }
 
 /// Sends each weight packet of a chunk to the lane that owns its input feature, with the
@@ -447,9 +451,9 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
     }
   }
   if (nnz == 0) return m.resolve(inputs, tokens, lanes, precision);
-  // As the products decide (holding_for, and resolve's serial case).
-  const bool widened = precision == Precision::bf16 && !packs_tiles(lanes, nnz, inputs);
-  return m.resolve(inputs, tokens, lanes, widened ? Precision::fp32 : precision, nnz);
+  // As the products decide: how the lanes hold X, and resolve's serial case.
+  return m.resolve(inputs, tokens, lanes, holding_for(lanes, nnz, inputs, precision).precision(),
+                   nnz);
 }
 
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
