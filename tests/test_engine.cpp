@@ -238,6 +238,39 @@ TEST(Engine, NoTokensGiveZeroGradients) {
   }
 }
 
+// The engine recycles the memory of gradient streams nobody holds any more: a stream
+// still held must never be written by a later backward, and one that outlives its engine
+// stays whole.
+TEST(Engine, GradientStreamsStayIntactWhileHeldAndAfterTheEngine) {
+  auto engine = std::make_unique<CpuEngine>();
+  struct Layer {
+    CsrMatrix w;
+    DenseMatrix x, dy;
+  };
+  auto layer = [](std::int64_t out, std::int64_t in, std::int64_t tokens, std::uint64_t seed) {
+    return Layer{CsrMatrix::random(out, in, 0.7, seed), random_dense(in, tokens, seed + 1),
+                 random_dense(out, tokens, seed + 2)};
+  };
+  auto gradient = [&](const Layer& l) {
+    return engine->backward(encode_stream(l.w, StreamKind::mask, 1000),
+                            round_robin_placement(l.w, 1), l.x.view(), l.dy.view(), nullptr);
+  };
+  auto expect_right = [](const Layer& l, const WeightStream& g) {
+    EXPECT_LE(backward_weight_error(l.w, l.dy.view(), l.x.view(), gradient_values(g)), kTolerance);
+  };
+  const Layer a = layer(90, 60, 40, 21), b = layer(70, 110, 30, 31), c = layer(40, 30, 9, 41);
+  const WeightStream held = gradient(a);
+  for (int round = 0; round < 3; ++round) {
+    expect_right(b, gradient(b));  // made and dropped: its chunks go back for reuse
+    expect_right(c, gradient(c));  // smaller chunks, into the same memory
+  }
+  const WeightStream last = gradient(b);
+  expect_right(a, held);
+  engine.reset();
+  expect_right(a, held);
+  expect_right(b, last);
+}
+
 TEST(Engine, BitwiseReproducibleAcrossRuns) {
   const CsrMatrix w = CsrMatrix::random(300, 200, 0.8, 5, RowDistribution::powerlaw);
   const DenseMatrix x = random_dense(200, 77, 6);
