@@ -479,10 +479,12 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
   const Impl& m = *impl_;
   std::int32_t lanes = m.options.geometry.lanes;
   if (lanes <= 0) {
-    // Input features are split over lanes only when tokens alone cannot feed every thread,
-    // or when even a 16-token tile of all inputs would not stay in L2: partial sums cost.
-    const std::int64_t blocks = std::clamp<std::int64_t>((tokens + 15) / 16, 1, m.threads);
-    lanes = static_cast<std::int32_t>(std::max<std::int64_t>(1, m.threads / blocks));
+    // Input features are split over lanes only when even a 16-token tile of all inputs
+    // would not stay in L2. Not to feed idle threads with a small batch: routing each
+    // packet to its lane and adding up the partial sums cost more than the product then
+    // (4096 x 4096 at 90%, 1-16 tokens: 2 lanes took 2-3x one lane's time, forward and
+    // backward; a batch that small is bound by reading the stream, not by arithmetic).
+    lanes = 1;
     const std::int64_t budget = std::max<std::int64_t>(16 << 10, m.l2_bytes);
     while (lanes < 256 && inputs / lanes * 16 * static_cast<std::int64_t>(sizeof(float)) > budget) {
       lanes *= 2;

@@ -303,6 +303,11 @@ TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::fp32, tenth).tile_tokens, 64);
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, tenth).tile_tokens, 128);
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, 2000).tile_tokens, 64);
+  // A small batch runs on one lane (routing packets to lanes would cost more than the
+  // product), unless a 16-token tile of all inputs would not fit the L2 budget.
+  EXPECT_EQ(engine.geometry_for(512, 512, 16).lanes, 1);
+  EXPECT_EQ(engine.geometry_for(512, 512, 1).lanes, 1);
+  EXPECT_EQ(engine.geometry_for(512, 1 << 16, 16).lanes, 4);  // 4 MiB of X: a quarter each
   // And a small layer still gives the right numbers as one block.
   const CsrMatrix w = CsrMatrix::random(40, 30, 0.9, 12);
   const DenseMatrix x = random_dense(30, 50, 13);
