@@ -42,10 +42,9 @@ void check_shape(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
 }
 
 void check_geometry(const Geometry& g, const char* where) {
-  if (g.lanes < 1 || g.blocks < 1 || g.tile_tokens < 0)
-    throw ShapeError(std::string(where) + ": geometry needs lanes >= 1, blocks >= 1 and " +
-                     "tile_tokens >= 0 (got " + std::to_string(g.lanes) + "x" +
-                     std::to_string(g.blocks) + "/" + std::to_string(g.tile_tokens) + ")");
+  if (g.lanes < 1 || g.blocks < 1 || g.tile_tokens < 0 || g.shares < 0)
+    throw ShapeError(std::string(where) + ": geometry needs lanes >= 1, blocks >= 1, " +
+                     "tile_tokens >= 0 and shares >= 0 (got " + g.to_string() + ")");
 }
 
 void check_sparsity(double sparsity, const char* where) {
@@ -166,16 +165,18 @@ std::array<double, kCostTerms> cost_terms(const LayerWork& work) {
   const double passes = static_cast<double>(full_passes + (remainder > 0 ? 1 : 0));
   const double block_tokens = static_cast<double>(
       full_passes * ceil_div(tile, blocks) + (remainder > 0 ? ceil_div(remainder, blocks) : 0));
-  const double outputs = static_cast<double>(work.outputs);
+  // Stream shares each take a part of the stream, so of the non-zeros and outputs.
+  const double shares = static_cast<double>(std::max(1, work.geometry.shares));
+  const double outputs = static_cast<double>(work.outputs) / shares;
+  const double lane_nnz = work.max_lane_nnz / shares;
   // A block makes ceil(passes / blocks) passes over its lane's stream; what of it does not
   // stay in the cache between passes comes from memory each time.
   const double packet_bytes = 8.0;
   const double spilled =
-      std::max(0.0, (work.max_lane_nnz + outputs) * packet_bytes - std::max(0.0, work.cache_bytes));
+      std::max(0.0, (lane_nnz + outputs) * packet_bytes - std::max(0.0, work.cache_bytes));
   const double block_passes =
       static_cast<double>(ceil_div(static_cast<std::int64_t>(passes), blocks));
-  return {work.max_lane_nnz * passes, work.max_lane_nnz * block_tokens, outputs * passes,
-          outputs * block_tokens, 1.0,
+  return {lane_nnz * passes, lane_nnz * block_tokens, outputs * passes, outputs * block_tokens, 1.0,
           work.cache_bytes > 0 ? spilled / packet_bytes * block_passes : 0.0,
           // The busiest lane copies its rows of X, one block's tokens, once per layer.
           work.packed_tiles
@@ -423,6 +424,7 @@ std::string CalibrationResult::to_json(int indent) const {
     w.field("lanes", work.geometry.lanes);
     w.field("blocks", work.geometry.blocks);
     w.field("tile_tokens", work.geometry.tile_tokens);
+    w.field("shares", std::max(1, work.geometry.shares));
     w.field("max_lane_nnz", work.max_lane_nnz);
     w.field("measured_seconds", runs[i].seconds);
     w.field("predicted_seconds", i < predicted_seconds.size() ? predicted_seconds[i] : NAN);

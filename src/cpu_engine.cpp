@@ -314,13 +314,26 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
   return taken;
 }
 
-/// The token tiles of a layer, dealt to Q blocks in contiguous runs.
+/// How a product's tasks divide the work: the token tiles of a layer, dealt to Q blocks
+/// in contiguous runs, and the stream's chunks, dealt to S shares in contiguous runs.
+/// Task (p, q, s) is lane p's work on block q's tiles and share s's chunks.
 struct TokenTiling {
   std::int64_t tokens = 0, tile = 1, count = 0;
-  std::int32_t blocks = 1;
+  std::int32_t blocks = 1, shares = 1;
   std::int64_t first_tile(std::int32_t q) const { return q * count / blocks; }
   std::int64_t begin(std::int64_t t) const { return t * tile; }
   std::int64_t width(std::int64_t t) const { return std::min(tile, tokens - t * tile); }
+  std::size_t first_chunk(std::int32_t s, std::size_t chunks) const {
+    return static_cast<std::size_t>(s) * chunks / static_cast<std::size_t>(shares);
+  }
+  std::int64_t tasks(std::int32_t lanes) const { return std::int64_t{lanes} * blocks * shares; }
+  struct Task {
+    std::int32_t lane, block, share;
+  };
+  Task task(std::int64_t i, std::int32_t lanes) const {
+    return {static_cast<std::int32_t>(i % lanes), static_cast<std::int32_t>(i / lanes % blocks),
+            static_cast<std::int32_t>(i / lanes / blocks)};
+  }
 };
 
 TokenTiling make_tiling(std::int64_t tokens, const Geometry& g) {
@@ -330,6 +343,7 @@ TokenTiling make_tiling(std::int64_t tokens, const Geometry& g) {
   tiling.count = (tokens + tiling.tile - 1) / tiling.tile;
   tiling.blocks = static_cast<std::int32_t>(
       std::clamp<std::int64_t>(g.blocks, 1, std::max<std::int64_t>(1, tiling.count)));
+  tiling.shares = std::max(1, g.shares);
   return tiling;
 }
 
@@ -412,15 +426,22 @@ struct CpuEngine::Impl {
     const std::int64_t element = bf16 ? 2 : static_cast<std::int64_t>(sizeof(float));
     Geometry g = options.geometry;
     const std::int64_t budget = std::max<std::int64_t>(16 << 10, l2_bytes);
-    if (g.blocks <= 0 &&
+    const bool chosen = g.blocks <= 0;
+    const std::int32_t columns = std::max(1, threads / std::max(1, lanes));
+    if (chosen &&
         nnz < kSerialFlops / 2 / static_cast<std::uint64_t>(std::max<std::int64_t>(tokens, 1))) {
       // Too little work to wake another thread for: one block does it all.
       g.blocks = 1;
-    } else if (g.blocks <= 0) {
-      // Split tokens first: no partial sums to reduce. Keep blocks at least 16 tokens wide.
-      g.blocks = static_cast<std::int32_t>(std::clamp<std::int64_t>(
-          (tokens + 15) / 16, 1, std::max(1, threads / std::max(1, lanes))));
+      if (g.shares <= 0) g.shares = 1;
+    } else if (chosen) {
+      // Split tokens first: no partial sums to reduce. Keep blocks at least 16 tokens wide
+      // (narrower ones each still read the whole stream, which bounds a small batch), and
+      // give threads the blocks leave idle a share of the stream each.
+      g.blocks =
+          static_cast<std::int32_t>(std::clamp<std::int64_t>((tokens + 15) / 16, 1, columns));
+      if (g.shares <= 0) g.shares = std::max(1, columns / g.blocks);
     }
+    if (g.shares <= 0) g.shares = 1;
     g.lanes = lanes;
     if (g.tile_tokens <= 0) {
       const std::int64_t features = std::max<std::int64_t>(1, (inputs + lanes - 1) / lanes);
@@ -448,7 +469,7 @@ CpuEngine::CpuEngine(EngineOptions options) : impl_(std::make_unique<Impl>()) {
   m.threads = options.threads > 0 ? options.threads : available;
   m.l2_bytes = options.l2_bytes > 0 ? options.l2_bytes : topology().l2_bytes;
   const Geometry& g = options.geometry;
-  if (g.lanes < 0 || g.blocks < 0 || g.tile_tokens < 0) {
+  if (g.lanes < 0 || g.blocks < 0 || g.tile_tokens < 0 || g.shares < 0) {
     throw ShapeError("engine geometry must not be negative: " + g.to_string());
   }
   m.arena.initialize(m.threads);
@@ -541,13 +562,14 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
     }
   };
 
-  std::vector<double> busy(static_cast<std::size_t>(P) * tiling.blocks, 0.0);
+  std::vector<double> busy(static_cast<std::size_t>(tiling.tasks(P)), 0.0);
   m.arena.execute([&] {
     detail::parallel_for(
-        std::int64_t{0}, std::int64_t{P} * tiling.blocks,
+        std::int64_t{0}, tiling.tasks(P),
         [&](std::int64_t task) {
-          const auto p = static_cast<std::int32_t>(task % P);
-          const auto q = static_cast<std::int32_t>(task / P);
+          const TokenTiling::Task here = tiling.task(task, P);
+          const std::int32_t p = here.lane, q = here.block, share = here.share;
+          const std::size_t c_end = tiling.first_chunk(share + 1, chunks.size());
           const auto t_start = Clock::now();
           ResidentTile resident;
           if (pack) resident.resize(layout.rows[p].size(), tiling.tile, holding.precision());
@@ -568,7 +590,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
                 m.kernels->forward(chunks[c].runs<Packet>(lane), x_tile, out, width);
               }
             };
-            for (std::size_t c = 0; c < chunks.size(); ++c) {
+            for (std::size_t c = tiling.first_chunk(share, chunks.size()); c < c_end; ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               if (P == 1) {
                 product(c, 0, {y.row(chunk.first_output) + t0, y.stride});
@@ -612,7 +634,17 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   counters_.intake_seconds += seconds_since(t_intake);
 
   const std::int32_t Q = data_tiling.blocks;
-  if (weight_tiling.blocks != Q) throw std::logic_error("backward: token blocks differ per pass");
+  if (weight_tiling.blocks != Q || weight_tiling.shares != data_tiling.shares) {
+    throw std::logic_error("backward: token blocks or stream shares differ per pass");
+  }
+  const std::int32_t S = data_tiling.shares;
+  // Stream shares each add their chunks' part of dX: share 0 into dX, the others into
+  // their own matrices, added to dX after the pass in share order (so the sums are the
+  // same whatever the thread timing).
+  std::vector<DenseMatrix> dx_shares;
+  if (dx != nullptr && S > 1 && dy.cols > 0) {
+    for (std::int32_t share = 1; share < S; ++share) dx_shares.emplace_back(dx->rows, dx->cols);
+  }
   // grads[q][c][k]: block q's share of the gradient of packet k of chunk c (P == 1), or
   // of the lane's k-th routed packet, lane after lane (P > 1). Allocated here but zeroed
   // by the lane tasks, each its own part: in parallel, and on the core that uses it.
@@ -638,20 +670,26 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   // Two passes over the stream, dX then dW, each keeping one matrix resident: a fused
   // pass would have to keep X and dX in cache together, halving the tile and doubling
   // the passes over the stream, which costs more than the second pass.
-  std::vector<double> busy(static_cast<std::size_t>(P) * Q, 0.0);
+  std::vector<double> busy(static_cast<std::size_t>(data_tiling.tasks(P)), 0.0);
   auto lane_pass = [&](bool data_pass) {
     const TokenTiling& tiling = data_pass ? data_tiling : weight_tiling;
     const Precision tile_precision = !data_pass && bf16 ? Precision::bf16 : Precision::fp32;
     detail::parallel_for(
-        std::int64_t{0}, std::int64_t{P} * Q,
+        std::int64_t{0}, tiling.tasks(P),
         [&](std::int64_t task) {
-          const auto p = static_cast<std::int32_t>(task % P);
-          const auto q = static_cast<std::int32_t>(task / P);
+          const TokenTiling::Task here = tiling.task(task, P);
+          const std::int32_t p = here.lane, q = here.block, share = here.share;
+          const std::size_t c_begin = tiling.first_chunk(share, chunks.size());
+          const std::size_t c_end = tiling.first_chunk(share + 1, chunks.size());
           const auto t_start = Clock::now();
           const auto& rows = layout.rows[p];
+          const MutableMatrixView target =
+              dx == nullptr ? MutableMatrixView{}
+              : share == 0  ? *dx
+                            : dx_shares[static_cast<std::size_t>(share) - 1].view();
           ResidentTile resident;
           if (pack) resident.resize(rows.size(), tiling.tile, tile_precision);
-          for (std::size_t c = 0; c < chunks.size() && !data_pass; ++c) {
+          for (std::size_t c = c_begin; c < c_end && !data_pass; ++c) {
             const std::size_t size =
                 P == 1 ? chunks[c].chunk->size() : chunks[c].lanes[p].routed_count();
             std::fill_n(grads[q][c] + (P > 1 ? lane_offset(c, p) : 0), size, 0.0F);
@@ -661,19 +699,22 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
             if (data_pass && pack) {
               resident.zero(width);
             } else if (data_pass) {
-              for (std::int64_t r = 0; r < dx->rows; ++r) std::fill_n(dx->row(r) + t0, width, 0.0F);
+              for (std::int64_t r = 0; r < target.rows; ++r) {
+                std::fill_n(target.row(r) + t0, width, 0.0F);
+              }
             } else if (bf16) {
               resident.load_bf16(rows, x->data, x->stride, t0, width, *m.bf16_kernels);
             } else if (pack) {
               resident.load(rows, x->data, x->stride, t0, width);
             }
-            const MutableTile dx_tile = pack ? resident.mutable_tile()
-                                             : MutableTile{dx != nullptr ? dx->data + t0 : nullptr,
-                                                           dx != nullptr ? dx->stride : 0};
+            const MutableTile dx_tile =
+                pack ? resident.mutable_tile()
+                     : MutableTile{target.data != nullptr ? target.data + t0 : nullptr,
+                                   target.stride};
             const Tile x_tile =
                 pack ? resident.tile()
                      : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
-            for (std::size_t c = 0; c < chunks.size(); ++c) {
+            for (std::size_t c = c_begin; c < c_end; ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
               float* g_out = data_pass ? nullptr : grads[q][c] + (P > 1 ? lane_offset(c, p) : 0);
@@ -690,7 +731,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                            width);
               }
             }
-            if (data_pass && pack) resident.store(rows, dx->data, dx->stride, t0, width);
+            if (data_pass && pack) resident.store(rows, target.data, target.stride, t0, width);
           }
           busy[task] += seconds_since(t_start);
         },
@@ -699,6 +740,15 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   m.arena.execute([&] {
     if (dy.cols == 0) return;
     if (dx != nullptr) lane_pass(true);
+    if (!dx_shares.empty()) {
+      detail::parallel_for(std::int64_t{0}, dx->rows, [&](std::int64_t r) {
+        float* out = dx->row(r);
+        for (const DenseMatrix& part : dx_shares) {
+          const float* in = part.row(r);
+          for (std::int64_t t = 0; t < dx->cols; ++t) out[t] += in[t];
+        }
+      });
+    }
     if (want_grad) lane_pass(false);
   });
   for (double b : busy) counters_.busy_seconds += b;

@@ -57,7 +57,9 @@ void check_layer(const StreamHeader& h, const Placement& placement, ConstMatrixV
 
 std::string Geometry::to_string() const {
   std::ostringstream s;
-  s << lanes << "x" << blocks << "/" << tile_tokens;
+  s << lanes << "x" << blocks;
+  if (shares > 1) s << "x" << shares;
+  s << "/" << tile_tokens;
   return s.str();
 }
 

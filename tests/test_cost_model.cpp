@@ -68,6 +68,21 @@ TEST(CostModel, TermsCountPassesAndFullestBlock) {
   }
 }
 
+TEST(CostModel, StreamSharesDivideTheStreamsWork) {
+  // Each of S shares sees 1/S of the busiest lane's non-zeros and of the outputs; the
+  // tokens per block and the passes stay.
+  Geometry g = make_geometry(2, 1, 16);
+  g.shares = 3;
+  const auto shared = cost_terms(make_work(30, 11, 16, g, 12));
+  EXPECT_DOUBLE_EQ(shared[0], 4.0);
+  EXPECT_DOUBLE_EQ(shared[1], 4.0 * 16);
+  EXPECT_DOUBLE_EQ(shared[2], 10.0);
+  EXPECT_DOUBLE_EQ(shared[3], 10.0 * 16);
+  EXPECT_DOUBLE_EQ(shared[4], 1.0);
+  g.shares = -1;
+  EXPECT_THROW(cost_terms(make_work(30, 11, 16, g, 12)), ShapeError);
+}
+
 TEST(CostModel, LayerTimeMatchesFormula) {
   const CostConstants c = cpu_like_constants();
   const CostModel model(c);

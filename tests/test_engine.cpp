@@ -111,18 +111,23 @@ class EngineByIsa : public ::testing::TestWithParam<Isa> {};
 // chunks) or of the default size.
 void check_geometries(Isa isa, std::initializer_list<std::int32_t> lane_counts,
                       std::initializer_list<std::int32_t> block_counts, std::uint64_t seed,
-                      Precision precision, std::span<const Case> cases = kCases) {
+                      Precision precision, std::span<const Case> cases = kCases,
+                      std::initializer_list<std::int32_t> share_counts = {1}) {
   for (std::int32_t lanes : lane_counts) {
     for (std::int32_t blocks : block_counts) {
-      EngineOptions options;
-      options.isa = isa;
-      options.geometry.lanes = lanes;
-      options.geometry.blocks = blocks;
-      options.threads = 2;
-      CpuEngine engine(options);
-      for (const Case& c : cases) {
-        check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed, precision);
-        ++seed;
+      for (std::int32_t shares : share_counts) {
+        EngineOptions options;
+        options.isa = isa;
+        options.geometry.lanes = lanes;
+        options.geometry.blocks = blocks;
+        options.geometry.shares = shares;
+        options.threads = 2;
+        CpuEngine engine(options);
+        for (const Case& c : cases) {
+          check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed,
+                       precision);
+          ++seed;
+        }
       }
     }
   }
@@ -130,6 +135,13 @@ void check_geometries(Isa isa, std::initializer_list<std::int32_t> lane_counts,
 
 TEST_P(EngineByIsa, MatchesReferenceOnOddShapesAndGeometries) {
   check_geometries(GetParam(), {1, 2, 3, 4}, {1, 2, 3}, 11, Precision::fp32);
+}
+
+// Stream shares split the chunks (small chunks here: many per layer, and some shares
+// with none when a layer has fewer chunks than shares).
+TEST_P(EngineByIsa, StreamSharesMatchReference) {
+  check_geometries(GetParam(), {1, 3}, {1, 2}, 300, Precision::fp32, kCases, {2, 3});
+  check_geometries(GetParam(), {1, 2}, {1}, 900, Precision::bf16, kCases, {2});
 }
 
 TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
@@ -289,6 +301,33 @@ TEST(Engine, BitwiseReproducibleAcrossRuns) {
   }
 }
 
+// Stream shares add their parts of dX in a fixed order: the same bits every time.
+TEST(Engine, StreamSharesAreBitwiseReproducible) {
+  const CsrMatrix w = CsrMatrix::random(300, 200, 0.5, 7, RowDistribution::powerlaw);
+  const DenseMatrix x = random_dense(200, 9, 8), dy = random_dense(300, 9, 9);
+  EngineOptions options;
+  options.geometry = {1, 1, 0, 3};
+  CpuEngine engine(options);
+  const Placement placement = round_robin_placement(w, 1);
+  auto run = [&] {
+    DenseMatrix dx(200, 9);
+    MutableMatrixView dx_view = dx.view();
+    const WeightStream g = engine.backward(encode_stream(w, StreamKind::weights, 500), placement,
+                                           x.view(), dy.view(), &dx_view);
+    return std::make_pair(std::move(dx), gradient_values(g));
+  };
+  const auto first = run();
+  EXPECT_LE(backward_data_error(w, dy.view(), first.first.view()), kTolerance);
+  for (int again = 0; again < 5; ++again) {
+    const auto next = run();
+    for (std::int64_t r = 0; r < 200; ++r) {
+      ASSERT_EQ(0, std::memcmp(first.first.row(r), next.first.row(r), 9 * sizeof(float)))
+          << "row " << r;
+    }
+    ASSERT_EQ(first.second, next.second);
+  }
+}
+
 TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
   EngineOptions options;
   options.threads = 2;
@@ -304,10 +343,16 @@ TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, tenth).tile_tokens, 128);
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, 2000).tile_tokens, 64);
   // A small batch runs on one lane (routing packets to lanes would cost more than the
-  // product), unless a 16-token tile of all inputs would not fit the L2 budget.
+  // product), unless a 16-token tile of all inputs would not fit the L2 budget; the
+  // threads its blocks leave idle take a share of the stream each.
   EXPECT_EQ(engine.geometry_for(512, 512, 16).lanes, 1);
   EXPECT_EQ(engine.geometry_for(512, 512, 1).lanes, 1);
   EXPECT_EQ(engine.geometry_for(512, 1 << 16, 16).lanes, 4);  // 4 MiB of X: a quarter each
+  EXPECT_EQ(engine.geometry_for(512, 512, 16, Precision::fp32, 512 * 512).to_string(), "1x1x2/16");
+  EXPECT_EQ(engine.geometry_for(2048, 2048, 1, Precision::fp32, 2048 * 1024).to_string(),
+            "1x1x2/1");
+  EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::fp32, tenth).shares, 1);
+  EXPECT_EQ(engine.geometry_for(512, 512, 16, Precision::fp32, 100).shares, 1);  // one task
   // And a small layer still gives the right numbers as one block.
   const CsrMatrix w = CsrMatrix::random(40, 30, 0.9, 12);
   const DenseMatrix x = random_dense(30, 50, 13);

@@ -217,6 +217,10 @@ Command add_spmm_command(CLI::App& app) {
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--tile", o->geometry.tile_tokens, "Tokens per tile (default: chosen)")
       ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--shares", o->geometry.shares,
+                  "Stream shares S: the chunks split among S groups of threads (default: "
+                  "chosen, > 1 only for a batch too small to split by tokens)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("--precision", o->precision,
                   "fp32, or bf16: weights streamed and activations held in bf16, fp32 sums")
       ->check(CLI::IsMember({"fp32", "bf16"}));

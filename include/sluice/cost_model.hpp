@@ -6,6 +6,9 @@
 // hand-off whatever the sparsity. With T_q tokens per block and one pass over the stream:
 //
 //     t(layer) = max_p nnz_p * c_axpy(T_q) + n_out * c_ps(T_q) + c_layer
+//
+// (With S stream shares, each task sees 1/S of the non-zeros and outputs: nnz_p and n_out
+// are divided by S.)
 //     c_axpy(T) = a0 + a1 * T      a0: per packet (intake, routing, loop set-up)
 //                                  a1: per token of the AXPY (memory/FMA bound)
 //     c_ps(T)   = b0 + b1 * T      b0: per output hand-off (seed: four cycles on the wafer)
@@ -170,7 +173,8 @@ struct CalibrationResult {
 
   /// {"constants": {...}, "r_squared", "rms_relative_residual", "condition_number",
   ///  "held_at_zero": [...], "points": [{outputs, inputs, tokens, lanes, blocks,
-  ///  tile_tokens, max_lane_nnz, measured_seconds, predicted_seconds, relative_residual}]}
+  ///  tile_tokens, shares, max_lane_nnz, measured_seconds, predicted_seconds,
+  ///  relative_residual}]}
   std::string to_json(int indent = 2) const;
 };
 

@@ -4,6 +4,8 @@
 //
 // Geometry: P lanes ("engine rows") x Q token blocks ("engine columns"). Lane p owns
 // the input features its layer's Placement gives it; block q owns a slice of the tokens.
+// A batch too small to slice by tokens for every thread is cut the other way: S stream
+// shares, each taking a contiguous part of the stream's chunks (so of the outputs).
 // Forward: every weight packet goes to the lane that owns its input index and becomes
 // one AXPY (acc += w * X[i, tokens]); a carriage return hands the lane's accumulator to
 // a ring reduction over the lanes that runs concurrently with the AXPYs and ends each
@@ -21,10 +23,13 @@
 namespace sluice {
 
 struct Geometry {
-  std::int32_t lanes = 0;         ///< P; 0 = choose
-  std::int32_t blocks = 0;        ///< Q; 0 = choose
-  std::int32_t tile_tokens = 0;   ///< tokens per pass over the stream; 0 = choose
-  std::string to_string() const;  // "PxQ/tile"
+  std::int32_t lanes = 0;        ///< P; 0 = choose
+  std::int32_t blocks = 0;       ///< Q; 0 = choose
+  std::int32_t tile_tokens = 0;  ///< tokens per pass over the stream; 0 = choose
+  /// S; 0 = choose (more than 1 only where the blocks alone leave threads idle, and only
+  /// when the blocks are chosen too: a fixed Q keeps S = 1 unless S is fixed as well).
+  std::int32_t shares = 0;
+  std::string to_string() const;  // "PxQ/tile", or "PxQxS/tile" when S > 1
 };
 
 struct EngineOptions {
