@@ -427,11 +427,12 @@ TEST(Engine, RejectsWrongShapes) {
   EXPECT_THROW(engine.backward(s, p, x.view(), y.view(), &alias), ShapeError);
 }
 
+// Every product, on one lane and on several, refuses the same corruptions before any
+// kernel reads them (ASan would see the out-of-range index read).
 TEST(Engine, RefusesCorruptStreamsAtIntake) {
   const CsrMatrix w = CsrMatrix::random(20, 10, 0.5, 2);
   CpuEngine engine;
-  const Placement p = round_robin_placement(w, 2);
-  DenseMatrix x = random_dense(10, 3, 1), y(20, 3);
+  DenseMatrix x = random_dense(10, 3, 1), y(20, 3), dy = random_dense(20, 3, 3), dx(10, 3);
   auto corrupt = [&](auto mutate) {
     WeightStream s = encode_stream(w, StreamKind::weights, 8);
     auto chunk = std::make_shared<StreamChunk>(*s.chunks[1]);
@@ -439,36 +440,33 @@ TEST(Engine, RefusesCorruptStreamsAtIntake) {
     s.chunks[1] = chunk;
     return s;
   };
-  // Index out of range.
-  EXPECT_THROW(engine.forward(corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 10; }),
-                              p, x.view(), y.view()),
-               FormatError);
-  // Missing carriage return.
-  EXPECT_THROW(engine.forward(corrupt([](StreamChunk& c, WeightStream&) {
-                                for (auto& pk : c.packets) {
-                                  if (pk.tag == kCarriageReturn) {
-                                    pk = {0, 1.0F};
-                                    break;
-                                  }
-                                }
-                              }),
-                              p, x.view(), y.view()),
-               FormatError);
-  // A lost chunk.
-  EXPECT_THROW(engine.forward(corrupt([](StreamChunk&, WeightStream& s) {
-                                s.chunks.erase(s.chunks.begin() + 2);
-                              }),
-                              p, x.view(), y.view()),
-               FormatError);
-  // Truncated: no end-of-layer.
-  EXPECT_THROW(engine.forward(corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); }),
-                              p, x.view(), y.view()),
-               FormatError);
-  // A NaN weight.
-  EXPECT_THROW(
-      engine.forward(corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; }), p,
-                     x.view(), y.view()),
-      FormatError);
+  const std::vector<std::pair<const char*, WeightStream>> streams = {
+      {"index out of range",
+       corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 1000000; })},
+      {"missing carriage return", corrupt([](StreamChunk& c, WeightStream&) {
+         for (auto& pk : c.packets) {
+           if (pk.tag == kCarriageReturn) {
+             pk = {0, 1.0F};
+             break;
+           }
+         }
+       })},
+      {"lost chunk",
+       corrupt([](StreamChunk&, WeightStream& s) { s.chunks.erase(s.chunks.begin() + 2); })},
+      {"no end-of-layer", corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); })},
+      {"NaN weight", corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; })},
+  };
+  for (std::int32_t lanes : {1, 2}) {
+    const Placement p = round_robin_placement(w, lanes);
+    for (const auto& [what, s] : streams) {
+      SCOPED_TRACE(std::string(what) + ", lanes " + std::to_string(lanes));
+      MutableMatrixView dx_view = dx.view();
+      EXPECT_THROW(engine.forward(s, p, x.view(), y.view()), FormatError);
+      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
+      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
+      EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);
+    }
+  }
 }
 
 TEST(Engine, ConsumesALiveChannel) {
