@@ -6,9 +6,6 @@
 // hand-off whatever the sparsity. With T_q tokens per block and one pass over the stream:
 //
 //     t(layer) = max_p nnz_p * c_axpy(T_q) + n_out * c_ps(T_q) + c_layer
-//
-// (With S stream shares, each task sees 1/S of the non-zeros and outputs: nnz_p and n_out
-// are divided by S.)
 //     c_axpy(T) = a0 + a1 * T      a0: per packet (intake, routing, loop set-up)
 //                                  a1: per token of the AXPY (memory/FMA bound)
 //     c_ps(T)   = b0 + b1 * T      b0: per output hand-off (seed: four cycles on the wafer)
@@ -18,7 +15,8 @@
 //
 // The last term matters on a CPU only: a lane reads the layer's stream once per token
 // tile, and when the stream is larger than the shared cache every pass reads it from
-// memory, so dense-ish layers pay more per non-zero than sparse ones.
+// memory, so dense-ish layers pay more per non-zero than sparse ones. With S stream
+// shares each task reads 1/S of the stream: nnz_p and n_out are divided by S.
 //
 // When the tokens do not fit one pass (Geometry::tile_tokens < tokens) every pass pays its
 // own AXPYs and partial sums, so the terms are summed over the passes. The model is linear
