@@ -170,7 +170,7 @@ struct Reply {
 /// Engine options as rank 0 sends them, and what each engine rank resolved.
 struct WireEngine {
   std::int32_t lanes = 0, blocks = 0, tile_tokens = 0, threads = 0;
-  std::int32_t isa = -1, pin = 0;
+  std::int32_t isa = -1, pin = 0, shares = 0, unused = 0;
   std::int64_t l2_bytes = 0;
 };
 
@@ -1298,6 +1298,7 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
   wire.lanes = eo.geometry.lanes;
   wire.blocks = eo.geometry.blocks;
   wire.tile_tokens = eo.geometry.tile_tokens;
+  wire.shares = eo.geometry.shares;
   wire.threads = eo.threads;
   wire.isa = eo.isa ? static_cast<std::int32_t>(*eo.isa) : -1;
   wire.pin = eo.pin_threads ? 1 : 0;
@@ -1374,6 +1375,7 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
     o.geometry.lanes = w.lanes;
     o.geometry.blocks = w.blocks;
     o.geometry.tile_tokens = w.tile_tokens;
+    o.geometry.shares = w.shares;
     o.threads = w.threads;
     if (w.isa >= 0) o.isa = static_cast<Isa>(w.isa);
     o.pin_threads = w.pin != 0;

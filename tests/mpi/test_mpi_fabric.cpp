@@ -26,11 +26,15 @@ namespace {
 
 MpiFabric* g_fabric = nullptr;
 constexpr std::int32_t kThreads = 1;  // per engine, both fabrics: the same lane geometry
+// Two stream shares on every engine of both fabrics: their dX parts are added in share
+// order, so the bits match only if the engine ranks got the geometry too.
+constexpr std::int32_t kShares = 2;
 
 LocalFabric make_local(std::int32_t engines) {
   LocalFabricOptions o;
   o.engines = engines;
   o.engine.threads = kThreads;
+  o.engine.geometry.shares = kShares;
   return LocalFabric(o);
 }
 
@@ -355,6 +359,7 @@ int main(int argc, char** argv) {
   try {
     sluice::MpiFabricOptions options;
     options.engine.threads = sluice::kThreads;
+    options.engine.geometry.shares = sluice::kShares;
     options.window = 3;
     options.shared_memory = shared_memory;
     sluice::MpiFabric fabric(options);
