@@ -152,7 +152,45 @@ void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t 
   batch.flush();
 }
 
+/// A tile of at most 16 tokens (a small batch): only the high halves of a row's words hold
+/// tokens, the low halves are padding, so one FMA per packet; and four packets in flight,
+/// so the FMA latency does not bound what is then little work per packet.
+void forward_narrow(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t xs, float* y,
+                    std::int64_t ys, std::int64_t width) {
+  constexpr int kWays = 4;
+  const Bf16Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    __m512 acc[kWays];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const std::uint32_t b = L.begin[r], e = L.end[r];
+    std::uint32_t k = b;
+    for (; k + kWays <= e; k += kWays) {
+      if (((k - b) & 15) < kWays) prefetch_stream(p + k + kStreamAhead);  // once per line
+      if (k + kPrefetch + kWays <= e) {
+        for (int j = 0; j < kWays; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(row_of(x, p[k + kPrefetch + j], xs)),
+                       _MM_HINT_T0);
+        }
+      }
+      for (int j = 0; j < kWays; ++j) {
+        const __m512i block = _mm512_loadu_si512(row_of(x, p[k + j], xs));
+        acc[j] = _mm512_fmadd_ps(broadcast_weight(p[k + j]), first_half(block), acc[j]);
+      }
+    }
+    for (; k < e; ++k) {
+      const __m512i block = _mm512_loadu_si512(row_of(x, p[k], xs));
+      acc[0] = _mm512_fmadd_ps(broadcast_weight(p[k]), first_half(block), acc[0]);
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_mask_storeu_ps(y + r * ys, first(width), sum);
+  }
+}
+
 void forward(const Bf16LaneRuns& L, Bf16Tile x, MutableTile y, std::int64_t tokens) {
+  if (tokens <= 16) {
+    forward_narrow(L, x.data, x.stride, y.data, y.stride, tokens);
+    return;
+  }
   for_each_group<kGroup, 32>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
     forward_group<NV>(L, x.data + t0, x.stride, y.data + t0, y.stride, width);
   });
