@@ -2,7 +2,9 @@
 // acc[0:T] += w * X[i, 0:T] for a stream of random (w, i), with the activation block X
 // sized to sit in L1, L2, L3 or DRAM, on every core at once; in fp32 (64 tokens per row)
 // and with X in bf16 (128 tokens per row, the same 256 bytes, widened exactly to fp32);
-// and the backward-data step, which writes each row back (`scatter_roofline`).
+// the backward-data step, which writes each row back (`scatter_roofline`); and the
+// backward-weight step, a dot product of each row with a dY row held in registers, eight
+// reduced together as the engine's kernel does (`dot_roofline`).
 // Its GFLOP/s per level (all cores together) is what the streamed kernels can approach.
 // `sluice_*` report the engine's own useful GFLOP/s on the 4096 x 4096 x 256 layer
 // at 90% sparsity (forward, backward-data and backward-weight, fp32 and bf16), to set
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "kernels/reduce8.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/planner.hpp"
 
@@ -58,6 +61,7 @@ class Block {
 struct Probe {
   Block x;  // rows of kRowBytes, contiguous (a packed lane tile)
   std::vector<Packet> packets;
+  std::vector<float> gradient;  // the dot probe's output: one value per packet
 };
 
 Probe make_probe(std::int64_t block_bytes, std::uint64_t seed) {
@@ -136,6 +140,32 @@ __attribute__((target("avx512f"))) float gather_axpy_bf16(const Probe& p) {
   return _mm512_reduce_add_ps(s);
 }
 
+// The backward-weight step: g[k] += dot(d[0:T], X[i_k, 0:T]) with d in registers; each
+// dot is a multiply and three FMAs into 16 partial sums, and eight dots are reduced
+// together and added to g at once (reduce8, the engine's kernel's own reduction).
+__attribute__((target("avx512f"))) float dot_rows(Probe& p) {
+  __m512 d[4];
+  for (int v = 0; v < 4; ++v) d[v] = _mm512_set1_ps(0.25F * static_cast<float>(v + 1));
+  const Packet* k = p.packets.data();
+  const float* x = p.x.data();
+  float* g = p.gradient.data();
+  const std::size_t n = p.packets.size();
+  for (std::size_t j = 0; j + 8 <= n; j += 8) {
+    __m512 part[8];
+    for (std::size_t u = 0; u < 8; ++u) {
+      if (u % 2 == 0) prefetch_pair<0>(x, k, j + u, n);
+      const float* r = row_of(x, k[j + u]);
+      const __m512 a =
+          _mm512_fmadd_ps(d[1], _mm512_loadu_ps(r + 16), _mm512_mul_ps(d[0], _mm512_loadu_ps(r)));
+      const __m512 b = _mm512_fmadd_ps(d[3], _mm512_loadu_ps(r + 48),
+                                       _mm512_mul_ps(d[2], _mm512_loadu_ps(r + 32)));
+      part[u] = _mm512_add_ps(a, b);
+    }
+    _mm256_storeu_ps(g + j, _mm256_add_ps(_mm256_loadu_ps(g + j), detail::reduce8(part)));
+  }
+  return g[0];
+}
+
 // The backward-data step: X[i, 0:T] += w * d, a read-modify-write of the row (the engine's
 // dX tile) with d in registers. Its rate against the gather's says how much dearer
 // scattering a row is than gathering one: the backward pass does one of each per weight
@@ -165,7 +195,7 @@ double probe_flops(const Probe& p, Precision precision) {
   return 2.0 * tokens * static_cast<double>(p.packets.size());
 }
 
-enum class Step { gather, gather_bf16, scatter };
+enum class Step { gather, gather_bf16, scatter, dot };
 
 float run_probe(Probe& p, Step step) {
   switch (step) {
@@ -173,6 +203,8 @@ float run_probe(Probe& p, Step step) {
       return gather_axpy_bf16(p);
     case Step::scatter:
       return scatter_axpy(p);
+    case Step::dot:
+      return dot_rows(p);
     default:
       return gather_axpy(p);
   }
@@ -185,6 +217,7 @@ void BM_roofline(benchmark::State& state, Step step) {
   }
   const Precision precision = step == Step::gather_bf16 ? Precision::bf16 : Precision::fp32;
   Probe probe = make_probe(state.range(0), 17 + state.thread_index());
+  if (step == Step::dot) probe.gradient.assign(probe.packets.size(), 0.0F);
   for (auto _ : state) benchmark::DoNotOptimize(run_probe(probe, step));
   // Each thread's flops, summed over the threads, times the iterations of all threads:
   // kAvgThreads takes out the second count of the threads, leaving the rate of them all.
@@ -195,9 +228,9 @@ void BM_roofline(benchmark::State& state, Step step) {
                                                    benchmark::Counter::kAvgThreads);
 }
 
-/// The engine's passes, each to be set against its own probe: the forward and the
-/// weight gradient gather rows (gather_roofline), the data gradient scatters them
-/// (scatter_roofline).
+/// The engine's passes, each to be set against its own probe: the forward gathers rows
+/// (gather_roofline), the data gradient scatters them (scatter_roofline), the weight
+/// gradient takes dot products with them (dot_roofline).
 enum class Pass { forward, backward_data, backward_weight };
 
 void BM_sluice(benchmark::State& state, Precision precision, Pass pass) {
@@ -238,7 +271,8 @@ int main(int argc, char** argv) {
   // L1 (32 KiB), L2 (256 KiB, 512 KiB, 1 MiB), L3 (8 MiB), DRAM (256 MiB) on every core.
   const std::pair<const char*, Step> probes[] = {{"gather_roofline", Step::gather},
                                                  {"gather_roofline_bf16", Step::gather_bf16},
-                                                 {"scatter_roofline", Step::scatter}};
+                                                 {"scatter_roofline", Step::scatter},
+                                                 {"dot_roofline", Step::dot}};
   for (const auto& [name, step] : probes) {
     for (std::int64_t bytes :
          {32LL << 10, 256LL << 10, 512LL << 10, 1LL << 20, 8LL << 20, 256LL << 20}) {
