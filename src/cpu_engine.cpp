@@ -414,6 +414,8 @@ struct CpuEngine::Impl {
   // pages for them every backward cost more than the sums they hold.
   std::vector<float> gradient_scratch;
   std::shared_ptr<ChunkPool> gradient_chunks = std::make_shared<ChunkPool>();
+  // Stream shares' parts of dX (every share but the first), kept for the same reason.
+  std::vector<float> dx_share_scratch;
 
   // A lane keeps one activation tile resident per pass. Its budget is the whole L2:
   // measured here, every pass over the stream costs more than the few tile rows that
@@ -641,9 +643,14 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   // Stream shares each add their chunks' part of dX: share 0 into dX, the others into
   // their own matrices, added to dX after the pass in share order (so the sums are the
   // same whatever the thread timing).
-  std::vector<DenseMatrix> dx_shares;
+  std::vector<MutableMatrixView> dx_shares;
   if (dx != nullptr && S > 1 && dy.cols > 0) {
-    for (std::int32_t share = 1; share < S; ++share) dx_shares.emplace_back(dx->rows, dx->cols);
+    const auto size = static_cast<std::size_t>(dx->rows * dx->cols);
+    if (m.dx_share_scratch.size() < (S - 1) * size) m.dx_share_scratch.resize((S - 1) * size);
+    for (std::int32_t share = 1; share < S; ++share) {
+      dx_shares.push_back(
+          {m.dx_share_scratch.data() + (share - 1) * size, dx->rows, dx->cols, dx->cols});
+    }
   }
   // grads[q][c][k]: block q's share of the gradient of packet k of chunk c (P == 1), or
   // of the lane's k-th routed packet, lane after lane (P > 1). Allocated here but zeroed
@@ -683,10 +690,10 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           const std::size_t c_end = tiling.first_chunk(share + 1, chunks.size());
           const auto t_start = Clock::now();
           const auto& rows = layout.rows[p];
-          const MutableMatrixView target =
-              dx == nullptr ? MutableMatrixView{}
-              : share == 0  ? *dx
-                            : dx_shares[static_cast<std::size_t>(share) - 1].view();
+          const MutableMatrixView target = dx == nullptr ? MutableMatrixView{}
+                                           : share == 0
+                                               ? *dx
+                                               : dx_shares[static_cast<std::size_t>(share) - 1];
           ResidentTile resident;
           if (pack) resident.resize(rows.size(), tiling.tile, tile_precision);
           for (std::size_t c = c_begin; c < c_end && !data_pass; ++c) {
@@ -743,7 +750,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
     if (!dx_shares.empty()) {
       detail::parallel_for(std::int64_t{0}, dx->rows, [&](std::int64_t r) {
         float* out = dx->row(r);
-        for (const DenseMatrix& part : dx_shares) {
+        for (const MutableMatrixView& part : dx_shares) {
           const float* in = part.row(r);
           for (std::int64_t t = 0; t < dx->cols; ++t) out[t] += in[t];
         }
