@@ -142,8 +142,8 @@ __attribute__((target("avx512f"))) float gather_axpy_bf16(const Probe& p) {
 
 // The backward-weight step: g[k] += dot(d[0:T], X[i_k, 0:T]) with d in registers; each
 // dot is a multiply and three FMAs into 16 partial sums, and eight dots are reduced
-// together and added to g at once (reduce8, the engine's kernel's own reduction).
-__attribute__((target("avx512f"))) float dot_rows(Probe& p) {
+// together and added to g at once (add_sums, the engine's kernel's own reduction).
+__attribute__((target("avx512f,avx512vl"))) float dot_rows(Probe& p) {
   __m512 d[4];
   for (int v = 0; v < 4; ++v) d[v] = _mm512_set1_ps(0.25F * static_cast<float>(v + 1));
   const Packet* k = p.packets.data();
@@ -161,7 +161,7 @@ __attribute__((target("avx512f"))) float dot_rows(Probe& p) {
                                        _mm512_mul_ps(d[2], _mm512_loadu_ps(r + 32)));
       part[u] = _mm512_add_ps(a, b);
     }
-    _mm256_storeu_ps(g + j, _mm256_add_ps(_mm256_loadu_ps(g + j), detail::reduce8(part)));
+    detail::add_sums(g + j, part, 8);
   }
   return g[0];
 }

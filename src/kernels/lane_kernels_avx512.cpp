@@ -167,36 +167,17 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
     if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
     __m512 dv[NV];
     for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
-    std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    // A run's packets are contiguous, so eight in a row have their gradients in a row:
-    // the eight dot products stay in registers and go out as one vector.
-    for (; k + 8 <= e; k += 8) {
-      prefetch_stream(p + k + kStreamAhead);
-      __m512 part[8];
-      for (std::uint32_t j = 0; j < 8; ++j) {
-        if (k + j + kPrefetch < e) {
-          const float* next = row_of(x, p[k + j + kPrefetch].tag, xs);
-          for (int v = 0; v < NV; v += 4) {
-            _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
-          }
+    add_run_sums(L.begin[r], e, grad, [&](std::uint32_t k) {
+      if ((k & 7) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
+      if (k + kPrefetch < e) {
+        const float* next = row_of(x, p[k + kPrefetch].tag, xs);
+        for (int v = 0; v < NV; v += 4) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
         }
-        part[j] = dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail);
       }
-      float* g = grad + k;
-      _mm256_storeu_ps(g, _mm256_add_ps(_mm256_loadu_ps(g), reduce8(part)));
-    }
-    if (k < e) {
-      const auto n = static_cast<int>(e - k);
-      __m512 part[8];
-      for (int j = 0; j < 8; ++j) {
-        part[j] = j < n ? dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail)
-                        : _mm512_setzero_ps();
-      }
-      const auto m = static_cast<__mmask8>((1U << n) - 1U);
-      float* g = grad + k;
-      _mm256_mask_storeu_ps(g, m, _mm256_add_ps(_mm256_maskz_loadu_ps(m, g), reduce8(part)));
-    }
+      return dot_partial<NV, kTail>(dv, row_of(x, p[k].tag, xs), tail);
+    });
   }
 }
 

@@ -15,6 +15,7 @@
 
 #include "kernels/gradient_batch.hpp"
 #include "kernels/lane_kernels.hpp"
+#include "kernels/reduce8.hpp"
 #include "kernels/token_groups.hpp"
 
 namespace sluice::detail {
@@ -196,7 +197,32 @@ void forward(const Bf16LaneRuns& L, Bf16Tile x, MutableTile y, std::int64_t toke
   });
 }
 
+/// The weight gradient of a tile of at most 16 tokens: one multiply per packet (the low
+/// halves are padding), eight packets' products reduced together and added to their
+/// gradients at once, as the fp32 kernel does.
+void backward_weight_narrow(const Bf16LaneRuns& L, const float* dy, std::int64_t dys,
+                            const std::uint16_t* x, std::int64_t xs, float* grad,
+                            std::int64_t width) {
+  const Bf16Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    if (r + 1 < L.runs) prefetch_lines(dy + (r + 1) * dys, width);
+    const __m512 d = _mm512_maskz_loadu_ps(first(width), dy + r * dys);
+    const std::uint32_t e = L.end[r];
+    add_run_sums(L.begin[r], e, grad, [&](std::uint32_t k) {
+      if ((k & 15) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
+      if (k + kPrefetch < e) {
+        _mm_prefetch(reinterpret_cast<const char*>(row_of(x, p[k + kPrefetch], xs)), _MM_HINT_T0);
+      }
+      return _mm512_mul_ps(d, first_half(_mm512_loadu_si512(row_of(x, p[k], xs))));
+    });
+  }
+}
+
 void backward_weight(const Bf16LaneRuns& L, Tile dy, Bf16Tile x, float* grad, std::int64_t tokens) {
+  if (tokens <= 16) {
+    backward_weight_narrow(L, dy.data, dy.stride, x.data, x.stride, grad, tokens);
+    return;
+  }
   for_each_group<kGroup, 32>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
     backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, width);
   });
