@@ -28,6 +28,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "chunk_pool.hpp"
 #include "kernels/lane_kernels.hpp"
 #include "parallel.hpp"
 #include "sluice/engine.hpp"
@@ -347,42 +348,6 @@ TokenTiling make_tiling(std::int64_t tokens, const Geometry& g) {
   return tiling;
 }
 
-/// Gradient chunks whose memory outlives them: a chunk's last owner, in whatever thread,
-/// hands it back here instead of freeing it, so the next backward writes into pages
-/// already mapped. (A fresh gradient stream cost a page fault and a zeroed page per 4 KiB:
-/// ~5% of a weight-gradient pass.) Keeps at most the largest stream's worth of chunks.
-class ChunkPool : public std::enable_shared_from_this<ChunkPool> {
- public:
-  /// A chunk for a stream of `stream_chunks` chunks; its packets keep their old capacity.
-  std::shared_ptr<StreamChunk> take(std::size_t stream_chunks) {
-    std::unique_ptr<StreamChunk> chunk;
-    {
-      const std::lock_guard lock(mutex_);
-      limit_ = std::max(limit_, stream_chunks);
-      if (!free_.empty()) {
-        chunk = std::move(free_.back());
-        free_.pop_back();
-      }
-    }
-    if (!chunk) chunk = std::make_unique<StreamChunk>();
-    chunk->first_output = 0;
-    chunk->outputs = 0;
-    chunk->packets_bf16.clear();
-    return {chunk.release(), [pool = shared_from_this()](StreamChunk* c) { pool->give_back(c); }};
-  }
-
- private:
-  void give_back(StreamChunk* c) {
-    std::unique_ptr<StreamChunk> chunk(c);
-    const std::lock_guard lock(mutex_);
-    if (free_.size() < limit_) free_.push_back(std::move(chunk));
-  }
-
-  std::mutex mutex_;
-  std::vector<std::unique_ptr<StreamChunk>> free_;
-  std::size_t limit_ = 0;
-};
-
 /// Pins each thread that joins the engine's arena to a core of its own.
 class PinningObserver final : public tbb::task_scheduler_observer {
  public:
@@ -413,7 +378,7 @@ struct CpuEngine::Impl {
   // The token blocks' weight-gradient buffers, kept between calls: faulting in fresh
   // pages for them every backward cost more than the sums they hold.
   std::vector<float> gradient_scratch;
-  std::shared_ptr<ChunkPool> gradient_chunks = std::make_shared<ChunkPool>();
+  std::shared_ptr<detail::ChunkPool> gradient_chunks = std::make_shared<detail::ChunkPool>();
   // Stream shares' parts of dX (every share but the first), kept for the same reason.
   std::vector<float> dx_share_scratch;
 

@@ -27,6 +27,7 @@
 #define SLUICE_MPI_DIRECT_READ 1
 #endif
 
+#include "chunk_pool.hpp"
 #include "engine_worker.hpp"
 #include "sluice/error.hpp"
 #include "sluice/topology.hpp"
@@ -535,7 +536,7 @@ struct MpiFabric::Impl {
   // and zero for every layer).
   std::vector<std::shared_ptr<StreamChunk>> pool;
   // Rank 0: the chunks of the gradient streams handed out, reused once released.
-  std::vector<std::shared_ptr<StreamChunk>> result_pool;
+  std::shared_ptr<detail::ChunkPool> result_pool = std::make_shared<detail::ChunkPool>();
   // Gradient values: rank 0's sum as it arrives; an engine's own values, to which it adds
   // its children's in the reduction tree (one buffer per child). Reused from call to call.
   std::vector<float> values;
@@ -842,7 +843,6 @@ struct MpiFabric::Impl {
     result.header.nnz = r.grad_nnz;
     result.header.precision = Precision::fp32;  // gradients always travel in fp32
     std::uint64_t at = 0, arrived = 0, next_segment = 0;
-    std::size_t cursor = 0;  // in result_pool
     const bool streaming = sent.packets * sizeof(Packet) > kStreamingBytes;
     for (std::size_t i = 0; i < sent.chunks.size(); ++i) {
       const StreamChunk& c = *sent.chunks[i];
@@ -852,11 +852,9 @@ struct MpiFabric::Impl {
         if (window != MPI_WIN_NULL) mpi_check(MPI_Win_sync(window), "MPI_Win_sync");
         arrived = std::min(total, ++next_segment * kSegmentValues);
       }
-      // A chunk nobody else holds any more (ModelMemory is done with that gradient) is
-      // reused: fresh pages cost more here than the copy itself.
-      while (cursor < result_pool.size() && result_pool[cursor].use_count() > 1) ++cursor;
-      if (cursor == result_pool.size()) result_pool.push_back(std::make_shared<StreamChunk>());
-      std::shared_ptr<StreamChunk> chunk = result_pool[cursor++];
+      // A chunk of an earlier gradient that ModelMemory is done with: fresh pages cost
+      // more here than the copy itself.
+      std::shared_ptr<StreamChunk> chunk = result_pool->take(sent.chunks.size());
       chunk->first_output = c.first_output;
       chunk->outputs = c.outputs;
       chunk->packets.resize(c.size());
