@@ -393,17 +393,15 @@ struct CpuEngine::Impl {
     const std::int64_t element = bf16 ? 2 : static_cast<std::int64_t>(sizeof(float));
     Geometry g = options.geometry;
     const std::int64_t budget = std::max<std::int64_t>(16 << 10, l2_bytes);
-    const bool chosen = g.blocks <= 0;
-    const std::int32_t columns = std::max(1, threads / std::max(1, lanes));
-    if (chosen &&
+    if (g.blocks <= 0 &&
         nnz < kSerialFlops / 2 / static_cast<std::uint64_t>(std::max<std::int64_t>(tokens, 1))) {
       // Too little work to wake another thread for: one block does it all.
       g.blocks = 1;
-      if (g.shares <= 0) g.shares = 1;
-    } else if (chosen) {
+    } else if (g.blocks <= 0) {
       // Split tokens first: no partial sums to reduce. Keep blocks at least 16 tokens wide
       // (narrower ones each still read the whole stream, which bounds a small batch), and
       // give threads the blocks leave idle a share of the stream each.
+      const std::int32_t columns = std::max(1, threads / std::max(1, lanes));
       g.blocks =
           static_cast<std::int32_t>(std::clamp<std::int64_t>((tokens + 15) / 16, 1, columns));
       if (g.shares <= 0) g.shares = std::max(1, columns / g.blocks);
