@@ -61,7 +61,7 @@ class Block {
 struct Probe {
   Block x;  // rows of kRowBytes, contiguous (a packed lane tile)
   std::vector<Packet> packets;
-  std::vector<float> gradient;  // the dot probe's output: one value per packet
+  std::vector<float> gradient;  // the dot probe's output: one sum per packet
 };
 
 Probe make_probe(std::int64_t block_bytes, std::uint64_t seed) {
@@ -148,7 +148,8 @@ __attribute__((target("avx512f,avx512vl"))) float dot_rows(Probe& p) {
   for (int v = 0; v < 4; ++v) d[v] = _mm512_set1_ps(0.25F * static_cast<float>(v + 1));
   const Packet* k = p.packets.data();
   const float* x = p.x.data();
-  float* g = p.gradient.data();
+  // As the kernel leaves a tile's sums between its first and last tile: added to partials.
+  const detail::GradientSums sums{p.gradient.data(), nullptr, false};
   const std::size_t n = p.packets.size();
   for (std::size_t j = 0; j + 8 <= n; j += 8) {
     __m512 part[8];
@@ -161,9 +162,9 @@ __attribute__((target("avx512f,avx512vl"))) float dot_rows(Probe& p) {
                                        _mm512_mul_ps(d[2], _mm512_loadu_ps(r + 32)));
       part[u] = _mm512_add_ps(a, b);
     }
-    detail::add_sums(g + j, part, 8);
+    detail::add_sums(sums, k, static_cast<std::uint32_t>(j), part, 8);
   }
-  return g[0];
+  return p.gradient[0];
 }
 
 // The backward-data step: X[i, 0:T] += w * d, a read-modify-write of the row (the engine's

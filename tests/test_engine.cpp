@@ -48,6 +48,27 @@ std::vector<float> gradient_values(const WeightStream& g) {
   return v;
 }
 
+// A gradient stream is laid out as its weight stream: the same chunks, tags and controls
+// (which carry zero).
+void expect_laid_out_as(const WeightStream& weights, const WeightStream& grad) {
+  ASSERT_EQ(grad.chunks.size(), weights.chunks.size());
+  for (std::size_t c = 0; c < grad.chunks.size(); ++c) {
+    const StreamChunk& from = *weights.chunks[c];
+    const StreamChunk& to = *grad.chunks[c];
+    ASSERT_EQ(to.packets.size(), from.size()) << "chunk " << c;
+    EXPECT_EQ(to.first_output, from.first_output);
+    EXPECT_EQ(to.outputs, from.outputs);
+    for (std::size_t k = 0; k < to.packets.size(); ++k) {
+      const std::uint32_t tag =
+          from.packets.empty() ? tag_of(from.packets_bf16[k]) : from.packets[k].tag;
+      ASSERT_EQ(to.packets[k].tag, tag) << "chunk " << c << ", packet " << k;
+      if (is_control(to.packets[k])) {
+        ASSERT_EQ(to.packets[k].value, 0.0F) << "chunk " << c << ", packet " << k;
+      }
+    }
+  }
+}
+
 // Runs forward and both backward products on one engine and checks them. In bf16 the
 // engine streams W rounded to bf16, holds X in bf16 where its lanes pack their rows
 // (CpuEngine::packs_tiles; a sparser layer reads X in place, in fp32) and sums in fp32,
@@ -80,6 +101,7 @@ void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::siz
   ASSERT_EQ(grad.header.kind, StreamKind::gradient);
   EXPECT_EQ(grad.header.precision, Precision::fp32);
   EXPECT_NO_THROW(grad.validate());
+  expect_laid_out_as(stream, grad);
   const std::vector<float> g = gradient_values(grad);
   ASSERT_EQ(static_cast<std::int64_t>(g.size()), w.nnz());
   EXPECT_LE(backward_weight_error(w, dy.view(), x_ref, g), kTolerance);
@@ -150,7 +172,23 @@ TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
     options.isa = GetParam();
     options.geometry.tile_tokens = tile;
     CpuEngine engine(options);
-    check_engine(engine, {23, 41, 131, 0.7}, 2, 64, 100 + tile);
+    for (std::int32_t lanes : {1, 2})
+      check_engine(engine, {23, 41, 131, 0.7}, lanes, 64, 100 + tile);
+  }
+}
+
+// The engine's own geometry on a layer with work and chunks enough for the weight pass
+// to take the stream in shares (one writer per weight, sums sent out on the last of
+// several tiles), and on one too small for that.
+TEST_P(EngineByIsa, ChosenGeometryMatchesReference) {
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    EngineOptions options;
+    options.isa = GetParam();
+    options.threads = 2;
+    CpuEngine engine(options);
+    check_engine(engine, {200, 300, 150, 0.5}, 1, 7, 61, precision);
+    check_engine(engine, {200, 300, 150, 0.5}, 1, kDefaultChunkPackets, 62, precision);
+    check_engine(engine, {300, 200, 40, 0.3, RowDistribution::powerlaw}, 1, 100, 63, precision);
   }
 }
 

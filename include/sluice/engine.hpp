@@ -5,7 +5,9 @@
 // Geometry: P lanes ("engine rows") x Q token blocks ("engine columns"). Lane p owns
 // the input features its layer's Placement gives it; block q owns a slice of the tokens.
 // A batch too small to slice by tokens for every thread is cut the other way: S stream
-// shares, each taking a contiguous part of the stream's chunks (so of the outputs).
+// shares, each taking a contiguous part of the stream's chunks (so of the outputs). The
+// weight-gradient pass of one lane takes shares instead of token blocks whenever the
+// stream has chunks enough (each weight then has one writer: no partial sums to add).
 // Forward: every weight packet goes to the lane that owns its input index and becomes
 // one AXPY (acc += w * X[i, tokens]); a carriage return hands the lane's accumulator to
 // a ring reduction over the lanes that runs concurrently with the AXPYs and ends each

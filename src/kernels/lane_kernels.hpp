@@ -38,13 +38,43 @@ struct Bf16Tile {
 };
 inline constexpr std::int64_t kBf16RowAlign = 32;
 
+/// Where a weight-gradient kernel leaves s_k, packet k's dot product over one token tile
+/// (k indexes the run's packets). A weight's sums over the tiles are added in `partial`:
+///   partial[k] = s_k on the first tile (`first`: partial is not read), else partial[k] + s_k;
+/// and where `out` is given (the last tile), that total goes out as the gradient stream's
+/// packet instead: out[k] = {tag_k, total}. So a pass never zeroes a buffer, and with one
+/// writer per weight no partial sums are left to add after it.
+struct GradientSums {
+  float* partial = nullptr;
+  Packet* out = nullptr;
+  bool first = true;
+};
+
+/// What `g` asks of one group of a tile's tokens, where a kernel walks the tile in groups:
+/// the tile's first group starts the sums if the tile does, its last one sends them out.
+inline GradientSums for_group(const GradientSums& g, bool first_group, bool last_group) {
+  return {g.partial, last_group ? g.out : nullptr, g.first && first_group};
+}
+
+/// Leaves one weight's sum s as `g` says: the plain form every vector path must equal.
+template <typename PacketT>
+inline void leave_sum(const GradientSums& g, const PacketT* packets, std::uint32_t k, float s) {
+  const float total = g.first ? s : g.partial[k] + s;
+  if (g.out != nullptr) {
+    g.out[k] = {tag_of(packets[k]), total};
+  } else {
+    g.partial[k] = total;
+  }
+}
+
 struct LaneKernels {
   /// y[r, :] = sum over run r of w * x[tag, :]  (overwrites y's rows 0..runs-1).
   void (*forward)(const LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);
   /// dx[tag, :] += w * dy[r, :] for every weight of run r.
   void (*backward_data)(const LaneRuns& runs, Tile dy, MutableTile dx, std::int64_t tokens);
-  /// grad[k] += dot(dy[r, :], x[tag_k, :]) for every weight k of run r (k indexes packets).
-  void (*backward_weight)(const LaneRuns& runs, Tile dy, Tile x, float* grad, std::int64_t tokens);
+  /// s_k = dot(dy[r, :], x[tag_k, :]) for every weight k of run r, left as `sums` says.
+  void (*backward_weight)(const LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
+                          std::int64_t tokens);
 };
 
 /// The same products for a bf16 stream: weights widened from bf16, activations held as
@@ -52,7 +82,7 @@ struct LaneKernels {
 struct Bf16LaneKernels {
   void (*forward)(const Bf16LaneRuns& runs, Bf16Tile x, MutableTile y, std::int64_t tokens);
   void (*backward_data)(const Bf16LaneRuns& runs, Tile dy, MutableTile dx, std::int64_t tokens);
-  void (*backward_weight)(const Bf16LaneRuns& runs, Tile dy, Bf16Tile x, float* grad,
+  void (*backward_weight)(const Bf16LaneRuns& runs, Tile dy, Bf16Tile x, const GradientSums& sums,
                           std::int64_t tokens);
   /// One resident row: src[0, n) rounded to bf16 (nearest even), then zeros up to
   /// `padded` (a multiple of 32), in this table's token order.

@@ -139,7 +139,7 @@ inline __m256 dot_partial(const __m256* dv, const float* x, __m256i tail) {
 
 template <int NV, bool kTail>
 void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
-                           std::int64_t xs, float* grad, __m256i tail) {
+                           std::int64_t xs, const GradientSums& sums, __m256i tail) {
   const Packet* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
@@ -158,8 +158,7 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
         }
         part[j] = dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail);
       }
-      float* g = grad + k;
-      _mm256_storeu_ps(g, _mm256_add_ps(_mm256_loadu_ps(g), hsum8(part)));
+      leave_sums8(sums, p, k, hsum8(part));
     }
     if (k < e) {
       __m256 part[8];
@@ -168,9 +167,9 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
         part[j] = j < n ? dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail)
                         : _mm256_setzero_ps();
       }
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, hsum8(part));
-      for (int j = 0; j < n; ++j) grad[k + j] += sums[j];
+      alignas(32) float each[8];
+      _mm256_store_ps(each, hsum8(part));
+      for (int j = 0; j < n; ++j) leave_sum(sums, p, k + j, each[j]);
     }
   }
 }
@@ -216,9 +215,12 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
   });
 }
 
-void backward_weight(const LaneRuns& L, Tile dy, Tile x, float* grad, std::int64_t tokens) {
+void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
+                     std::int64_t tokens) {
+  constexpr std::int64_t kGroup = 64;  // for_each_group<8>'s
   for_each_group<8>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
-    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, tail);
+    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
+                                     for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
   });
 }
 

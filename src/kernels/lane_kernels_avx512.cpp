@@ -160,7 +160,7 @@ inline __m512 dot_partial(const __m512* dv, const float* x, __mmask16 tail) {
 
 template <int NV, bool kTail>
 void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
-                           std::int64_t xs, float* grad, __mmask16 tail) {
+                           std::int64_t xs, const GradientSums& sums, __mmask16 tail) {
   const Packet* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
@@ -168,7 +168,7 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
     __m512 dv[NV];
     for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
     const std::uint32_t e = L.end[r];
-    add_run_sums(L.begin[r], e, grad, [&](std::uint32_t k) {
+    add_run_sums(sums, p, L.begin[r], e, [&](std::uint32_t k) {
       if ((k & 7) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       if (k + kPrefetch < e) {
         const float* next = row_of(x, p[k + kPrefetch].tag, xs);
@@ -225,9 +225,11 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
   });
 }
 
-void backward_weight(const LaneRuns& L, Tile dy, Tile x, float* grad, std::int64_t tokens) {
+void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
+                     std::int64_t tokens) {
   for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
-    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, tail);
+    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
+                                     for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
   });
 }
 

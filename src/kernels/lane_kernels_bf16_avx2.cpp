@@ -127,10 +127,10 @@ void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t x
 
 template <int NV>
 void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dys,
-                           const std::uint16_t* x, std::int64_t xs, float* grad,
+                           const std::uint16_t* x, std::int64_t xs, const GradientSums& sums,
                            std::int64_t width) {
   const Bf16Packet* p = L.packets;
-  GradientBatch batch(grad);
+  GradientBatch batch(sums, p);
   for (std::int64_t r = 0; r < L.runs; ++r) {
     // dY's row split as the blocks are; zeros past the group's width meet the zero
     // padding of the resident rows.
@@ -161,9 +161,11 @@ void forward(const Bf16LaneRuns& L, Bf16Tile x, MutableTile y, std::int64_t toke
   });
 }
 
-void backward_weight(const Bf16LaneRuns& L, Tile dy, Bf16Tile x, float* grad, std::int64_t tokens) {
+void backward_weight(const Bf16LaneRuns& L, Tile dy, Bf16Tile x, const GradientSums& sums,
+                     std::int64_t tokens) {
   for_each_group<kGroup, 16>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
-    backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, width);
+    backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
+                              for_group(sums, t0 == 0, t0 + kGroup >= tokens), width);
   });
 }
 

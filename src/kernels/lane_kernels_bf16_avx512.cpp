@@ -117,10 +117,10 @@ void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t x
 
 template <int NV>
 void backward_weight_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dys,
-                           const std::uint16_t* x, std::int64_t xs, float* grad,
+                           const std::uint16_t* x, std::int64_t xs, const GradientSums& sums,
                            std::int64_t width) {
   const Bf16Packet* p = L.packets;
-  GradientBatch batch(grad);
+  GradientBatch batch(sums, p);
   for (std::int64_t r = 0; r < L.runs; ++r) {
     if (r + 1 < L.runs) prefetch_lines(dy + (r + 1) * dys, 32 * NV);
     // dY's row split as the blocks are; zeros past the
@@ -201,14 +201,14 @@ void forward(const Bf16LaneRuns& L, Bf16Tile x, MutableTile y, std::int64_t toke
 /// halves are padding), eight packets' products reduced together and added to their
 /// gradients at once, as the fp32 kernel does.
 void backward_weight_narrow(const Bf16LaneRuns& L, const float* dy, std::int64_t dys,
-                            const std::uint16_t* x, std::int64_t xs, float* grad,
+                            const std::uint16_t* x, std::int64_t xs, const GradientSums& sums,
                             std::int64_t width) {
   const Bf16Packet* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     if (r + 1 < L.runs) prefetch_lines(dy + (r + 1) * dys, width);
     const __m512 d = _mm512_maskz_loadu_ps(first(width), dy + r * dys);
     const std::uint32_t e = L.end[r];
-    add_run_sums(L.begin[r], e, grad, [&](std::uint32_t k) {
+    add_run_sums(sums, p, L.begin[r], e, [&](std::uint32_t k) {
       if ((k & 15) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       if (k + kPrefetch < e) {
         _mm_prefetch(reinterpret_cast<const char*>(row_of(x, p[k + kPrefetch], xs)), _MM_HINT_T0);
@@ -218,13 +218,15 @@ void backward_weight_narrow(const Bf16LaneRuns& L, const float* dy, std::int64_t
   }
 }
 
-void backward_weight(const Bf16LaneRuns& L, Tile dy, Bf16Tile x, float* grad, std::int64_t tokens) {
+void backward_weight(const Bf16LaneRuns& L, Tile dy, Bf16Tile x, const GradientSums& sums,
+                     std::int64_t tokens) {
   if (tokens <= 16) {
-    backward_weight_narrow(L, dy.data, dy.stride, x.data, x.stride, grad, tokens);
+    backward_weight_narrow(L, dy.data, dy.stride, x.data, x.stride, sums, tokens);
     return;
   }
   for_each_group<kGroup, 32>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
-    backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride, grad, width);
+    backward_weight_group<NV>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
+                              for_group(sums, t0 == 0, t0 + kGroup >= tokens), width);
   });
 }
 

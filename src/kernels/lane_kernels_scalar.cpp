@@ -46,14 +46,15 @@ void backward_data(const Runs<PacketT>& L, Tile dy, MutableTile dx, std::int64_t
 }
 
 template <typename PacketT, typename TileT>
-void backward_weight(const Runs<PacketT>& L, Tile dy, TileT x, float* grad, std::int64_t tokens) {
+void backward_weight(const Runs<PacketT>& L, Tile dy, TileT x, const GradientSums& sums,
+                     std::int64_t tokens) {
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy.data + r * dy.stride;
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
       const auto* in = x.data + index_of(L.packets[k]) * x.stride;
       float sum = 0.0F;
       for (std::int64_t t = 0; t < tokens; ++t) sum += d[t] * widen(in[t]);
-      grad[k] += sum;
+      leave_sum(sums, L.packets, k, sum);
     }
   }
 }

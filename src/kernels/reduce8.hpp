@@ -1,5 +1,6 @@
 #pragma once
-// Eight horizontal sums of AVX-512 vectors at once, and adding them to eight gradients.
+// Eight horizontal sums of AVX-512 vectors at once, and leaving them as a weight-gradient
+// kernel's GradientSums say: in the partial sums, or as the gradient stream's packets.
 // Internal; shared by the AVX-512 weight-gradient kernels (fp32, and bf16 tiles of <= 16
 // tokens) and bench_roofline's probe of the same step (so the probe's bound is the
 // kernels' own arithmetic). Marked for AVX-512 themselves, so a file compiled for the
@@ -8,12 +9,15 @@
 
 #include <cstdint>
 
+#include "kernels/lane_kernels.hpp"
+
 namespace sluice::detail {
 
-/// [sum(v[0]), ..., sum(v[7])]. Each step folds pairs of vectors into one, so eight
-/// dot products cost 16 shuffles and 8 adds together: about a third of reducing each
-/// alone, and the weight gradient needs one reduction per non-zero per token group.
-[[gnu::target("avx512f")]] inline __m256 reduce8(const __m512* v) {
+/// Eight dot products' partial sums folded to their totals: 128-bit block i of the result
+/// is [sum v[i], sum v[i], sum v[4 + i], sum v[4 + i]]. Each step folds pairs of vectors
+/// into one, so eight reductions cost 16 shuffles and 8 adds together: about a third of
+/// reducing each alone, and the weight gradient needs one per non-zero per token group.
+[[gnu::target("avx512f")]] inline __m512 fold8(const __m512* v) {
   __m512 h[4];
   for (int j = 0; j < 4; ++j) {
     const __m512 a = v[2 * j], b = v[2 * j + 1];
@@ -29,40 +33,66 @@ namespace sluice::detail {
   // Block i: [2 partials of v[i], 2 partials of v[4 + i]].
   const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // Block i: [sum v[i], sum v[i], sum v[4 + i], sum v[4 + i]].
-  const __m512 s = _mm512_add_ps(r, _mm512_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s));
+  return _mm512_add_ps(r, _mm512_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
-/// grad[0, n) += [sum(part[0]), ..., sum(part[n - 1])], n <= 8 (part[n, 8) are read but
-/// their sums are not stored).
-[[gnu::target("avx512f,avx512vl")]] inline void add_sums(float* grad, const __m512* part,
-                                                         unsigned n) {
-  if (n == 8) {
-    _mm256_storeu_ps(grad, _mm256_add_ps(_mm256_loadu_ps(grad), reduce8(part)));
-  } else {
-    const auto m = static_cast<__mmask8>((1U << n) - 1U);
-    _mm256_mask_storeu_ps(grad, m, _mm256_add_ps(_mm256_maskz_loadu_ps(m, grad), reduce8(part)));
+/// The tags of packets[0, n) (n <= 8) in the even floats of a zmm (the odd ones are to be
+/// replaced): an fp32 stream's packets as they are, a bf16 stream's indices widened.
+[[gnu::target("avx512f,avx512vl")]] inline __m512 tags_of8(const Packet* packets, unsigned n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1U << (2 * n)) - 1U), packets);
+}
+[[gnu::target("avx512f,avx512vl")]] inline __m512 tags_of8(const Bf16Packet* packets, unsigned n) {
+  const __m256i words = _mm256_maskz_loadu_epi32(static_cast<__mmask8>((1U << n) - 1U), packets);
+  const __m256i index = _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+  return _mm512_castsi512_ps(_mm512_cvtepu32_epi64(index));
+}
+
+/// Leaves the sums of part[0, n) (n <= 8; the rest are read, their sums dropped) for
+/// packets k, ..., k + n - 1 as `g` says, as leave_sum does for one.
+template <typename PacketT>
+[[gnu::target("avx512f,avx512vl")]] inline void add_sums(const GradientSums& g,
+                                                         const PacketT* packets, std::uint32_t k,
+                                                         const __m512* part, unsigned n) {
+  const __m512 folded = fold8(part);
+  const auto m8 = static_cast<__mmask8>((1U << n) - 1U);
+  if (g.out == nullptr) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256 sums = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, folded));
+    if (!g.first) sums = _mm256_add_ps(_mm256_maskz_loadu_ps(m8, g.partial + k), sums);
+    _mm256_mask_storeu_ps(g.partial + k, m8, sums);
+    return;
   }
+  // Eight packets are one zmm: each total goes beside its packet's tag (the odd floats).
+  const __m512i beside = _mm512_setr_epi32(0, 0, 0, 4, 0, 8, 0, 12, 0, 2, 0, 6, 0, 10, 0, 14);
+  __m512 sums = _mm512_permutexvar_ps(beside, folded);
+  if (!g.first) {
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256 earlier = _mm256_maskz_loadu_ps(m8, g.partial + k);
+    sums = _mm512_add_ps(_mm512_permutexvar_ps(twice, _mm512_castps256_ps512(earlier)), sums);
+  }
+  const auto m16 = static_cast<__mmask16>((1U << (2 * n)) - 1U);
+  const __m512 tags = tags_of8(packets + k, n);
+  _mm512_mask_storeu_ps(g.out + k, m16, _mm512_mask_blend_ps(0xAAAA, tags, sums));
 }
 
-/// For every packet k of a run [begin, end): grad[k] += sum(partial(k)), partial(k) being
-/// its dot product's 16 partial sums. A run's packets are contiguous, so eight in a row
-/// have their gradients in a row: their partials stay in registers and go out together.
-template <typename Partial>
-[[gnu::target("avx512f,avx512vl")]] inline void add_run_sums(std::uint32_t begin, std::uint32_t end,
-                                                             float* grad, Partial&& partial) {
+/// For every packet k of a run [begin, end): its dot product's 16 partial sums,
+/// partial(k), reduced and left as `g` says. A run's packets are contiguous, so eight in a
+/// row have their sums in a row: their partials stay in registers and go out together.
+template <typename PacketT, typename Partial>
+[[gnu::target("avx512f,avx512vl")]] inline void add_run_sums(const GradientSums& g,
+                                                             const PacketT* packets,
+                                                             std::uint32_t begin, std::uint32_t end,
+                                                             Partial&& partial) {
   __m512 part[8];
   std::uint32_t k = begin;
   for (; k + 8 <= end; k += 8) {
     for (std::uint32_t j = 0; j < 8; ++j) part[j] = partial(k + j);
-    add_sums(grad + k, part, 8);
+    add_sums(g, packets, k, part, 8);
   }
   if (k < end) {
     const unsigned n = end - k;
     for (unsigned j = 0; j < 8; ++j) part[j] = j < n ? partial(k + j) : _mm512_setzero_ps();
-    add_sums(grad + k, part, n);
+    add_sums(g, packets, k, part, n);
   }
 }
 
