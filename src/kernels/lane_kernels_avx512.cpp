@@ -115,28 +115,36 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
     for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    // Indices are unique within an output, so the two rows never alias.
-    for (; k + 2 <= e; k += 2) {
-      if (k + kPrefetch + 2 <= e) {
-        for (std::uint32_t j = 0; j < 2; ++j) {
+    // Indices are unique within an output, so the rows never alias. Four rows per step
+    // (4096 x 4096 x 256 at 90%: ~6% faster than two).
+    for (; k + 4 <= e; k += 4) {
+      if (k + kPrefetch + 4 <= e) {
+        for (std::uint32_t j = 0; j < 4; ++j) {
           const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch + j].tag) * dxs;
           for (int v = 0; v < NV; v += 4) __builtin_prefetch(next + 16 * v, 1, 3);
         }
       }
-      float* o0 = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
-      float* o1 = dx + static_cast<std::int64_t>(p[k + 1].tag) * dxs;
-      const __m512 w0 = _mm512_set1_ps(p[k].value);
-      const __m512 w1 = _mm512_set1_ps(p[k + 1].value);
-      for (int v = 0; v < NV; ++v) {
-        store<NV, kTail>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV, kTail>(o0, v, tail)), tail);
-        store<NV, kTail>(o1, v, _mm512_fmadd_ps(w1, dv[v], load<NV, kTail>(o1, v, tail)), tail);
+      // The four packets are read before any row is written: the compiler cannot tell
+      // a store to dX from one to the stream, and would read each packet after the last
+      // row's stores (~10% slower).
+      float* out[4];
+      __m512 w[4];
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        out[j] = dx + static_cast<std::int64_t>(p[k + j].tag) * dxs;
+        w[j] = _mm512_set1_ps(p[k + j].value);
+      }
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        for (int v = 0; v < NV; ++v) {
+          store<NV, kTail>(out[j], v,
+                           _mm512_fmadd_ps(w[j], dv[v], load<NV, kTail>(out[j], v, tail)), tail);
+        }
       }
     }
-    if (k < e) {
-      float* o0 = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
-      const __m512 w0 = _mm512_set1_ps(p[k].value);
+    for (; k < e; ++k) {
+      float* out = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
+      const __m512 w = _mm512_set1_ps(p[k].value);
       for (int v = 0; v < NV; ++v) {
-        store<NV, kTail>(o0, v, _mm512_fmadd_ps(w0, dv[v], load<NV, kTail>(o0, v, tail)), tail);
+        store<NV, kTail>(out, v, _mm512_fmadd_ps(w, dv[v], load<NV, kTail>(out, v, tail)), tail);
       }
     }
   }
