@@ -238,24 +238,38 @@ void backward_data_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dy
   const Bf16Packet* p = L.packets;
   __mmask16 m[NV];
   for (int v = 0; v < NV; ++v) m[v] = first(width - 16 * v);
+  auto add_row = [&](float* out, __m512 w, const __m512* d) {
+    for (int v = 0; v < NV; ++v) {
+      _mm512_mask_storeu_ps(out + 16 * v, m[v],
+                            _mm512_fmadd_ps(w, d[v], _mm512_maskz_loadu_ps(m[v], out + 16 * v)));
+    }
+  };
   for (std::int64_t r = 0; r < L.runs; ++r) {
     if (r + 1 < L.runs) prefetch_lines(dy + (r + 1) * dys, 16 * NV);
     __m512 d[NV];
     for (int v = 0; v < NV; ++v) d[v] = _mm512_maskz_loadu_ps(m[v], dy + r * dys + 16 * v);
+    std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    for (std::uint32_t k = L.begin[r]; k < e; ++k) {
-      if ((k & 15) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
-      if (k + kPrefetch < e) {
-        const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch].index) * dxs;
-        for (int v = 0; v < NV; ++v) __builtin_prefetch(next + 16 * v, 1, 3);
+    // As the fp32 kernel: four rows per step, their packets read before any row is
+    // written, and only each row's first line asked for ahead (all of them: ~15% slower).
+    for (; k + 4 <= e; k += 4) {
+      if ((k & 12) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
+      if (k + kPrefetch + 4 <= e) {
+        for (std::uint32_t j = 0; j < 4; ++j) {
+          __builtin_prefetch(dx + static_cast<std::int64_t>(p[k + kPrefetch + j].index) * dxs, 1,
+                             3);
+        }
       }
-      float* o = dx + static_cast<std::int64_t>(p[k].index) * dxs;
-      const __m512 w = broadcast_weight(p[k]);
-      for (int v = 0; v < NV; ++v) {
-        _mm512_mask_storeu_ps(o + 16 * v, m[v],
-                              _mm512_fmadd_ps(w, d[v], _mm512_maskz_loadu_ps(m[v], o + 16 * v)));
+      float* out[4];
+      __m512 w[4];
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        out[j] = dx + static_cast<std::int64_t>(p[k + j].index) * dxs;
+        w[j] = broadcast_weight(p[k + j]);
       }
+      for (std::uint32_t j = 0; j < 4; ++j) add_row(out[j], w[j], d);
     }
+    for (; k < e; ++k)
+      add_row(dx + static_cast<std::int64_t>(p[k].index) * dxs, broadcast_weight(p[k]), d);
   }
 }
 
