@@ -91,8 +91,28 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
                 },
                 1);
   r.balance = placement.balance();
-  r.sparse_ms = 1e3 * median_seconds([&] { engine.forward(stream, placement, x.view(), y.view()); },
-                                     o.repeat);
+  // The engine's products are timed in turn, round by round (see
+  // median_seconds_interleaved), so backward/forward holds even while the machine's
+  // speed drifts. oneDNN's are timed apart: its OpenMP threads spin after each call and
+  // would slow the engine's next one on a small machine.
+  const DenseMatrix dy =
+      o.backward ? testing::random_dense(w.rows(), o.tokens, o.seed + 202) : DenseMatrix();
+  DenseMatrix dx(o.backward ? w.cols() : 0, o.tokens);
+  MutableMatrixView dx_view = dx.view();
+  const WeightStream mask =
+      o.backward ? encode_stream(w, StreamKind::mask, kDefaultChunkPackets, precision)
+                 : WeightStream();
+  WeightStream grad;
+  std::vector<std::function<void()>> products{
+      [&] { engine.forward(stream, placement, x.view(), y.view()); }};
+  if (o.backward) {
+    products.emplace_back(
+        [&] { grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view); });
+    products.emplace_back([&] { engine.backward_data(stream, placement, dy.view(), dx_view); });
+    products.emplace_back([&] { engine.backward(mask, placement, x.view(), dy.view(), nullptr); });
+  }
+  const std::vector<double> ms = median_seconds_interleaved(products, o.repeat);
+  r.sparse_ms = 1e3 * ms[0];
   const DenseMatrix w_dense = w.to_dense();
   DenseMatrix y_dense(w.rows(), o.tokens);
   r.dense_ms =
@@ -103,22 +123,9 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   if (o.check) r.max_rel_error = testing::forward_error(w_ref, x_ref, y.view());
 
   if (o.backward) {
-    const DenseMatrix dy = testing::random_dense(w.rows(), o.tokens, o.seed + 202);
-    DenseMatrix dx(w.cols(), o.tokens);
-    MutableMatrixView dx_view = dx.view();
-    const WeightStream mask = encode_stream(w, StreamKind::mask, kDefaultChunkPackets, precision);
-    WeightStream grad;
-    r.backward_ms =
-        1e3 * median_seconds(
-                  [&] { grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view); },
-                  o.repeat);
-    r.bwd_data_ms =
-        1e3 * median_seconds([&] { engine.backward_data(stream, placement, dy.view(), dx_view); },
-                             o.repeat);
-    r.bwd_weight_ms =
-        1e3 *
-        median_seconds([&] { engine.backward(mask, placement, x.view(), dy.view(), nullptr); },
-                       o.repeat);
+    r.backward_ms = 1e3 * ms[1];
+    r.bwd_data_ms = 1e3 * ms[2];
+    r.bwd_weight_ms = 1e3 * ms[3];
     DenseMatrix dx_dense(w.cols(), o.tokens), dw_dense(w.rows(), w.cols());
     r.dense_backward_ms =
         1e3 * median_seconds(

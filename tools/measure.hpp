@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,29 @@ double median_seconds(Fn&& fn, int repeats) {
   }
   std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
   return times[times.size() / 2];
+}
+
+/// Median wall time of each of `fns` over `repeats` rounds that call them in turn, after
+/// one untimed warm-up round. On a machine whose speed drifts (a shared VM), ratios of
+/// these medians stay meaningful where separate loops would each catch another phase.
+inline std::vector<double> median_seconds_interleaved(const std::vector<std::function<void()>>& fns,
+                                                      int repeats) {
+  for (const auto& fn : fns) fn();
+  std::vector<std::vector<double>> times(fns.size());
+  for (int r = 0; r < repeats; ++r) {
+    for (std::size_t f = 0; f < fns.size(); ++f) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fns[f]();
+      times[f].push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  std::vector<double> medians;
+  for (auto& t : times) {
+    std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+    medians.push_back(t[t.size() / 2]);
+  }
+  return medians;
 }
 
 /// "4096x1024" -> {4096, 1024}; UsageError unless both are positive integers.
