@@ -1,7 +1,7 @@
 #pragma once
 // Batched horizontal sums for the weight-gradient kernels: one 8-float partial dot
-// product per weight, reduced eight weights at a time and left as GradientSums say. Internal; AVX
-// intrinsics only, so both the AVX2 and the AVX-512 kernel files include it.
+// product per weight, reduced eight weights at a time and left as GradientSums say.
+// Internal; AVX intrinsics only, so both the AVX2 and the AVX-512 kernel files include it.
 #include <immintrin.h>
 
 #include <cstdint>

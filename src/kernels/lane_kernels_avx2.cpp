@@ -217,7 +217,7 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
 
 void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
                      std::int64_t tokens) {
-  constexpr std::int64_t kGroup = 64;  // for_each_group<8>'s
+  constexpr std::int64_t kGroup = 8 * 8;  // tokens per group of for_each_group<8>
   for_each_group<8>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
     backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
                                      for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
