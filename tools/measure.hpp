@@ -12,20 +12,6 @@
 
 namespace sluice::cli {
 
-/// Median wall time of `repeats` calls of fn, after one untimed warm-up call.
-template <typename Fn>
-double median_seconds(Fn&& fn, int repeats) {
-  fn();
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  return times[times.size() / 2];
-}
-
 /// Median wall time of each of `fns` over `repeats` rounds that call them in turn, after
 /// one untimed warm-up round. On a machine whose speed drifts (a shared VM), ratios of
 /// these medians stay meaningful where separate loops would each catch another phase.
@@ -47,6 +33,12 @@ inline std::vector<double> median_seconds_interleaved(const std::vector<std::fun
     medians.push_back(t[t.size() / 2]);
   }
   return medians;
+}
+
+/// Median wall time of `repeats` calls of fn, after one untimed warm-up call.
+template <typename Fn>
+double median_seconds(Fn&& fn, int repeats) {
+  return median_seconds_interleaved({std::function<void()>(std::forward<Fn>(fn))}, repeats)[0];
 }
 
 /// "4096x1024" -> {4096, 1024}; UsageError unless both are positive integers.
