@@ -170,6 +170,12 @@ class ResidentTile {
                  std::int64_t t0, std::int64_t width, const detail::Bf16LaneKernels& kernels) {
     auto* dst = reinterpret_cast<std::uint16_t*>(data_.data());
     for (std::size_t l = 0; l < rows.size(); ++l) {
+      // Rows asked for ahead: the rounding is work enough to hide their misses behind
+      // (bf16 forward ~4% faster; a plain copy of fp32 rows gained nothing from it).
+      if (l + 8 < rows.size()) {
+        const float* ahead = src + rows[l + 8] * src_stride + t0;
+        for (std::int64_t f = 0; f < width; f += 16) __builtin_prefetch(ahead + f, 0, 3);
+      }
       kernels.pack(src + rows[l] * src_stride + t0, dst + l * stride_, width,
                    static_cast<std::int64_t>(stride_));
     }
