@@ -23,7 +23,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <new>
 #include <thread>
 #include <type_traits>
@@ -803,7 +802,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
         Packet* to = gradient[c]->packets.data();
         const auto n = static_cast<std::uint32_t>(gradient[c]->packets.size());
         copy_tags(c, to, 0, n);
-        const std::int32_t blocks = dy.cols > 0 && !direct ? Q : 0;
+        const std::int32_t blocks = dy.cols > 0 ? Q : 0;  // (direct here: no tokens)
         for (std::int32_t q = 0; q < blocks; ++q) {
           const float* part = partials[q][c];
           if (P == 1) {  // in place: block q's k-th sum is packet k's (none for controls)
