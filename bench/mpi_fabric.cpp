@@ -17,17 +17,26 @@
 // The plain collectives use Open MPI's single copy (CMA) for a contiguous buffer, whose
 // speed here varies from run to run (4-8 GB/s on this VM); on one node the fabric's engines
 // read the frames themselves, also a single copy (between nodes, frames are Ibcasts; see
-// mpi_fabric.hpp). Another busy process slows every copy: check the load before trusting
-// a ratio.
+// mpi_fabric.hpp). Such a copy pins every source page, so it is much faster from huge
+// pages: the fp32 broadcast is also compared with MPI_Bcast of a buffer in huge pages
+// (the best case of the plain collective; rank 0 stages the fabric's frames in huge pages,
+// MpiFabricOptions::staging). Another busy process slows every copy: check the load before
+// trusting a ratio.
 // Whole operations: forward (one token per engine, so the engines' arithmetic is small)
 // and backward (mask stream, no dX), with the local engine time (the same work on one
 // CpuEngine in rank 0, no MPI): an operation cannot beat max(plain transfer, engine).
 #include <mpi.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <new>
+#include <span>
 #include <vector>
 
 #include "sluice/engine.hpp"
@@ -75,13 +84,33 @@ double collective_median(int reps, Fn&& fn) {
   return median(t);
 }
 
-void plain_bcast(std::vector<char>& buffer) {
+void plain_bcast(std::span<char> buffer) {
   for (std::size_t off = 0; off < buffer.size(); off += std::size_t{1} << 30) {
     const auto n =
         static_cast<int>(std::min<std::size_t>(std::size_t{1} << 30, buffer.size() - off));
     MPI_Bcast(buffer.data() + off, n, MPI_BYTE, 0, MPI_COMM_WORLD);
   }
 }
+
+// A buffer of `bytes` in 2 MB pages where the kernel grants them (a hint: else 4 KB).
+struct HugeBuffer {
+  static constexpr std::size_t kHuge = std::size_t{2} << 20;
+  explicit HugeBuffer(std::size_t bytes) : size((bytes + kHuge - 1) / kHuge * kHuge) {
+    data = static_cast<char*>(std::aligned_alloc(kHuge, size));
+    if (data == nullptr) throw std::bad_alloc();
+#if defined(__linux__)
+    (void)madvise(data, size, MADV_HUGEPAGE);
+#endif
+    std::memset(data, 1, size);
+  }
+  ~HugeBuffer() {
+    std::free(data);
+  }
+  HugeBuffer(const HugeBuffer&) = delete;
+  HugeBuffer& operator=(const HugeBuffer&) = delete;
+  std::size_t size;
+  char* data;
+};
 
 }  // namespace
 
@@ -116,6 +145,7 @@ int main(int argc, char** argv) {
     const std::uint64_t nnz = stream.header.nnz;  // the values a gradient return moves
 
     std::vector<char> buffer(stream_bytes, 1), buffer_bf16(bf16_bytes, 1);
+    HugeBuffer huge(stream_bytes);
     std::vector<float> values(nnz, 1.0F), sums(rank == 0 ? nnz : 0);
     MpiFabricOptions options;
 
@@ -123,11 +153,14 @@ int main(int argc, char** argv) {
     // fabric each round, as serve() holds the engine ranks until stop()), so both see the
     // same load on a shared machine; ratios are taken per round, then their median.
     constexpr int kPerRound = 3;
-    std::vector<double> bcast_times, bcast_bf16_times, reduce_times;
+    std::vector<double> bcast_times, bcast_huge_times, bcast_bf16_times, reduce_times;
     std::vector<double> probe_times, probe_bf16_times, return_times, echo_times;
-    std::vector<double> bcast_ratios, bcast_bf16_ratios, reduce_ratios;
+    std::vector<double> bcast_ratios, bcast_huge_ratios, bcast_bf16_ratios, reduce_ratios;
     for (int round = 0; round < reps; ++round) {
       const double bcast = collective_median(kPerRound, [&] { plain_bcast(buffer); });
+      const double bcast_huge = collective_median(kPerRound, [&] {
+        plain_bcast({huge.data, stream_bytes});
+      });
       const double bcast_bf16 = collective_median(kPerRound, [&] { plain_bcast(buffer_bf16); });
       const double reduce = collective_median(kPerRound, [&] {
         MPI_Reduce(values.data(), sums.data(), static_cast<int>(nnz), MPI_FLOAT, MPI_SUM, 0,
@@ -156,12 +189,14 @@ int main(int argc, char** argv) {
       const double gradient_return = median(returns);
       fabric.stop();
       bcast_times.push_back(bcast);
+      bcast_huge_times.push_back(bcast_huge);
       bcast_bf16_times.push_back(bcast_bf16);
       reduce_times.push_back(reduce);
       probe_times.push_back(probe);
       probe_bf16_times.push_back(probe_bf16);
       return_times.push_back(gradient_return);
       bcast_ratios.push_back(bcast / probe);
+      bcast_huge_ratios.push_back(bcast_huge / probe);
       bcast_bf16_ratios.push_back(bcast_bf16 / probe_bf16);
       reduce_ratios.push_back(reduce / gradient_return);
     }
@@ -234,6 +269,10 @@ int main(int argc, char** argv) {
           "ratio %.2f\n",
           probe_bcast * 1e3, static_cast<double>(stream_bytes) / probe_bcast / gb, bcast_time * 1e3,
           static_cast<double>(stream_bytes) / bcast_time / gb, median(bcast_ratios));
+      const double bcast_huge_time = median(bcast_huge_times);
+      std::printf("  the same MPI_Bcast from huge pages: %.2f ms (%.2f GB/s) | ratio %.2f\n",
+                  bcast_huge_time * 1e3, static_cast<double>(stream_bytes) / bcast_huge_time / gb,
+                  median(bcast_huge_ratios));
       std::printf(
           "broadcast bf16: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
           "ratio %.2f | %.2fx faster than the fp32 stream\n",

@@ -361,6 +361,9 @@ int main(int argc, char** argv) {
     options.engine.threads = sluice::kThreads;
     options.engine.geometry.shares = sluice::kShares;
     options.window = 3;
+    // Small frames: the larger streams take tens of them, so the frames in flight, and on
+    // one node rank 0's staging slots (window + 1 of them), are reused many times over.
+    options.frame_bytes = std::size_t{128} << 10;
     options.shared_memory = shared_memory;
     sluice::MpiFabric fabric(options);
     if (rank == 0) {
