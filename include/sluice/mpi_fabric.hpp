@@ -63,7 +63,8 @@ struct MpiFabricOptions {
   /// the engines read instead of the chunks: a read from another process pins every page
   /// it copies, and from 2 MB pages that measured ~1.8x faster here than from the 4 KB
   /// pages chunks usually sit in. Costs rank 0 a memcpy per frame and (window + 1) slots
-  /// of ~frame_bytes. Taken from rank 0.
+  /// of ~frame_bytes; done only where the node has a core for every rank (else the copy
+  /// slows the engines' reads) and the kernel has transparent huge pages. Taken from rank 0.
   bool staging = true;
 };
 
