@@ -156,6 +156,8 @@ int main(int argc, char** argv) {
     std::vector<double> bcast_times, bcast_huge_times, bcast_bf16_times, reduce_times;
     std::vector<double> probe_times, probe_bf16_times, return_times, echo_times;
     std::vector<double> bcast_ratios, bcast_huge_ratios, bcast_bf16_ratios, reduce_ratios;
+    std::vector<double> unstaged_times, unstaged_ratios;
+    bool staged = false;  // whether rank 0 staged the frames (see MpiFabricOptions::staging)
     for (int round = 0; round < reps; ++round) {
       const double bcast = collective_median(kPerRound, [&] { plain_bcast(buffer); });
       const double bcast_huge = collective_median(kPerRound, [&] {
@@ -166,28 +168,52 @@ int main(int argc, char** argv) {
         MPI_Reduce(values.data(), sums.data(), static_cast<int>(nnz), MPI_FLOAT, MPI_SUM, 0,
                    MPI_COMM_WORLD);
       });
-      MpiFabric fabric(options);
-      if (!fabric.is_driver()) {
-        fabric.serve();
-        continue;
+      // The fp32 broadcast without staging too (rank 0's copy into huge pages, on one node
+      // with a core for every rank), before the fabric with it in even rounds, after in odd.
+      MpiFabricOptions unstaged = options;
+      unstaged.staging = false;
+      double probe_unstaged = 0;
+      auto time_unstaged = [&] {
+        MpiFabric fabric(unstaged);
+        if (!fabric.is_driver()) {
+          fabric.serve();
+          return;
+        }
+        probe_unstaged = median_of(kPerRound, [&] {
+          MemoryStreamSource source(stream);
+          (void)fabric.probe(source, false);
+        });
+        fabric.stop();
+      };
+      if (round % 2 == 0) time_unstaged();
+      double probe = 0, probe_bf16 = 0, gradient_return = 0;
+      {
+        MpiFabric fabric(options);
+        if (!fabric.is_driver()) {
+          fabric.serve();
+        } else {
+          staged = fabric.stages_frames();
+          probe = median_of(kPerRound, [&] {
+            MemoryStreamSource source(stream);
+            (void)fabric.probe(source, false);
+          });
+          probe_bf16 = median_of(kPerRound, [&] {
+            MemoryStreamSource source(stream_bf16);
+            (void)fabric.probe(source, false);
+          });
+          std::vector<double> returns;
+          echo_times.push_back(median_of(kPerRound, [&] {
+            MemoryStreamSource source(stream);
+            (void)fabric.probe(source, true);
+            returns.push_back(fabric.last_gradient_seconds());
+          }));
+          returns.erase(returns.begin());  // the warm-up
+          gradient_return = median(returns);
+          fabric.stop();
+        }
       }
-      const double probe = median_of(kPerRound, [&] {
-        MemoryStreamSource source(stream);
-        (void)fabric.probe(source, false);
-      });
-      const double probe_bf16 = median_of(kPerRound, [&] {
-        MemoryStreamSource source(stream_bf16);
-        (void)fabric.probe(source, false);
-      });
-      std::vector<double> returns;
-      echo_times.push_back(median_of(kPerRound, [&] {
-        MemoryStreamSource source(stream);
-        (void)fabric.probe(source, true);
-        returns.push_back(fabric.last_gradient_seconds());
-      }));
-      returns.erase(returns.begin());  // the warm-up
-      const double gradient_return = median(returns);
-      fabric.stop();
+      if (round % 2 == 1) time_unstaged();
+      if (rank != 0) continue;
       bcast_times.push_back(bcast);
       bcast_huge_times.push_back(bcast_huge);
       bcast_bf16_times.push_back(bcast_bf16);
@@ -197,6 +223,8 @@ int main(int argc, char** argv) {
       return_times.push_back(gradient_return);
       bcast_ratios.push_back(bcast / probe);
       bcast_huge_ratios.push_back(bcast_huge / probe);
+      unstaged_times.push_back(probe_unstaged);
+      unstaged_ratios.push_back(bcast / probe_unstaged);
       bcast_bf16_ratios.push_back(bcast_bf16 / probe_bf16);
       reduce_ratios.push_back(reduce / gradient_return);
     }
@@ -270,6 +298,11 @@ int main(int argc, char** argv) {
           probe_bcast * 1e3, static_cast<double>(stream_bytes) / probe_bcast / gb, bcast_time * 1e3,
           static_cast<double>(stream_bytes) / bcast_time / gb, median(bcast_ratios));
       const double bcast_huge_time = median(bcast_huge_times);
+      std::printf("  the fabric without staging: %.2f ms (%.2f GB/s) | ratio %.2f%s\n",
+                  median(unstaged_times) * 1e3,
+                  static_cast<double>(stream_bytes) / median(unstaged_times) / gb,
+                  median(unstaged_ratios),
+                  staged ? "" : " (no staging here either: the same fabric, timed again)");
       std::printf("  the same MPI_Bcast from huge pages: %.2f ms (%.2f GB/s) | ratio %.2f\n",
                   bcast_huge_time * 1e3, static_cast<double>(stream_bytes) / bcast_huge_time / gb,
                   median(bcast_huge_ratios));

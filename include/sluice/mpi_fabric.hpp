@@ -82,6 +82,9 @@ class MpiFabric final : public Fabric {
 
   int rank() const;
   bool is_driver() const { return rank() == 0; }
+  /// Rank 0: whether it stages stream frames in huge pages (MpiFabricOptions::staging, and
+  /// it applies here: one node, a core for every rank, transparent huge pages).
+  bool stages_frames() const;
 
   /// Engine ranks: runs the engine until rank 0 calls stop(). Errors abort every rank.
   void serve();

@@ -269,7 +269,6 @@ class StagingSlots {
 
   StagingSlots(std::size_t slots, std::size_t slot_bytes)
       : slots_(slots), slot_bytes_((slot_bytes + kHugePage - 1) / kHugePage * kHugePage) {
-    if (!transparent_huge_pages()) return;       // a copy for nothing: no staging
     mapped_ = slots_ * slot_bytes_ + kHugePage;  // room to align the start
     void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
@@ -1458,11 +1457,19 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
     mpi_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, m.comm), "direct-read probe");
     m.direct = ok != 0;
     m.driver_pid = probe.pid;
-    // Staging needs a core for rank 0's copy: on an oversubscribed node it takes time from
-    // the engines' own reads (3 ranks on 2 cores: 0.66x MPI_Bcast with it, 0.75-0.95x
-    // without, in alternated rounds).
+    // Staging wants a core for rank 0's copy: on an oversubscribed node the copy takes
+    // time from the engines (their reads, and in training their compute). 3 ranks on 2
+    // cores measured both ways (broadcast alone, alternated rounds: 0.66x MPI_Bcast with
+    // staging vs 0.75-0.95x without in one harness, 0.65-0.68x vs 0.52-0.59x in
+    // bench_mpi_fabric), so it stays off there.
     const auto cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
-    m.stage_frames = m.direct && m.options.staging && node_ranks <= cores;
+#ifdef SLUICE_MPI_DIRECT_READ
+    // Without transparent huge pages the copy would buy nothing.
+    m.stage_frames = m.direct && m.options.staging && node_ranks <= cores &&
+                     StagingSlots::transparent_huge_pages();
+#else
+    (void)cores;
+#endif
   }
   if (pair_shares_node != 0) {
     mpi_check(MPI_Comm_split(m.comm, m.rank <= 1 ? 0 : MPI_UNDEFINED, m.rank, &m.pair),
@@ -1524,6 +1531,10 @@ MpiFabric::~MpiFabric() {
 
 int MpiFabric::rank() const {
   return impl_->rank;
+}
+
+bool MpiFabric::stages_frames() const {
+  return impl_->stage_frames;
 }
 
 double MpiFabric::last_gradient_seconds() const {
