@@ -15,9 +15,6 @@
 #include <string>
 #include <thread>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 #if defined(__linux__)
 #include <sys/mman.h>
 #include <sys/uio.h>
@@ -30,6 +27,7 @@
 
 #include "chunk_pool.hpp"
 #include "engine_worker.hpp"
+#include "kernels/gradient_layout.hpp"
 #include "sluice/error.hpp"
 #include "sluice/topology.hpp"
 
@@ -538,54 +536,6 @@ struct SentStream {
   TagScanner tags;
 };
 
-// One chunk of the summed gradient: the tags and control packets of the chunk rank 0 sent
-// (either precision), the values `v` in fp32.
-template <typename P>
-void lay_out_gradient(const std::vector<P>& sent, const float* v, Packet* out, bool /*streaming*/) {
-  for (const P& p : sent) {
-    *out++ = is_control(p) ? Packet{tag_of(p), 0.0F} : Packet{tag_of(p), *v++};
-  }
-}
-
-// The same from an fp32 chunk, two packets a step. `streaming`: non-temporal stores, for a
-// result larger than the caches (writing around them saves reading every line first,
-// which is a third of this loop's memory traffic).
-void lay_out_gradient(const std::vector<Packet>& sent, const float* v, Packet* out,
-                      bool streaming) {
-  const Packet* in = sent.data();
-  const std::size_t n = sent.size();
-  std::size_t i = 0;
-#if defined(__SSE2__)
-  auto one = [&](std::size_t k) {
-    out[k] = is_control(in[k]) ? Packet{in[k].tag, 0.0F} : Packet{in[k].tag, *v++};
-  };
-  if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
-    for (; i + 2 <= n; i += 2) {
-      const __m128i two = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
-      if ((_mm_movemask_ps(_mm_castsi128_ps(two)) & 0b0101) != 0) {  // a control packet
-        one(i);
-        one(i + 1);
-        continue;
-      }
-      const __m128i tags = _mm_shuffle_epi32(two, _MM_SHUFFLE(2, 0, 2, 0));
-      const __m128i values = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
-      const __m128i packets = _mm_unpacklo_epi32(tags, values);
-      auto* to = reinterpret_cast<__m128i*>(out + i);
-      if (streaming) {
-        _mm_stream_si128(to, packets);
-      } else {
-        _mm_store_si128(to, packets);
-      }
-      v += 2;
-    }
-    if (streaming) _mm_sfence();
-  }
-#endif
-  for (; i < n; ++i) {
-    out[i] = is_control(in[i]) ? Packet{in[i].tag, 0.0F} : Packet{in[i].tag, *v++};
-  }
-}
-
 }  // namespace
 
 struct MpiFabric::Impl {
@@ -622,6 +572,8 @@ struct MpiFabric::Impl {
 #ifdef SLUICE_MPI_DIRECT_READ
   std::unique_ptr<StagingSlots> staging;  // rank 0, when stage_frames
 #endif
+  // Rank 0: how each chunk of a summed gradient is laid out (this CPU's best way).
+  const detail::GradientLayout& layout = detail::gradient_layout(default_isa());
   bool stage_frames = false;  // rank 0: direct reads, options.staging, a core for every rank
 
   std::int32_t engines() const {
@@ -954,9 +906,9 @@ struct MpiFabric::Impl {
       chunk->outputs = c.outputs;
       chunk->packets.resize(c.size());
       if (sent.precision == Precision::bf16) {
-        lay_out_gradient(c.packets_bf16, sums + at, chunk->packets.data(), streaming);
+        layout.bf16(c.packets_bf16.data(), c.size(), sums + at, chunk->packets.data(), streaming);
       } else {
-        lay_out_gradient(c.packets, sums + at, chunk->packets.data(), streaming);
+        layout.fp32(c.packets.data(), c.size(), sums + at, chunk->packets.data(), streaming);
       }
       at = need;
       result.chunks.push_back(std::move(chunk));
