@@ -52,7 +52,8 @@ struct MpiFabricOptions {
   /// Stream frames rank 0 keeps in flight (and engine ranks keep posted).
   std::size_t window = 4;
   /// Chunks are grouped into frames of about this many bytes (at most 64 chunks), one
-  /// Ibcast each: fewer, larger messages than one per chunk.
+  /// Ibcast each: fewer, larger messages than one per chunk. An operation's first frames
+  /// are smaller (256 KB, doubling), so that the engines start sooner.
   std::size_t frame_bytes = std::size_t{4} << 20;
   /// When engine 0 shares rank 0's node, the summed gradient's last hop is a shared-memory
   /// window (engine 0 writes the sum where rank 0 reads it, nothing is copied), and when

@@ -48,6 +48,10 @@ const void* packet_data(const StreamChunk& c, Precision precision);
 // Chunks travel in frames: one Ibcast moves several chunks (an hindexed datatype over
 // their packet buffers, no copy), so small chunks do not pay MPI's per-message cost.
 constexpr std::int32_t kMaxFrameChunks = 64;
+// Frames start at this many bytes and double up to MpiFabricOptions::frame_bytes: the
+// engines start on the first chunks sooner, and on one node each frame's staging copy
+// overlaps the engines' read of the one before.
+constexpr std::size_t kFirstFrameBytes = std::size_t{256} << 10;
 
 /// What the receivers need to post a frame's broadcast; chunks 0: the stream has ended.
 struct FrameMeta {
@@ -61,6 +65,7 @@ struct FrameMeta {
 /// where each chunk's copy is), which the engines then read instead.
 struct Frame {
   std::vector<ChunkPtr> chunks;
+  std::size_t budget = 0;  ///< the bytes it was pulled to (the last chunk may go past)
   std::vector<const void*> staged;
   FrameMeta meta(Precision precision) const {
     FrameMeta m;
@@ -713,12 +718,15 @@ struct MpiFabric::Impl {
     }
   }
 
-  // Takes chunks for one frame: up to frame_bytes (at least one chunk), kMaxFrameChunks.
-  Frame pull_frame(StreamSource& source) {
+  // Takes chunks for one frame: up to `budget` bytes (at least one chunk; 0: the first
+  // frame's, see kFirstFrameBytes), at most kMaxFrameChunks.
+  Frame pull_frame(StreamSource& source, std::size_t budget = 0) {
+    if (budget == 0) budget = std::min(options.frame_bytes, kFirstFrameBytes);
     Frame f;
+    f.budget = budget;
     std::size_t bytes = 0;
     while (static_cast<std::int32_t>(f.chunks.size()) < kMaxFrameChunks &&
-           (f.chunks.empty() || bytes < options.frame_bytes)) {
+           (f.chunks.empty() || bytes < budget)) {
       ChunkPtr c = source.next();
       if (!c) break;
       to_count(c->byte_size(), "a stream chunk's bytes");
@@ -782,7 +790,7 @@ struct MpiFabric::Impl {
         sizes.push_back(c->size());
       }
       auto f = std::make_unique<InFlight>();
-      Frame next = pull_frame(source);
+      Frame next = pull_frame(source, std::min(options.frame_bytes, 2 * current.budget));
       f->next = next.meta(precision);
       if (direct) {
         f->requests.assign(static_cast<std::size_t>(engines()) + 1, MPI_REQUEST_NULL);
