@@ -258,13 +258,12 @@ bool read_remote(std::int64_t pid, std::vector<iovec>& local, std::vector<iovec>
 }
 #endif
 
-#ifdef SLUICE_MPI_DIRECT_READ
 // Rank 0, direct reads: slots of huge pages that frames are copied into before the
 // engines read them. A read from another process pins each page of the source it copies
 // (as Open MPI's single copy does), and that costs per page: here a 64 MB MPI_Bcast took
 // 5.4-6.2 ms from 2 MB pages and 10.4-11.9 ms from 4 KB ones. Chunks are separate heap
 // buffers, rarely in huge pages, hence the copy; it costs memory bandwidth, so the gain
-// is smaller than that (the broadcast 1.1-1.3x faster in alternated runs).
+// is smaller than that (the broadcast 1.1-1.4x faster, 2 ranks, in alternated runs).
 // Slots are used in turn; the caller keeps fewer frames unread than there are slots.
 class StagingSlots {
  public:
@@ -272,6 +271,7 @@ class StagingSlots {
 
   StagingSlots(std::size_t slots, std::size_t slot_bytes)
       : slots_(slots), slot_bytes_((slot_bytes + kHugePage - 1) / kHugePage * kHugePage) {
+#ifdef SLUICE_MPI_DIRECT_READ
     mapped_ = slots_ * slot_bytes_ + kHugePage;  // room to align the start
     void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
@@ -287,15 +287,21 @@ class StagingSlots {
       return;
     }
     std::memset(base_, 0, slots_ * slot_bytes_);  // fault in now, not in a broadcast
+#endif
   }
   ~StagingSlots() {
+#ifdef SLUICE_MPI_DIRECT_READ
     if (map_ != nullptr) munmap(map_, mapped_);
+#endif
   }
   StagingSlots(const StagingSlots&) = delete;
   StagingSlots& operator=(const StagingSlots&) = delete;
 
   /// Whether the kernel may give a MADV_HUGEPAGE mapping huge pages at all.
   static bool transparent_huge_pages() {
+#ifndef SLUICE_MPI_DIRECT_READ
+    return false;
+#endif
     std::FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
     if (f == nullptr) return false;
     char text[128] = {};
@@ -316,7 +322,6 @@ class StagingSlots {
   char* map_ = nullptr;
   char* base_ = nullptr;
 };
-#endif
 
 // Gradient values travel in segments of this many floats: the reduction tree and rank 0's
 // unpacking work on one segment while the next is in transfer.
@@ -574,16 +579,12 @@ struct MpiFabric::Impl {
   // straight from rank 0's memory (read_remote) instead of receiving a broadcast.
   bool direct = false;
   std::int64_t driver_pid = 0;  // engine ranks, for direct reads
-#ifdef SLUICE_MPI_DIRECT_READ
+  bool stage_frames = false;    // rank 0: direct reads, options.staging, a core for every rank
   std::unique_ptr<StagingSlots> staging;  // rank 0, when stage_frames
-#endif
   // Rank 0: how each chunk of a summed gradient is laid out (this CPU's best way).
   const detail::GradientLayout& layout = detail::gradient_layout(default_isa());
-  bool stage_frames = false;  // rank 0: direct reads, options.staging, a core for every rank
 
-  std::int32_t engines() const {
-    return size - 1;
-  }
+  std::int32_t engines() const { return size - 1; }
 
   // Ranks 0 and 1 together: a shared window of at least `needed` floats (the stream's
   // packets, which bound its values), made when the gradients outgrow it (both see the
@@ -742,7 +743,6 @@ struct MpiFabric::Impl {
   // frame is retired (every engine has said it read it), as broadcast_stream keeps at
   // most `window` frames in flight and pulls one ahead.
   void stage(Frame& f, Precision precision, std::size_t bytes) {
-#ifdef SLUICE_MPI_DIRECT_READ
     if (!stage_frames || f.chunks.empty()) return;
     if (!staging) {
       const std::size_t biggest_chunk = kDefaultChunkPackets * sizeof(Packet);
@@ -756,9 +756,6 @@ struct MpiFabric::Impl {
       f.staged.push_back(slot);
       slot += c->byte_size();
     }
-#else
-    (void)f, (void)precision, (void)bytes;
-#endif
   }
 
   // Pipelined broadcast: frame i's bytes and frame i+1's sizes go out together, up to
@@ -1423,13 +1420,9 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
     // staging vs 0.75-0.95x without in one harness, 0.65-0.68x vs 0.52-0.59x in
     // bench_mpi_fabric), so it stays off there.
     const auto cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
-#ifdef SLUICE_MPI_DIRECT_READ
     // Without transparent huge pages the copy would buy nothing.
     m.stage_frames = m.direct && m.options.staging && node_ranks <= cores &&
                      StagingSlots::transparent_huge_pages();
-#else
-    (void)cores;
-#endif
   }
   if (pair_shares_node != 0) {
     mpi_check(MPI_Comm_split(m.comm, m.rank <= 1 ? 0 : MPI_UNDEFINED, m.rank, &m.pair),
