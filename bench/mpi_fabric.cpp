@@ -18,10 +18,10 @@
 // speed here varies from run to run (4-8 GB/s on this VM); on one node the fabric's engines
 // read the frames themselves, also a single copy (between nodes, frames are Ibcasts; see
 // mpi_fabric.hpp). Such a copy pins every source page, so it is much faster from huge
-// pages: the fp32 broadcast is also compared with MPI_Bcast of a buffer in huge pages
-// (the best case of the plain collective; rank 0 stages the fabric's frames in huge pages,
-// MpiFabricOptions::staging). Another busy process slows every copy: check the load before
-// trusting a ratio.
+// pages: the fabric's chunks are in huge pages (ChunkAllocator), the plain buffers are
+// std::vectors, so the fp32 broadcast is also compared with MPI_Bcast of a buffer in huge
+// pages (the plain collective's best case). Another busy process slows every copy: check
+// the load before trusting a ratio.
 // Whole operations: forward (one token per engine, so the engines' arithmetic is small)
 // and backward (mask stream, no dX), with the local engine time (the same work on one
 // CpuEngine in rank 0, no MPI): an operation cannot beat max(plain transfer, engine).
@@ -156,8 +156,6 @@ int main(int argc, char** argv) {
     std::vector<double> bcast_times, bcast_huge_times, bcast_bf16_times, reduce_times;
     std::vector<double> probe_times, probe_bf16_times, return_times, echo_times;
     std::vector<double> bcast_ratios, bcast_huge_ratios, bcast_bf16_ratios, reduce_ratios;
-    std::vector<double> unstaged_times, unstaged_ratios;
-    bool staged = false;  // whether rank 0 staged the frames (see MpiFabricOptions::staging)
     for (int round = 0; round < reps; ++round) {
       const double bcast = collective_median(kPerRound, [&] { plain_bcast(buffer); });
       const double bcast_huge = collective_median(kPerRound, [&] {
@@ -168,31 +166,12 @@ int main(int argc, char** argv) {
         MPI_Reduce(values.data(), sums.data(), static_cast<int>(nnz), MPI_FLOAT, MPI_SUM, 0,
                    MPI_COMM_WORLD);
       });
-      // The fp32 broadcast without staging too (rank 0's copy into huge pages, on one node
-      // with a core for every rank), before the fabric with it in even rounds, after in odd.
-      MpiFabricOptions unstaged = options;
-      unstaged.staging = false;
-      double probe_unstaged = 0;
-      auto time_unstaged = [&] {
-        MpiFabric fabric(unstaged);
-        if (!fabric.is_driver()) {
-          fabric.serve();
-          return;
-        }
-        probe_unstaged = median_of(kPerRound, [&] {
-          MemoryStreamSource source(stream);
-          (void)fabric.probe(source, false);
-        });
-        fabric.stop();
-      };
-      if (round % 2 == 0) time_unstaged();
       double probe = 0, probe_bf16 = 0, gradient_return = 0;
       {
         MpiFabric fabric(options);
         if (!fabric.is_driver()) {
           fabric.serve();
         } else {
-          staged = fabric.stages_frames();
           probe = median_of(kPerRound, [&] {
             MemoryStreamSource source(stream);
             (void)fabric.probe(source, false);
@@ -212,7 +191,6 @@ int main(int argc, char** argv) {
           fabric.stop();
         }
       }
-      if (round % 2 == 1) time_unstaged();
       if (rank != 0) continue;
       bcast_times.push_back(bcast);
       bcast_huge_times.push_back(bcast_huge);
@@ -223,8 +201,6 @@ int main(int argc, char** argv) {
       return_times.push_back(gradient_return);
       bcast_ratios.push_back(bcast / probe);
       bcast_huge_ratios.push_back(bcast_huge / probe);
-      unstaged_times.push_back(probe_unstaged);
-      unstaged_ratios.push_back(bcast / probe_unstaged);
       bcast_bf16_ratios.push_back(bcast_bf16 / probe_bf16);
       reduce_ratios.push_back(reduce / gradient_return);
     }
@@ -298,11 +274,6 @@ int main(int argc, char** argv) {
           probe_bcast * 1e3, static_cast<double>(stream_bytes) / probe_bcast / gb, bcast_time * 1e3,
           static_cast<double>(stream_bytes) / bcast_time / gb, median(bcast_ratios));
       const double bcast_huge_time = median(bcast_huge_times);
-      std::printf("  the fabric without staging: %.2f ms (%.2f GB/s) | ratio %.2f%s\n",
-                  median(unstaged_times) * 1e3,
-                  static_cast<double>(stream_bytes) / median(unstaged_times) / gb,
-                  median(unstaged_ratios),
-                  staged ? "" : " (no staging here either: the same fabric, timed again)");
       std::printf("  the same MPI_Bcast from huge pages: %.2f ms (%.2f GB/s) | ratio %.2f\n",
                   bcast_huge_time * 1e3, static_cast<double>(stream_bytes) / bcast_huge_time / gb,
                   median(bcast_huge_ratios));

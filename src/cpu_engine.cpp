@@ -72,7 +72,7 @@ auto& routed(Share& share) {
 }
 
 template <typename PacketT>
-const std::vector<PacketT>& packets_of(const StreamChunk& chunk) {
+const auto& packets_of(const StreamChunk& chunk) {
   if constexpr (std::is_same_v<PacketT, Packet>) {
     return chunk.packets;
   } else {
@@ -235,7 +235,7 @@ void route(const StreamChunk& chunk, std::vector<LaneShare>& shares, std::uint64
     routed<PacketT>(s).reserve(weights / lanes + weights / (4 * lanes) + 16);
     if (keep_origin) s.origin.reserve(weights / lanes + weights / (4 * lanes) + 16);
   }
-  const std::vector<PacketT>& packets = packets_of<PacketT>(chunk);
+  const auto& packets = packets_of<PacketT>(chunk);
   std::uint32_t r = 0;
   const std::int32_t* lane_of = placement.lane_of.data();
   if (chunk.outputs > 0) {
@@ -297,7 +297,7 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
       auto& s = shares[0];
       for (std::uint32_t r = 0; r < chunk.outputs; ++r) s.begin[r] = r == 0 ? 0 : s.end[r - 1] + 1;
       if (widen) {
-        const std::vector<Bf16Packet>& in = chunk.packets_bf16;
+        const Bf16PacketVector& in = chunk.packets_bf16;
         s.packets.resize(in.size());
         Packet* out = s.packets.data();
         for (std::size_t k = 0; k < in.size(); ++k) out[k] = {tag_of(in[k]), value_of(in[k])};

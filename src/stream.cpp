@@ -282,9 +282,9 @@ Bf16Packet make_bf16_packet(std::uint32_t index, float value, std::int64_t row) 
 // Outputs [first, last) of `matrix` as packets made by `make`, each output closed by a
 // carriage return, and end-of-layer after the layer's last output.
 template <typename PacketT, typename Make>
-void fill_chunk(std::vector<PacketT>& out, const CsrMatrix& matrix, bool send_values,
-                std::int64_t first, std::int64_t last, Make make, PacketT carriage_return,
-                PacketT end_of_layer) {
+void fill_chunk(std::vector<PacketT, ChunkAllocator<PacketT>>& out, const CsrMatrix& matrix,
+                bool send_values, std::int64_t first, std::int64_t last, Make make,
+                PacketT carriage_return, PacketT end_of_layer) {
   const auto& offsets = matrix.row_offsets();
   const auto& idx = matrix.col_indices();
   const auto& val = matrix.values();

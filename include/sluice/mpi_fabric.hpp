@@ -12,8 +12,8 @@
 // shared_memory, and the OS lets a process read another's memory, checked at
 // construction), engines instead read each frame straight out of rank 0's memory
 // (process_vm_readv: one copy, by the engine, as Open MPI does for a contiguous message;
-// rank 0 stages frames in huge pages first, see MpiFabricOptions::staging) and tell rank 0
-// when they have; only sizes and addresses are broadcast. Open MPI moves a
+// it pins every page it reads, which chunks in huge pages make cheap, see ChunkAllocator)
+// and tell rank 0 when they have; only sizes and addresses are broadcast. Open MPI moves a
 // frame of several buffers through bounce buffers (rank 0 copies in, the engine copies
 // out, every 32 KB), which needs both ranks running at once and collapses 2-3x whenever
 // the engine's threads or anything else take a core. Engine ranks receive on their main thread and
@@ -60,13 +60,6 @@ struct MpiFabricOptions {
   /// all ranks share it, engines may read the stream from rank 0's memory (see above);
   /// false: both by messages, as between nodes. Taken from rank 0.
   bool shared_memory = true;
-  /// With direct reads, rank 0 first copies each frame into buffers of huge pages, which
-  /// the engines read instead of the chunks: a read from another process pins every page
-  /// it copies, and from 2 MB pages that measured ~1.8x faster here than from the 4 KB
-  /// pages chunks usually sit in. Costs rank 0 a memcpy per frame and (window + 1) slots
-  /// of ~frame_bytes; done only where the node has a core for every rank (else the copy
-  /// slows the engines' reads) and the kernel has transparent huge pages. Taken from rank 0.
-  bool staging = true;
 };
 
 /// Collective over options.comm: every rank constructs one, with the same options.
@@ -83,9 +76,6 @@ class MpiFabric final : public Fabric {
 
   int rank() const;
   bool is_driver() const { return rank() == 0; }
-  /// Rank 0: whether it stages stream frames in huge pages (MpiFabricOptions::staging, and
-  /// it applies here: one node, a core for every rank, transparent huge pages).
-  bool stages_frames() const;
 
   /// Engine ranks: runs the engine until rank 0 calls stop(). Errors abort every rank.
   void serve();

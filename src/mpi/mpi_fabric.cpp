@@ -16,7 +16,6 @@
 #include <thread>
 
 #if defined(__linux__)
-#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -48,9 +47,8 @@ const void* packet_data(const StreamChunk& c, Precision precision);
 // Chunks travel in frames: one Ibcast moves several chunks (an hindexed datatype over
 // their packet buffers, no copy), so small chunks do not pay MPI's per-message cost.
 constexpr std::int32_t kMaxFrameChunks = 64;
-// Frames start at this many bytes and double up to MpiFabricOptions::frame_bytes: the
-// engines start on the first chunks sooner, and on one node each frame's staging copy
-// overlaps the engines' read of the one before.
+// Frames start at this many bytes and double up to MpiFabricOptions::frame_bytes, so
+// that the engines start on the first chunks sooner.
 constexpr std::size_t kFirstFrameBytes = std::size_t{256} << 10;
 
 /// What the receivers need to post a frame's broadcast; chunks 0: the stream has ended.
@@ -61,19 +59,16 @@ struct FrameMeta {
 };
 
 /// A frame's chunks: pointers for rank 0, buffers being filled on the engine ranks.
-/// With direct reads, rank 0 may have copied the packets into a staging slot (`staged`:
-/// where each chunk's copy is), which the engines then read instead.
 struct Frame {
   std::vector<ChunkPtr> chunks;
   std::size_t budget = 0;  ///< the bytes it was pulled to (the last chunk may go past)
-  std::vector<const void*> staged;
   FrameMeta meta(Precision precision) const {
     FrameMeta m;
     m.chunks = static_cast<std::int32_t>(chunks.size());
     for (std::size_t i = 0; i < chunks.size(); ++i) {
-      const void* packets = staged.empty() ? packet_data(*chunks[i], precision) : staged[i];
       m.chunk[i] = {static_cast<std::int64_t>(chunks[i]->size()), chunks[i]->first_output,
-                    chunks[i]->outputs, reinterpret_cast<std::uintptr_t>(packets)};
+                    chunks[i]->outputs,
+                    reinterpret_cast<std::uintptr_t>(packet_data(*chunks[i], precision))};
     }
     return m;
   }
@@ -258,71 +253,6 @@ bool read_remote(std::int64_t pid, std::vector<iovec>& local, std::vector<iovec>
 }
 #endif
 
-// Rank 0, direct reads: slots of huge pages that frames are copied into before the
-// engines read them. A read from another process pins each page of the source it copies
-// (as Open MPI's single copy does), and that costs per page: here a 64 MB MPI_Bcast took
-// 5.4-6.2 ms from 2 MB pages and 10.4-11.9 ms from 4 KB ones. Chunks are separate heap
-// buffers, rarely in huge pages, hence the copy; it costs memory bandwidth, so the gain
-// is smaller than that (the broadcast 1.1-1.4x faster, 2 ranks, in alternated runs).
-// Slots are used in turn; the caller keeps fewer frames unread than there are slots.
-class StagingSlots {
- public:
-  static constexpr std::size_t kHugePage = std::size_t{2} << 20;
-
-  StagingSlots(std::size_t slots, std::size_t slot_bytes)
-      : slots_(slots), slot_bytes_((slot_bytes + kHugePage - 1) / kHugePage * kHugePage) {
-#ifdef SLUICE_MPI_DIRECT_READ
-    mapped_ = slots_ * slot_bytes_ + kHugePage;  // room to align the start
-    void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      mapped_ = 0;
-      return;  // no staging: engines read the chunks themselves
-    }
-    map_ = static_cast<char*>(p);
-    const auto at = reinterpret_cast<std::uintptr_t>(map_);
-    base_ = map_ + ((kHugePage - at % kHugePage) % kHugePage);
-    // Only a hint: if the kernel has no huge pages free the copy is wasted, not wrong.
-    if (madvise(base_, slots_ * slot_bytes_, MADV_HUGEPAGE) != 0) {
-      base_ = nullptr;
-      return;
-    }
-    std::memset(base_, 0, slots_ * slot_bytes_);  // fault in now, not in a broadcast
-#endif
-  }
-  ~StagingSlots() {
-#ifdef SLUICE_MPI_DIRECT_READ
-    if (map_ != nullptr) munmap(map_, mapped_);
-#endif
-  }
-  StagingSlots(const StagingSlots&) = delete;
-  StagingSlots& operator=(const StagingSlots&) = delete;
-
-  /// Whether the kernel may give a MADV_HUGEPAGE mapping huge pages at all.
-  static bool transparent_huge_pages() {
-#ifndef SLUICE_MPI_DIRECT_READ
-    return false;
-#endif
-    std::FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
-    if (f == nullptr) return false;
-    char text[128] = {};
-    const std::size_t n = std::fread(text, 1, sizeof text - 1, f);
-    std::fclose(f);
-    return n > 0 && std::strstr(text, "[never]") == nullptr;
-  }
-  /// The next slot in turn, or nullptr if `bytes` do not fit one (or nothing was mapped).
-  char* next(std::size_t bytes) {
-    if (base_ == nullptr || bytes > slot_bytes_) return nullptr;
-    char* slot = base_ + turn_ * slot_bytes_;
-    turn_ = (turn_ + 1) % slots_;
-    return slot;
-  }
-
- private:
-  std::size_t slots_, slot_bytes_, mapped_ = 0, turn_ = 0;
-  char* map_ = nullptr;
-  char* base_ = nullptr;
-};
-
 // Gradient values travel in segments of this many floats: the reduction tree and rank 0's
 // unpacking work on one segment while the next is in transfer.
 constexpr std::uint64_t kSegmentValues = std::uint64_t{1} << 18;
@@ -406,7 +336,7 @@ class TagScanner {
 
  private:
   template <bool kHardware, typename P>
-  std::uint64_t scan(const std::vector<P>& packets, float* values) {
+  std::uint64_t scan(const std::vector<P, ChunkAllocator<P>>& packets, float* values) {
     const P* p = packets.data();
     const std::size_t n = packets.size();
     std::uint64_t written = 0;
@@ -579,8 +509,6 @@ struct MpiFabric::Impl {
   // straight from rank 0's memory (read_remote) instead of receiving a broadcast.
   bool direct = false;
   std::int64_t driver_pid = 0;  // engine ranks, for direct reads
-  bool stage_frames = false;    // rank 0: direct reads, options.staging, a core for every rank
-  std::unique_ptr<StagingSlots> staging;  // rank 0, when stage_frames
   // Rank 0: how each chunk of a summed gradient is laid out (this CPU's best way).
   const detail::GradientLayout& layout = detail::gradient_layout(default_isa());
 
@@ -734,28 +662,7 @@ struct MpiFabric::Impl {
       bytes += c->byte_size();
       f.chunks.push_back(std::move(c));
     }
-    stage(f, source.header().precision, bytes);
     return f;
-  }
-
-  // Direct reads with staging: copies the frame's packets into the next slot, which the
-  // engines will read instead. A slot is reused `window` + 1 frames later: by then the
-  // frame is retired (every engine has said it read it), as broadcast_stream keeps at
-  // most `window` frames in flight and pulls one ahead.
-  void stage(Frame& f, Precision precision, std::size_t bytes) {
-    if (!stage_frames || f.chunks.empty()) return;
-    if (!staging) {
-      const std::size_t biggest_chunk = kDefaultChunkPackets * sizeof(Packet);
-      staging =
-          std::make_unique<StagingSlots>(options.window + 1, options.frame_bytes + biggest_chunk);
-    }
-    char* slot = staging->next(bytes);
-    if (slot == nullptr) return;  // a frame of outsize chunks: read where it is
-    for (const ChunkPtr& c : f.chunks) {
-      std::memcpy(slot, packet_data(*c, precision), c->byte_size());
-      f.staged.push_back(slot);
-      slot += c->byte_size();
-    }
   }
 
   // Pipelined broadcast: frame i's bytes and frame i+1's sizes go out together, up to
@@ -1414,15 +1321,6 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
     mpi_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, m.comm), "direct-read probe");
     m.direct = ok != 0;
     m.driver_pid = probe.pid;
-    // Staging wants a core for rank 0's copy: on an oversubscribed node the copy takes
-    // time from the engines (their reads, and in training their compute). 3 ranks on 2
-    // cores measured both ways (broadcast alone, alternated rounds: 0.66x MPI_Bcast with
-    // staging vs 0.75-0.95x without in one harness, 0.65-0.68x vs 0.52-0.59x in
-    // bench_mpi_fabric), so it stays off there.
-    const auto cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
-    // Without transparent huge pages the copy would buy nothing.
-    m.stage_frames = m.direct && m.options.staging && node_ranks <= cores &&
-                     StagingSlots::transparent_huge_pages();
   }
   if (pair_shares_node != 0) {
     mpi_check(MPI_Comm_split(m.comm, m.rank <= 1 ? 0 : MPI_UNDEFINED, m.rank, &m.pair),
@@ -1484,10 +1382,6 @@ MpiFabric::~MpiFabric() {
 
 int MpiFabric::rank() const {
   return impl_->rank;
-}
-
-bool MpiFabric::stages_frames() const {
-  return impl_->stage_frames;
 }
 
 double MpiFabric::last_gradient_seconds() const {

@@ -13,7 +13,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "sluice/error.hpp"
@@ -26,7 +25,6 @@ namespace sluice {
 namespace {
 
 MpiFabric* g_fabric = nullptr;
-bool g_shared_memory = true;          // false: --no-shared-memory
 constexpr std::int32_t kThreads = 1;  // per engine, both fabrics: the same lane geometry
 // Two stream shares on every engine of both fabrics: their dX parts are added in share
 // order, so the bits match only if the engine ranks got the geometry too.
@@ -277,17 +275,6 @@ float tree_sum(float v, std::int32_t n) {
   return parts.front();
 }
 
-// Rank 0 copies frames into huge pages for the engines only where they read its memory
-// themselves and it has a core of its own for the copy.
-TEST(MpiFabric, StagesFramesOnlyWhereItApplies) {
-  int ranks = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  const auto cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
-  if (!g_shared_memory || ranks > cores) EXPECT_FALSE(g_fabric->stages_frames());
-  MpiFabricOptions options;
-  EXPECT_TRUE(options.staging);  // on by default
-}
-
 // Gradient values travel in segments of 2^18 floats, chunks end anywhere in them, and the
 // shared window grows: a stream of ~600k weights in odd-sized chunks crosses all of that.
 TEST(MpiFabric, ProbeEchoOfAStreamOfSeveralSegments) {
@@ -374,11 +361,10 @@ int main(int argc, char** argv) {
     options.engine.threads = sluice::kThreads;
     options.engine.geometry.shares = sluice::kShares;
     options.window = 3;
-    // Small frames: the larger streams take tens of them, so the frames in flight, and on
-    // one node rank 0's staging slots (window + 1 of them), are reused many times over.
+    // Small frames: the larger streams take tens of them, so the frames in flight are
+    // reused many times over.
     options.frame_bytes = std::size_t{128} << 10;
     options.shared_memory = shared_memory;
-    sluice::g_shared_memory = shared_memory;
     sluice::MpiFabric fabric(options);
     if (rank == 0) {
       sluice::g_fabric = &fabric;
