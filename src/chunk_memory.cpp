@@ -4,6 +4,7 @@
 // the chunk size, so few sizes occur) and handed out again. Neither oneTBB's scalable
 // allocator (its huge pages need THP "always") nor the standard pool resources (they round
 // large blocks up to powers of two) serve this.
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -38,7 +39,7 @@ std::size_t round_up(std::size_t n, std::size_t step) {
   return (n + step - 1) / step * step;
 }
 
-bool transparent_huge_pages() {
+[[maybe_unused]] bool transparent_huge_pages() {
   std::FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
   if (f == nullptr) return false;
   char text[128] = {};
@@ -110,7 +111,7 @@ class HugeBlocks {
     const std::size_t lead =
         (kHugePage - reinterpret_cast<std::uintptr_t>(start) % kHugePage) % kHugePage;
     if (lead > 0) munmap(start, lead);  // keep only the aligned part
-    if (kHugePage - lead > 0) munmap(start + lead + bytes, kHugePage - lead);
+    munmap(start + lead + bytes, kHugePage - lead);
     (void)madvise(start + lead, bytes, MADV_HUGEPAGE);  // a hint: 4 KiB pages still work
     return start + lead;
 #else
