@@ -13,7 +13,9 @@
 #include <immintrin.h>
 
 // GCC 12 warns falsely inside _mm512_maskz_loadu_ps (its pass-through operand is unused).
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no such warning
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include <algorithm>
 

@@ -3,7 +3,9 @@
 // left after the last whole step go through the scalar rules.
 #include <immintrin.h>
 
+#if defined(__GNUC__) && !defined(__clang__)            // clang has no such warning
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, inside its own intrinsics
+#endif
 
 #include <bit>
 

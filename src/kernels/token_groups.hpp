@@ -17,7 +17,8 @@ void for_each_group(std::int64_t tokens, Kernel&& kernel) {
     const std::int64_t width = std::min(kGroup, tokens - t0);
     const auto blocks = static_cast<int>((width + kBlock - 1) / kBlock);
     [&]<int... N>(std::integer_sequence<int, N...>) {
-      ((blocks == N + 1 ? (kernel.template operator()<N + 1>(t0, width), true) : false) || ...);
+      (void)((blocks == N + 1 ? (kernel.template operator()<N + 1>(t0, width), true) : false) ||
+             ...);
     }
     (std::make_integer_sequence<int, kMaxBlocks>{});
   }
