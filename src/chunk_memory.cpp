@@ -4,18 +4,18 @@
 // the chunk size, so few sizes occur) and handed out again. Neither oneTBB's scalable
 // allocator (its huge pages need THP "always") nor the standard pool resources (they round
 // large blocks up to powers of two) serve this.
-#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
 #include <unordered_map>
 #include <vector>
 
+#include "huge_pages.hpp"
 #include "sluice/stream.hpp"
 
 #if defined(__linux__)
-#include <sys/mman.h>
 #define SLUICE_CHUNK_HUGE_PAGES 1
 #endif
 #if defined(__SANITIZE_ADDRESS__)
@@ -29,11 +29,10 @@
 namespace sluice::detail {
 namespace {
 
-constexpr std::size_t kSmall = std::size_t{16} << 10;  // below: operator new
-constexpr std::size_t kStep = std::size_t{16} << 10;   // sizes are rounded up to this
-constexpr std::size_t kHugePage = std::size_t{2} << 20;
-constexpr std::size_t kArena = std::size_t{64} << 20;       // mapped at a time
-constexpr std::size_t kOwnMapping = std::size_t{16} << 20;  // blocks with a mapping each
+constexpr std::size_t kSmall = std::size_t{16} << 10;       // below: operator new
+constexpr std::size_t kStep = std::size_t{16} << 10;        // sizes are rounded up to this
+constexpr std::size_t kArena = std::size_t{64} << 20;       // allocated at a time
+constexpr std::size_t kOwnMapping = std::size_t{16} << 20;  // blocks allocated alone
 
 std::size_t round_up(std::size_t n, std::size_t step) {
   return (n + step - 1) / step * step;
@@ -60,7 +59,7 @@ class HugeBlocks {
 
   void* allocate(std::size_t bytes) {
     const std::size_t size = round_up(bytes, kStep);
-    if (size >= kOwnMapping) return map(round_up(size, kHugePage));
+    if (size >= kOwnMapping) return allocate_huge_pages(size);
     const std::lock_guard<std::mutex> lock(mutex_);
     std::vector<void*>& kept = free_[size];
     if (!kept.empty()) {
@@ -69,7 +68,7 @@ class HugeBlocks {
       return block;
     }
     if (left_ < size) {
-      next_ = static_cast<char*>(map(kArena));
+      next_ = static_cast<char*>(allocate_huge_pages(kArena));
       left_ = kArena;
     }
     void* block = next_;
@@ -81,9 +80,7 @@ class HugeBlocks {
   void free(void* block, std::size_t bytes) noexcept {
     const std::size_t size = round_up(bytes, kStep);
     if (size >= kOwnMapping) {
-#ifdef SLUICE_CHUNK_HUGE_PAGES
-      munmap(block, round_up(size, kHugePage));
-#endif
+      std::free(block);
       return;
     }
     const std::lock_guard<std::mutex> lock(mutex_);
@@ -100,25 +97,6 @@ class HugeBlocks {
 #else
   HugeBlocks() = default;
 #endif
-
-  // `bytes` (a multiple of 2 MiB) at a 2 MiB boundary, asked to be in huge pages.
-  static void* map(std::size_t bytes) {
-#ifdef SLUICE_CHUNK_HUGE_PAGES
-    const std::size_t mapped = bytes + kHugePage;
-    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    char* start = static_cast<char*>(p);
-    const std::size_t lead =
-        (kHugePage - reinterpret_cast<std::uintptr_t>(start) % kHugePage) % kHugePage;
-    if (lead > 0) munmap(start, lead);  // keep only the aligned part
-    munmap(start + lead + bytes, kHugePage - lead);
-    (void)madvise(start + lead, bytes, MADV_HUGEPAGE);  // a hint: 4 KiB pages still work
-    return start + lead;
-#else
-    (void)bytes;
-    throw std::bad_alloc();
-#endif
-  }
 
   bool enabled_ = false;
   std::mutex mutex_;

@@ -15,8 +15,6 @@
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -28,6 +26,7 @@
 #include <type_traits>
 
 #include "chunk_pool.hpp"
+#include "huge_pages.hpp"
 #include "kernels/lane_kernels.hpp"
 #include "parallel.hpp"
 #include "sluice/engine.hpp"
@@ -126,11 +125,9 @@ class HugePageBuffer {
   std::size_t size() const { return size_; }
   void reserve(std::size_t floats) {
     if (floats <= size_) return;
-    constexpr std::size_t kHuge = 2 << 20;
-    const std::size_t bytes = (floats * sizeof(float) + kHuge - 1) / kHuge * kHuge;
-    void* p = std::aligned_alloc(kHuge, bytes);
-    if (p == nullptr) throw std::bad_alloc();
-    ::madvise(p, bytes, MADV_HUGEPAGE);  // a hint: fine if refused
+    const std::size_t bytes =
+        (floats * sizeof(float) + detail::kHugePage - 1) / detail::kHugePage * detail::kHugePage;
+    void* p = detail::allocate_huge_pages(bytes);
     std::free(data_);
     data_ = static_cast<float*>(p);
     size_ = bytes / sizeof(float);

@@ -1,0 +1,29 @@
+#pragma once
+// Memory in 2 MiB pages where the kernel allows: the engine's resident tiles (read at
+// random rows) and stream chunks (read by other processes, which pin every page).
+// Internal.
+#include <cstddef>
+#include <cstdlib>
+#include <new>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace sluice::detail {
+
+inline constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+/// At least `bytes`, rounded up to whole 2 MiB pages, 2 MiB aligned and asked to be in
+/// huge pages (a hint: fine if refused). Free with std::free. Throws std::bad_alloc.
+inline void* allocate_huge_pages(std::size_t bytes) {
+  bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, bytes);
+  if (p == nullptr) throw std::bad_alloc();
+#if defined(__linux__)
+  ::madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+}  // namespace sluice::detail
