@@ -1,12 +1,17 @@
 // The memory of stream chunks' packet buffers (ChunkAllocator in sluice/stream.hpp).
 // Large buffers come from arenas of transparent huge pages: a block is carved once and,
 // once freed, kept on a list for its size (sizes rounded to 16 KiB; chunks cluster around
-// the chunk size, so few sizes occur) and handed out again. Neither oneTBB's scalable
-// allocator (its huge pages need THP "always") nor the standard pool resources (they round
-// large blocks up to powers of two) serve this.
+// the chunk size, so few sizes occur) and handed out again. Arenas with no live block go
+// back to the OS only when asked (release_chunk_memory): training streams the same sizes
+// every step, and fresh pages would have to be faulted in again. Neither oneTBB's scalable
+// allocator (its huge pages need THP "always") nor the standard pool resources (they
+// round large blocks up to powers of two) serve this.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -59,21 +64,36 @@ class HugeBlocks {
 
   void* allocate(std::size_t bytes) {
     const std::size_t size = round_up(bytes, kStep);
-    if (size >= kOwnMapping) return allocate_huge_pages(size);
+    if (size >= kOwnMapping) {
+      void* block = allocate_huge_pages(size);
+      const std::lock_guard<std::mutex> lock(mutex_);
+      own_bytes_ += size;
+      return block;
+    }
     const std::lock_guard<std::mutex> lock(mutex_);
     std::vector<void*>& kept = free_[size];
     if (!kept.empty()) {
       void* block = kept.back();
       kept.pop_back();
+      arena_of(block).live += size;
       return block;
     }
     if (left_ < size) {
       next_ = static_cast<char*>(allocate_huge_pages(kArena));
       left_ = kArena;
+      try {
+        arenas_.emplace(next_, Arena{});
+      } catch (...) {
+        std::free(next_);
+        next_ = nullptr;
+        left_ = 0;
+        throw;
+      }
     }
     void* block = next_;
     next_ += size;
     left_ -= size;
+    arena_of(block).live += size;
     return block;
   }
 
@@ -81,14 +101,49 @@ class HugeBlocks {
     const std::size_t size = round_up(bytes, kStep);
     if (size >= kOwnMapping) {
       std::free(block);
+      const std::lock_guard<std::mutex> lock(mutex_);
+      own_bytes_ -= size;
       return;
     }
     const std::lock_guard<std::mutex> lock(mutex_);
+    arena_of(block).live -= size;
     try {
       free_[size].push_back(block);
     } catch (...) {
-      // No room to keep it: the block is lost to reuse, nothing else goes wrong.
+      // No room to keep it: the block is lost to reuse until its arena is released.
     }
+  }
+
+  ChunkMemoryUsage usage() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ChunkMemoryUsage u{own_bytes_ + arenas_.size() * kArena, own_bytes_};
+    for (const auto& [base, arena] : arenas_) u.live_bytes += arena.live;
+    return u;
+  }
+
+  /// Frees every arena without a live block, after taking its blocks off the free lists.
+  std::size_t release() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<char*> idle;
+    for (const auto& [base, arena] : arenas_) {
+      if (arena.live == 0) idle.push_back(base);
+    }
+    if (idle.empty()) return 0;
+    auto in_idle = [&](void* block) {
+      auto* p = static_cast<char*>(block);
+      const auto after = std::upper_bound(idle.begin(), idle.end(), p);  // idle is sorted
+      return after != idle.begin() && p < *(after - 1) + kArena;
+    };
+    for (auto& [size, kept] : free_) std::erase_if(kept, in_idle);
+    for (char* base : idle) {
+      if (next_ != nullptr && base <= next_ && next_ < base + kArena) {
+        next_ = nullptr;  // the arena being carved: the next block starts a new one
+        left_ = 0;
+      }
+      arenas_.erase(base);
+      std::free(base);
+    }
+    return idle.size() * kArena;
   }
 
  private:
@@ -98,9 +153,19 @@ class HugeBlocks {
   HugeBlocks() = default;
 #endif
 
+  struct Arena {
+    std::size_t live = 0;  // bytes of its blocks handed out and not freed
+  };
+  /// The arena a block lies in: the last one starting at or before it.
+  Arena& arena_of(void* block) {
+    return std::prev(arenas_.upper_bound(static_cast<char*>(block)))->second;
+  }
+
   bool enabled_ = false;
   std::mutex mutex_;
   std::unordered_map<std::size_t, std::vector<void*>> free_;
+  std::map<char*, Arena> arenas_;  // by start address
+  std::size_t own_bytes_ = 0;      // blocks allocated alone, all live
   char* next_ = nullptr;
   std::size_t left_ = 0;
 };
@@ -128,3 +193,17 @@ bool chunk_memory_in_huge_pages() {
 }
 
 }  // namespace sluice::detail
+
+namespace sluice {
+
+ChunkMemoryUsage chunk_memory_usage() {
+  detail::HugeBlocks& blocks = detail::HugeBlocks::instance();
+  return blocks.enabled() ? blocks.usage() : ChunkMemoryUsage{};
+}
+
+std::size_t release_chunk_memory() {
+  detail::HugeBlocks& blocks = detail::HugeBlocks::instance();
+  return blocks.enabled() ? blocks.release() : 0;
+}
+
+}  // namespace sluice

@@ -94,6 +94,60 @@ TEST(ChunkMemory, ThreadsAllocatingAtOnceGetTheirOwnBlocks) {
   for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[static_cast<std::size_t>(t)], 0) << t;
 }
 
+TEST(ChunkMemory, ReleaseReturnsIdleArenasAndKeepsLiveBlocks) {
+  if (!detail::chunk_memory_in_huge_pages()) {
+    EXPECT_EQ(chunk_memory_usage().reserved_bytes, 0U);  // operator new: nothing held
+    EXPECT_EQ(release_chunk_memory(), 0U);
+    GTEST_SKIP() << "operator new serves all sizes";
+  }
+  release_chunk_memory();
+  const ChunkMemoryUsage before = chunk_memory_usage();
+  // One block kept alive across the release, then 150 MiB in blocks of 1 MiB + a little
+  // (rounded to 1 MiB + 16 KiB): more than two 64 MiB arenas.
+  const std::size_t bytes = (1 << 20) + 100, rounded = (1 << 20) + (16 << 10);
+  Block kept{static_cast<unsigned char*>(detail::allocate_chunk_memory(bytes)), bytes};
+  fill(kept, 0x5A);
+  std::vector<Block> blocks;
+  for (int i = 0; i < 150; ++i) {
+    blocks.push_back({static_cast<unsigned char*>(detail::allocate_chunk_memory(bytes)), bytes});
+  }
+  // A block of its own mapping counts while it lives.
+  const std::size_t alone = std::size_t{20} << 20;
+  void* big = detail::allocate_chunk_memory(alone);
+  const ChunkMemoryUsage busy = chunk_memory_usage();
+  EXPECT_EQ(busy.live_bytes, before.live_bytes + 151 * rounded + alone);
+  EXPECT_GE(busy.reserved_bytes, busy.live_bytes);
+  EXPECT_GE(busy.reserved_bytes, before.reserved_bytes + 150 * rounded);
+  detail::free_chunk_memory(big, alone);
+  for (const Block& b : blocks) detail::free_chunk_memory(b.data, b.bytes);
+  const ChunkMemoryUsage idle = chunk_memory_usage();
+  EXPECT_EQ(idle.live_bytes, before.live_bytes + rounded);
+  EXPECT_EQ(idle.reserved_bytes, busy.reserved_bytes - alone);  // freed blocks stay reserved
+
+  const std::size_t released = release_chunk_memory();
+  const ChunkMemoryUsage after = chunk_memory_usage();
+  EXPECT_GE(released, std::size_t{64} << 20);  // at least one arena held only freed blocks
+  EXPECT_EQ(after.reserved_bytes, idle.reserved_bytes - released);
+  EXPECT_EQ(after.live_bytes, idle.live_bytes);
+  // What stays reserved is what was before plus the arena the live block holds, at most.
+  EXPECT_LE(after.reserved_bytes, before.reserved_bytes + (std::size_t{64} << 20));
+  EXPECT_TRUE(intact(kept, 0x5A));
+  EXPECT_EQ(release_chunk_memory(), 0U);  // nothing idle is left
+
+  // New blocks never come from released memory's free lists: none overlaps the live one.
+  for (int i = 0; i < 80; ++i) {
+    Block b{static_cast<unsigned char*>(detail::allocate_chunk_memory(bytes)), bytes};
+    EXPECT_TRUE(b.data + b.bytes <= kept.data || kept.data + kept.bytes <= b.data);
+    fill(b, 0x33);
+    blocks[static_cast<std::size_t>(i)] = b;
+  }
+  EXPECT_TRUE(intact(kept, 0x5A));
+  for (int i = 0; i < 80; ++i) detail::free_chunk_memory(blocks[i].data, blocks[i].bytes);
+  detail::free_chunk_memory(kept.data, kept.bytes);
+  release_chunk_memory();
+  EXPECT_EQ(chunk_memory_usage().live_bytes, before.live_bytes);
+}
+
 TEST(ChunkMemory, PacketVectorsBehaveAsVectors) {
   PacketVector a(40'000, Packet{3, 1.5F});
   PacketVector b = a;  // copies allocate through the same memory

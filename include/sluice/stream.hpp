@@ -96,9 +96,24 @@ void free_chunk_memory(void* block, std::size_t bytes) noexcept;
 bool chunk_memory_in_huge_pages();
 }  // namespace detail
 
+/// Memory held for stream chunks' buffers of 16 KiB and more where they come from huge
+/// pages (both zero otherwise: operator new then serves them and takes them back):
+/// reserved from the OS, and of that, in buffers now in use. A freed buffer stays
+/// reserved for the next of its size, so a process keeps the peak of what it streamed at
+/// once until release_chunk_memory.
+struct ChunkMemoryUsage {
+  std::size_t reserved_bytes = 0;
+  std::size_t live_bytes = 0;
+};
+ChunkMemoryUsage chunk_memory_usage();
+/// Returns to the OS every 64 MiB arena none of whose buffers is in use, and the bytes it
+/// released: for a process done with a phase that streamed more, or other shapes, than
+/// what follows (the next chunks fault in fresh pages). Thread-safe, buffers in use stay.
+std::size_t release_chunk_memory();
+
 /// The allocator of stream chunks' packet buffers. Buffers of 16 KiB and more come from
-/// 2 MiB pages where the kernel has transparent huge pages (kept by size and reused: the
-/// memory stays with the process), smaller ones from operator new. A process that reads
+/// 2 MiB pages where the kernel has transparent huge pages (kept by size and reused, see
+/// chunk_memory_usage), smaller ones from operator new. A process that reads
 /// another's memory (MpiFabric's engines read rank 0's chunks) pins every page it copies;
 /// from huge pages that measured 1.7-1.9x faster here (a 64 MB MPI_Bcast, one node).
 template <typename T>
