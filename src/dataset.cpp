@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 
@@ -102,6 +103,11 @@ Dataset load_csv(const std::filesystem::path& path) {
           !std::isfinite(v)) {
         throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
                           " is not a finite number: '" + cell + "'");
+      }
+      // Features are held in fp32: a larger value would become infinite there.
+      if (std::fabs(v) > std::numeric_limits<float>::max()) {
+        throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
+                          " is outside the fp32 range: '" + cell + "'");
       }
       values.push_back(v);
       if (end == line.size()) break;

@@ -46,7 +46,8 @@ TEST(Dataset, BadRowsNameTheLine) {
   write(temp("bad1.csv"), "1,2,0\n1,x,1\n");
   write(temp("bad2.csv"), "1,2,0\n1,2\n1,2,3,4\n");
   write(temp("bad3.csv"), "1,2,0\n1,2,-1\n");
-  for (const char* name : {"bad1.csv", "bad2.csv", "bad3.csv"}) {
+  write(temp("bad4.csv"), "1,2,0\n1,-1e39,1\n");  // finite, but not in fp32
+  for (const char* name : {"bad1.csv", "bad2.csv", "bad3.csv", "bad4.csv"}) {
     try {
       load_csv(temp(name));
       FAIL() << name;
