@@ -125,8 +125,7 @@ class HugePageBuffer {
   std::size_t size() const { return size_; }
   void reserve(std::size_t floats) {
     if (floats <= size_) return;
-    const std::size_t bytes =
-        (floats * sizeof(float) + detail::kHugePage - 1) / detail::kHugePage * detail::kHugePage;
+    const std::size_t bytes = detail::whole_huge_pages(floats * sizeof(float));
     void* p = detail::allocate_huge_pages(bytes);
     std::free(data_);
     data_ = static_cast<float*>(p);

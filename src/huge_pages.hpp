@@ -14,10 +14,15 @@ namespace sluice::detail {
 
 inline constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
+/// `bytes` rounded up to whole 2 MiB pages: what allocate_huge_pages gives.
+inline constexpr std::size_t whole_huge_pages(std::size_t bytes) {
+  return (bytes + kHugePage - 1) / kHugePage * kHugePage;
+}
+
 /// At least `bytes`, rounded up to whole 2 MiB pages, 2 MiB aligned and asked to be in
 /// huge pages (a hint: fine if refused). Free with std::free. Throws std::bad_alloc.
 inline void* allocate_huge_pages(std::size_t bytes) {
-  bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  bytes = whole_huge_pages(bytes);
   void* p = std::aligned_alloc(kHugePage, bytes);
   if (p == nullptr) throw std::bad_alloc();
 #if defined(__linux__)
