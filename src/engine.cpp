@@ -2,6 +2,7 @@
 // implementation runs.
 #include "sluice/engine.hpp"
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 
@@ -42,6 +43,17 @@ void check_placement(const Placement& placement, std::int64_t features, const ch
                      " features on " + std::to_string(placement.lanes) + " lanes; the layer has " +
                      std::to_string(features) + " features");
   }
+  // A placement is a public struct a caller may fill in by hand; the engine indexes its
+  // lanes with these values.
+  const auto bad =
+      std::find_if(placement.lane_of.begin(), placement.lane_of.end(),
+                   [&](std::int32_t lane) { return lane < 0 || lane >= placement.lanes; });
+  if (bad != placement.lane_of.end()) {
+    throw ShapeError(std::string(what) + " puts feature " +
+                     std::to_string(bad - placement.lane_of.begin()) + " on lane " +
+                     std::to_string(*bad) + ", outside its " + std::to_string(placement.lanes) +
+                     " lanes");
+  }
 }
 
 void check_layer(const StreamHeader& h, const Placement& placement, ConstMatrixView x) {
@@ -76,9 +88,8 @@ void Engine::forward(StreamSource& weights, const Placement& placement, ConstMat
     throw ShapeError("Y is " + shape(y.rows, y.cols) + ", expected " + shape(h.outputs, x.cols));
   }
   if (overlap(x, y)) throw ShapeError("X and Y overlap in memory");
-  if (next_placement != nullptr && next_placement->features() != h.outputs) {
+  if (next_placement != nullptr)
     check_placement(*next_placement, h.outputs, "next layer's placement");
-  }
   forward_impl(weights, placement, x, y, next_placement);
 }
 

@@ -16,6 +16,7 @@
 #include "sluice/kernels.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
@@ -24,6 +25,7 @@ using testing::backward_data_error;
 using testing::backward_weight_error;
 using testing::forward_error;
 using testing::random_dense;
+using testing::thrown_message;
 
 constexpr double kTolerance = 1e-5;  // relative to sum |w x|: a wrong or lost term is ~1
 
@@ -464,6 +466,31 @@ TEST(Engine, RejectsWrongShapes) {
                ShapeError);
   MutableMatrixView alias{x.data(), 6, 4, x.stride()};
   EXPECT_THROW(engine.backward(s, p, x.view(), y.view(), &alias), ShapeError);
+}
+
+// A placement filled in by hand may name lanes that do not exist; every product refuses
+// it (the engine would index its lanes with them), and so does forward for the next
+// layer's placement, which only picks where each output's sum ends.
+TEST(Engine, RejectsPlacementsWithLanesOutOfRange) {
+  const CsrMatrix w = CsrMatrix::random(40, 30, 0.5, 4);
+  const WeightStream s = encode_stream(w);
+  CpuEngine engine;
+  DenseMatrix x = random_dense(30, 20, 1), y(40, 20), dy = random_dense(40, 20, 2), dx(30, 20);
+  MutableMatrixView dxv = dx.view();
+  for (const std::int32_t lane : {-1, 3, 7}) {
+    Placement p = round_robin_placement(w, 3);
+    p.lane_of[5] = lane;
+    EXPECT_CONTAINS(thrown_message<ShapeError>([&] { engine.forward(s, p, x.view(), y.view()); }),
+                    "feature 5 on lane " + std::to_string(lane));
+    EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dxv), ShapeError);
+    EXPECT_THROW(engine.backward_data(s, p, dy.view(), dxv), ShapeError);
+    Placement next = round_robin_placement(CsrMatrix::random(10, 40, 0.5, 5), 3);
+    next.lane_of[39] = lane;
+    const Placement good = round_robin_placement(w, 3);
+    EXPECT_CONTAINS(
+        thrown_message<ShapeError>([&] { engine.forward(s, good, x.view(), y.view(), &next); }),
+        "next layer's placement puts feature 39");
+  }
 }
 
 // Every product, on one lane and on several, refuses the same corruptions before any
