@@ -152,4 +152,20 @@ TEST_F(CliSweep, UnwritableOutExitsWithOneAndLeavesNoPartialFile) {
   EXPECT_TRUE(temporary_files(out).empty());
 }
 
+// Without gnuplot the plot is not drawn, and a plot of an earlier run must not stay beside
+// this run's CSV as if it were its own, nor be listed as written.
+TEST_F(CliSweep, WithoutGnuplotAnEarlierPlotIsRemovedNotReported) {
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out);
+  std::ofstream(out / "sweep.png") << "a plot of another sweep";
+  const Outcome o = sluice::testing::run_cli(
+      "env PATH=" + (dir_ / "no-programs-here").string() + " " + SLUICE_CLI_PATH,
+      std::string(kTiny) + "--sparsities 0.5,0.9 --out " + out.string());
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("gnuplot not on PATH"), std::string::npos) << o.output;
+  EXPECT_EQ(o.output.find("sweep.png"), std::string::npos) << o.output;
+  EXPECT_FALSE(fs::exists(out / "sweep.png"));
+  EXPECT_TRUE(fs::exists(out / "sweep.csv"));
+}
+
 }  // namespace

@@ -306,11 +306,7 @@ void write_outputs(const Prediction& p, const fs::path& dir) {
   write_atomically(dir / "acceleration.csv", acceleration_csv(p, order));
   write_atomically(dir / "saturation.csv", saturation_csv(p));
   if (!p.scaling.empty()) write_atomically(dir / "scaling.csv", scaling_csv(p));
-  if (on_path("gnuplot")) {
-    plot(p, dir, order.size() / std::size(kCurveEngines));
-  } else {
-    std::cerr << "sluice predict: gnuplot not on PATH; wrote CSV files only\n";
-  }
+  plot(p, dir, order.size() / std::size(kCurveEngines));
 }
 
 int run_predict(const PredictOptions& options) {

@@ -77,11 +77,17 @@ PlotFile plot_file(const fs::path& dir, const std::string& name) {
 
 bool run_gnuplot(const std::string& script, const fs::path& dir, const std::vector<PlotFile>& files,
                  const std::string& who) {
+  std::error_code ignored;
+  if (!on_path("gnuplot")) {
+    // A plot of an earlier run must not sit beside this run's data as if it were its own.
+    for (const auto& f : files) fs::remove(f.final_path, ignored);
+    std::cerr << who << ": gnuplot not on PATH; the CSV files are written, the plots are not\n";
+    return false;
+  }
   const fs::path script_path = dir / ("plot.gp.tmp." + std::to_string(::getpid()));
   write_atomically(script_path, script);
   const std::string command = "gnuplot " + shell_quote(script_path.string()) + " 1>&2";
   const int status = std::system(command.c_str());
-  std::error_code ignored;
   fs::remove(script_path, ignored);
   bool made = status == 0;
   for (const auto& f : files) {
@@ -94,6 +100,7 @@ bool run_gnuplot(const std::string& script, const fs::path& dir, const std::vect
       }
     } else {
       fs::remove(f.tmp_path, ignored);
+      fs::remove(f.final_path, ignored);  // an earlier run's plot
       made = false;
     }
   }

@@ -31,8 +31,9 @@ struct PlotFile {
 PlotFile plot_file(const std::filesystem::path& dir, const std::string& name);
 
 /// Runs gnuplot on `script` (which must `set output` to each file's tmp_path) and renames
-/// the plots into place when gnuplot succeeded; otherwise removes them and tells stderr,
-/// prefixed by `who` ("sluice predict"). Returns whether the plots were made.
+/// the plots into place when gnuplot succeeded; otherwise (or with no gnuplot on PATH)
+/// removes them and any earlier plots of the same names, and tells stderr, prefixed by
+/// `who` ("sluice predict"). Returns whether the plots were made.
 bool run_gnuplot(const std::string& script, const std::filesystem::path& dir,
                  const std::vector<PlotFile>& files, const std::string& who);
 
