@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -40,6 +41,16 @@ inline DenseMatrix rounded_to_bf16(ConstMatrixView x) {
   return m;
 }
 
+/// |got - want| relative to `scale` = sum |products| of a sum of `terms` products. Below
+/// fp32's smallest normal number a product is a denormal (or flushed to zero), so each
+/// term may be off by up to that much: a sum of such tiny products is judged against
+/// terms x FLT_MIN, or its underflow would read as a 100% error.
+inline double relative_error(double err, double scale, std::int64_t terms) {
+  const double underflow =
+      static_cast<double>(terms + 1) * static_cast<double>(std::numeric_limits<float>::min());
+  return err / std::max(scale, underflow);
+}
+
 /// Largest relative error of `got` against W*X (W as CSR), in float64.
 inline double forward_error(const CsrMatrix& w, ConstMatrixView x, ConstMatrixView got) {
   double worst = 0;
@@ -52,8 +63,8 @@ inline double forward_error(const CsrMatrix& w, ConstMatrixView x, ConstMatrixVi
         sum += p;
         scale += std::abs(p);
       }
-      const double err = std::abs(got(o, t) - sum);
-      worst = std::max(worst, scale > 0 ? err / scale : err);
+      worst =
+          std::max(worst, relative_error(std::abs(got(o, t) - sum), scale, off[o + 1] - off[o]));
     }
   }
   return worst;
@@ -73,12 +84,12 @@ inline double backward_data_error(const CsrMatrix& w, ConstMatrixView dy, ConstM
       }
     }
   }
+  const std::vector<std::int64_t> terms = w.column_counts();
   double worst = 0;
   for (std::int64_t i = 0; i < w.cols(); ++i) {
     for (std::int64_t t = 0; t < dy.cols; ++t) {
       const double err = std::abs(got(i, t) - sum[i * dy.cols + t]);
-      const double s = scale[i * dy.cols + t];
-      worst = std::max(worst, s > 0 ? err / s : err);
+      worst = std::max(worst, relative_error(err, scale[i * dy.cols + t], terms[i]));
     }
   }
   return worst;
@@ -98,8 +109,7 @@ inline double backward_weight_error(const CsrMatrix& mask, ConstMatrixView dy, C
         sum += p;
         scale += std::abs(p);
       }
-      const double err = std::abs(got[k] - sum);
-      worst = std::max(worst, scale > 0 ? err / scale : err);
+      worst = std::max(worst, relative_error(std::abs(got[k] - sum), scale, x.cols));
     }
   }
   return worst;

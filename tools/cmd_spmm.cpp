@@ -47,7 +47,16 @@ struct SpmmResult {
   double acceleration() const { return dense_ms / sparse_ms; }
 };
 
+// --check fails above this relative error (per output, relative to sum |w x|, as the test
+// suite checks): rounding gives ~1e-7 here, one lost or wrong term about 1/K of the sum.
+constexpr double kCheckTolerance = 1e-5;
+
 SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
+  // oneDNN's W with its zeros (and, with --backward, dW as large).
+  require_memory(
+      4.0 * static_cast<double>(w.rows()) * static_cast<double>(w.cols()) * (o.backward ? 2 : 1),
+      "the dense baseline of a " + std::to_string(w.rows()) + "x" + std::to_string(w.cols()) +
+          " layer");
   EngineOptions eo;
   eo.threads = o.threads;
   eo.geometry = o.geometry;
@@ -232,7 +241,8 @@ Command add_spmm_command(CLI::App& app) {
                   "fp32, or bf16: weights streamed and activations held in bf16, fp32 sums")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_flag("--check", o->check,
-                "Check against a float64 reference (of the bf16-rounded operands in bf16)");
+                "Check against a float64 reference (of the bf16-rounded operands in bf16); exit "
+                "code 1 if a relative error exceeds 1e-5");
   cmd->add_flag("--backward", o->backward, "Also time (and check) backward-data and -weight");
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
 
@@ -250,6 +260,7 @@ Command add_spmm_command(CLI::App& app) {
         layers.push_back(CsrMatrix::random(out, in, s, o->seed, distribution));
       }
     }
+    o->threads = runnable_threads(o->threads, "spmm");
     std::vector<SpmmResult> results;
     for (const CsrMatrix& w : layers) results.push_back(measure(w, *o));
     if (o->json) {
@@ -265,7 +276,20 @@ Command add_spmm_command(CLI::App& app) {
     } else {
       print_table(results, o->backward, o->check);
     }
-    return 0;
+    int failed = 0;
+    for (const SpmmResult& r : results) {
+      for (const auto& [error, product] :
+           {std::pair{r.max_rel_error, "forward"}, std::pair{r.max_rel_error_bwd, "backward"}}) {
+        if (error && !(*error <= kCheckTolerance)) {
+          std::fprintf(stderr,
+                       "sluice spmm: check failed at sparsity %.4f: %s relative error %.2e, "
+                       "above %.0e\n",
+                       r.sparsity, product, *error, kCheckTolerance);
+          ++failed;
+        }
+      }
+    }
+    return failed > 0 ? 1 : 0;
   };
 }
 

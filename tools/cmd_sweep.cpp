@@ -130,8 +130,12 @@ double median(std::vector<double> values) {
 Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
               std::vector<MeasuredRun>& runs) {
   const auto [outputs, inputs] = parse_shape(o.shape);
+  // oneDNN's W with its zeros (and, for a training step, dW as large).
+  require_memory(
+      4.0 * static_cast<double>(outputs) * static_cast<double>(inputs) * (o.training ? 2 : 1),
+      "the dense baseline of a " + o.shape + " layer");
   EngineOptions eo;
-  eo.threads = o.threads;
+  eo.threads = runnable_threads(o.threads, "sweep");
   CpuEngine engine(eo);
   baseline::set_dense_threads(engine.threads());
 
@@ -375,7 +379,7 @@ void print_table(const Sweep& s) {
   std::printf("\n");
 }
 
-void plot(const Sweep& s, const fs::path& dir) {
+bool plot(const Sweep& s, const fs::path& dir) {
   const PlotFile png = plot_file(dir, "sweep.png");
   const std::string csv = gnuplot_quote((dir / "sweep.csv").string());
   std::ostringstream gp;
@@ -391,7 +395,7 @@ void plot(const Sweep& s, const fs::path& dir) {
      << " using 2:8 with linespoints lw 2 title 'predicted (calibrated cost model)', "
      << "1 with lines dashtype 2 lc rgb 'gray' title 'break-even'\n"
      << "set output\n";
-  run_gnuplot(gp.str(), dir, {png}, "sluice sweep");
+  return run_gnuplot(gp.str(), dir, {png}, "sluice sweep");
 }
 
 int run_sweep(const SweepOptions& o) {
@@ -409,17 +413,14 @@ int run_sweep(const SweepOptions& o) {
   write_atomically(dir / "sweep.csv", to_csv(s));
   const std::string json = to_json(s);
   write_atomically(dir / "sweep.json", json + "\n");
-  if (on_path("gnuplot"))
-    plot(s, dir);
-  else
-    std::cerr << "sluice sweep: gnuplot not on PATH; wrote sweep.csv and sweep.json only\n";
+  const bool plotted = plot(s, dir);
 
   if (o.json) {
     std::cout << json << "\n";
   } else {
     print_table(s);
     std::cout << "Wrote " << (dir / "sweep.csv").string() << ", sweep.json"
-              << (fs::exists(dir / "sweep.png") ? ", sweep.png" : "") << "\n";
+              << (plotted ? ", sweep.png" : "") << "\n";
   }
   std::cout.flush();
   if (!std::cout) throw IoError("sweep: cannot write to standard output");

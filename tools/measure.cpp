@@ -1,9 +1,12 @@
 #include "measure.hpp"
 
+#include <oneapi/tbb/task_arena.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <sstream>
 
 namespace sluice::cli {
@@ -42,6 +45,25 @@ std::int64_t peak_resident_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
+}
+
+int runnable_threads(int requested, const char* command) {
+  const int available = tbb::this_task_arena::max_concurrency();
+  if (requested <= available) return requested;
+  std::fprintf(stderr, "sluice %s: --threads %d, but this process can run %d at once; using %d\n",
+               command, requested, available, available);
+  return available;
+}
+
+void require_memory(double bytes, const std::string& what) {
+  const double physical =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (physical > 0 && bytes > physical) {
+    char text[160];
+    std::snprintf(text, sizeof text, "%s needs %.1f GB, more than this machine's %.1f GB of memory",
+                  what.c_str(), bytes * 1e-9, physical * 1e-9);
+    throw UsageError(text);
+  }
 }
 
 }  // namespace sluice::cli

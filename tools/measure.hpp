@@ -54,4 +54,15 @@ std::vector<double> parse_sparsities(const std::string& text);
 /// Peak resident memory of this process (bytes), from getrusage.
 std::int64_t peak_resident_bytes();
 
+/// The threads a benchmark runs with: `requested` (0: all this process may use), cut to
+/// what it can run at once, with a warning on stderr naming `command`. oneTBB would leave
+/// the extra threads unstarted while the engine planned its blocks for them, and the
+/// report would name a thread count that never ran.
+int runnable_threads(int requested, const char* command);
+
+/// UsageError unless `bytes` fit in this machine's physical memory. The dense baseline
+/// holds W with its zeros: a large, very sparse layer is small for sluice but may not be
+/// for oneDNN, and an allocation of tens of GB fails late or gets the process killed.
+void require_memory(double bytes, const std::string& what);
+
 }  // namespace sluice::cli

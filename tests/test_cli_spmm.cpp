@@ -1,0 +1,81 @@
+// `sluice spmm` on the real binary: what its report and exit code promise a script — a
+// check judged on the size of what was summed (underflow is not an error), a thread
+// count that ran, and a dense baseline too large for the machine refused up front.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "test_support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Outcome = sluice::testing::CliOutcome;
+
+Outcome run(const std::string& args, bool merge_stderr = true) {
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args, merge_stderr);
+}
+
+/// The number after `"key": ` in a JSON text; NaN when the key is missing.
+double json_number(const std::string& json, const std::string& key) {
+  const auto at = json.find("\"" + key + "\": ");
+  if (at == std::string::npos) return std::nan("");
+  return std::stod(json.substr(at + key.size() + 4));
+}
+
+class CliSpmm : public sluice::testing::TempDirTest {
+ protected:
+  void SetUp() override {
+    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
+    TempDirTest::SetUp();
+  }
+};
+
+// A weight below fp32's normal range: its products are denormal or zero in any fp32
+// kernel. Judged against the size of the products alone that read as a 100% error (and
+// a check that reports 1.0 and passes is a check nobody can use).
+TEST_F(CliSpmm, CheckJudgesUnderflowAsUnderflow) {
+  const fs::path file = dir_ / "denormal.mtx";
+  std::ofstream(file) << "%%MatrixMarket matrix coordinate real general\n3 3 2\n1 1 1e-45\n"
+                      << "2 3 0.5\n";
+  const Outcome o = run(
+      "spmm --matrix " + file.string() + " --tokens 5 --repeat 1 --check --backward --json", false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_LT(json_number(o.output, "max_rel_error"), 1e-5) << o.output;
+  EXPECT_LT(json_number(o.output, "max_rel_error_bwd"), 1e-5) << o.output;
+}
+
+TEST_F(CliSpmm, CheckPassesOnOrdinaryLayersInEveryPrecision) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    const Outcome o = run(std::string("spmm --shape 70x45 --sparsity 0.3,0.9 --tokens 19 ") +
+                          "--repeat 1 --check --backward --precision " + precision);
+    EXPECT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_EQ(o.output.find("check failed"), std::string::npos) << o.output;
+  }
+}
+
+TEST_F(CliSpmm, ReportsTheThreadsThatRan) {
+  const Outcome o =
+      run("spmm --shape 40x40 --sparsity 0.5 --tokens 8 --repeat 1 --threads 4096 --json");
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--threads 4096, but this process can run"), std::string::npos)
+      << o.output;
+  const double threads = json_number(o.output, "threads");
+  EXPECT_GE(threads, 1);
+  EXPECT_LE(threads, std::thread::hardware_concurrency()) << o.output;
+}
+
+// 10^5 non-zeros are nothing for sluice, but oneDNN's W with its zeros would be 360 GB:
+// refused before anything is allocated, naming the size.
+TEST_F(CliSpmm, RefusesADenseBaselineLargerThanMemory) {
+  const Outcome o = run("spmm --shape 300000x300000 --sparsity 0.999999 --tokens 1 --repeat 1");
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+  EXPECT_NE(o.output.find("dense baseline of a 300000x300000 layer needs 360.0 GB"),
+            std::string::npos)
+      << o.output;
+}
+
+}  // namespace
