@@ -434,6 +434,31 @@ TEST(Engine, Bf16KeepsTokensApart) {
   }
 }
 
+// The 16-bit index's one reserved value marks control packets: 65535 inputs (indices up
+// to 65534) fit, and the last one is read correctly, whether the lane packs X into a bf16
+// tile (a dense layer) or reads it in place in fp32 (a sparse one); 65536 do not.
+TEST(Engine, Bf16StreamsAddressUpToTheirLastIndex) {
+  const CsrMatrix sparse(2, 65535, {0, 2, 3}, {0, 65534, 65534}, {0.5F, -2.0F, 1.5F});
+  const CsrMatrix dense = CsrMatrix::random(16, 65535, 0.0, 8);
+  const DenseMatrix x = random_dense(65535, 3, 7);
+  CpuEngine engine;
+  for (const CsrMatrix* w : {&sparse, &dense}) {
+    const WeightStream s =
+        encode_stream(*w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
+    DenseMatrix y(w->rows(), 3);
+    engine.forward(s, round_robin_placement(*w, 1), x.view(), y.view());
+    const bool packed = CpuEngine::packs_tiles(1, w->nnz(), w->cols());
+    EXPECT_EQ(packed, w == &dense);
+    const DenseMatrix rounded = testing::rounded_to_bf16(x.view());
+    const ConstMatrixView held = packed ? rounded.view() : x.view();
+    EXPECT_LT(forward_error(testing::rounded_to_bf16(*w), held, y.view()), kTolerance)
+        << (packed ? "packed" : "in place");
+  }
+  EXPECT_THROW(encode_stream(CsrMatrix(2, 65536, {0, 1, 1}, {65535}, {1.0F}), StreamKind::weights,
+                             kDefaultChunkPackets, Precision::bf16),
+               ShapeError);
+}
+
 TEST(Engine, RefusesBf16StreamsWithTooManyInputs) {
   const CsrMatrix wide = CsrMatrix::random(2, 70000, 0.999, 3);
   EXPECT_THROW(encode_stream(wide, StreamKind::weights, kDefaultChunkPackets, Precision::bf16),

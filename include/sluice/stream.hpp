@@ -9,7 +9,7 @@
 //
 // A stream has a precision. fp32 streams carry 8-byte `Packet`s; bf16 streams carry
 // 4-byte `Bf16Packet`s (16-bit input index, bfloat16 value), half the bytes, for layers
-// with fewer than 65535 inputs. Gradient streams are always fp32.
+// with at most 65535 inputs. Gradient streams are always fp32.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -189,7 +189,7 @@ struct WeightStream {
 inline constexpr std::size_t kDefaultChunkPackets = 1 << 15;
 
 /// Encodes a CSR matrix as a stream of the given kind (`mask` sends zeros as values).
-/// In bf16 the values are rounded to nearest even; a matrix with more than 65534
+/// In bf16 the values are rounded to nearest even; a matrix with more than 65535
 /// columns, or a finite weight too large for bf16, is refused with ShapeError.
 WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind::weights,
                            std::size_t chunk_packets = kDefaultChunkPackets,
