@@ -125,6 +125,7 @@ TEST_F(CliSweep, BadArgumentsExitWithTwo) {
        {std::string("--sparsities 1"), std::string("--sparsities 0.5,1.5"),
         std::string("--sparsities -0.1"), std::string("--sparsities nan"),
         std::string("--sparsities ''"), std::string("--sparsities 0,,0.5"),
+        std::string("--sparsities 0.5,"), std::string("--sparsities ,0.5"),
         std::string("--no-such-flag"), std::string("--shape 0x8"), std::string("--shape 8"),
         std::string("--tokens 0"), std::string("--repeat 0"), std::string("--threads 0")}) {
     const Outcome o = run("sweep --shape 16x16 --tokens 4 --repeat 1 " + args + out);

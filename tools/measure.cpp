@@ -28,6 +28,10 @@ std::vector<double> parse_sparsities(const std::string& text) {
   std::vector<double> out;
   std::stringstream in(text);
   std::string item;
+  // getline drops an empty last item; "0.9," is as malformed as ",0.9".
+  if (!text.empty() && text.back() == ',') {
+    throw UsageError("sparsity list '" + text + "' ends with a comma");
+  }
   while (std::getline(in, item, ',')) {
     double v = 0;
     const char* s = item.data();
