@@ -3,17 +3,22 @@
 //   train_mlp [engines] [epochs]
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 
 #include "sluice/dataset.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   using namespace sluice;
   const int engines = argc > 1 ? std::atoi(argv[1]) : 1;
   const int epochs = argc > 2 ? std::atoi(argv[2]) : 5;
   const std::int64_t batch = 64;
+  if (engines < 1 || epochs < 1) {
+    std::fprintf(stderr, "usage: train_mlp [engines >= 1] [epochs >= 1]\n");
+    return 2;
+  }
 
   // A seeded teacher network labels random inputs: 32 features, 4 classes.
   Dataset data = make_synthetic_dataset(4000, 32, 4, /*seed=*/7);
@@ -49,4 +54,8 @@ int main(int argc, char** argv) {
                 loss / steps, e.accuracy, 100 * executor.totals().engine_busy());
   }
   return 0;
+} catch (const std::exception& e) {
+  // sluice's errors say what is wrong and where (sluice/error.hpp).
+  std::fprintf(stderr, "train_mlp: %s\n", e.what());
+  return 1;
 }

@@ -1,6 +1,7 @@
 // sluice: sweeps, training and wafer-scale prediction from the command line.
 #include <exception>
 #include <iostream>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    // CLI11 calls a mistyped command a missing one; name it and what there is instead.
+    if (argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty()) {
+      std::cerr << "sluice: unknown command '" << argv[1] << "'; the commands are";
+      for (const auto& [sub, run] : commands) std::cerr << " " << sub->get_name();
+      std::cerr << " (sluice --help)\n";
+      return 2;
+    }
     std::cerr << "sluice: " << e.what() << "\n\n" << app.help();
     return 2;
   }
@@ -45,6 +53,10 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const sluice::Error& e) {
     std::cerr << "sluice: " << e.what() << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "sluice: out of memory (the sizes asked for need more than this machine "
+                 "can give)\n";
     return 1;
   } catch (const std::exception& e) {
     std::cerr << "sluice: internal error: " << e.what() << "\n";
