@@ -3,6 +3,8 @@
 #include "sluice/engine.hpp"
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -26,6 +28,8 @@ void check_view(const MatrixView<T>& v, const char* name) {
   }
 }
 
+/// Whether two views share an element. Views with one stride are checked exactly, so
+/// side-by-side column blocks of one buffer ([X | Y] rows) pass; others by their spans.
 template <typename A, typename B>
 bool overlap(const MatrixView<A>& a, const MatrixView<B>& b) {
   if (a.rows == 0 || a.cols == 0 || b.rows == 0 || b.cols == 0) return false;
@@ -33,7 +37,19 @@ bool overlap(const MatrixView<A>& a, const MatrixView<B>& b) {
   const auto* a1 = reinterpret_cast<const char*>(a.data + (a.rows - 1) * a.stride + a.cols);
   const auto* b0 = reinterpret_cast<const char*>(b.data);
   const auto* b1 = reinterpret_cast<const char*>(b.data + (b.rows - 1) * b.stride + b.cols);
-  return a0 < b1 && b0 < a1;
+  if (!(a0 < b1 && b0 < a1)) return false;
+  const std::ptrdiff_t bytes = b0 - a0;
+  if (a.stride != b.stride || bytes % static_cast<std::ptrdiff_t>(sizeof(float)) != 0) return true;
+  // With the lower view as `lo`, the other starts q rows and m columns further on
+  // (0 <= m < stride): its columns [m, m + cols) fall in the lower one's rows q + r, and
+  // those past the stride wrap into rows q + r + 1 from column 0.
+  const std::ptrdiff_t d = bytes / static_cast<std::ptrdiff_t>(sizeof(float));
+  const bool a_first = d >= 0;
+  const std::int64_t lo_rows = a_first ? a.rows : b.rows, lo_cols = a_first ? a.cols : b.cols;
+  const std::int64_t hi_rows = a_first ? b.rows : a.rows, hi_cols = a_first ? b.cols : a.cols;
+  const std::int64_t s = a.stride, q = std::abs(d) / s, m = std::abs(d) % s;
+  const auto rows_meet = [&](std::int64_t first) { return first < lo_rows && first + hi_rows > 0; };
+  return (m < lo_cols && rows_meet(q)) || (m + hi_cols > s && rows_meet(q + 1));
 }
 
 void check_placement(const Placement& placement, std::int64_t features, const char* what) {

@@ -2,9 +2,11 @@
 // backward-weight, on odd shapes, every ISA this CPU runs and many geometries.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -491,6 +493,52 @@ TEST(Engine, RejectsWrongShapes) {
                ShapeError);
   MutableMatrixView alias{x.data(), 6, 4, x.stride()};
   EXPECT_THROW(engine.backward(s, p, x.view(), y.view(), &alias), ShapeError);
+}
+
+// X and Y as views into one buffer, at random strides and offsets: refused exactly when
+// they share an element (found by marking X's), computed right when they do not — e.g.
+// side-by-side column blocks of one buffer, which a check by address spans refused.
+TEST(Engine, ViewsOfOneBufferAreRefusedExactlyWhenTheyShareAnElement) {
+  std::mt19937_64 rng(11);
+  CpuEngine engine;
+  int refused = 0, ran = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::int64_t inputs = 1 + rng() % 5, outputs = 1 + rng() % 5, tokens = 1 + rng() % 6;
+    const std::int64_t stride = tokens + rng() % 8;
+    const CsrMatrix w = CsrMatrix::random(outputs, inputs, 0.3, trial);
+    std::vector<float> buffer(static_cast<std::size_t>(64 + 12 * stride), 0.0F);
+    const std::int64_t x_at = rng() % 48, y_at = rng() % 48;
+    std::vector<char> in_x(buffer.size(), 0);
+    bool shared = false;
+    for (std::int64_t r = 0; r < inputs; ++r) {
+      for (std::int64_t c = 0; c < tokens; ++c) {
+        in_x[x_at + r * stride + c] = 1;
+        buffer[x_at + r * stride + c] = static_cast<float>(r + 1) - 0.5F * static_cast<float>(c);
+      }
+    }
+    for (std::int64_t r = 0; r < outputs; ++r) {
+      for (std::int64_t c = 0; c < tokens; ++c) shared = shared || in_x[y_at + r * stride + c];
+    }
+    const ConstMatrixView x{buffer.data() + x_at, inputs, tokens, stride};
+    const MutableMatrixView y{buffer.data() + y_at, outputs, tokens, stride};
+    const DenseMatrix x_copy = [&] {
+      DenseMatrix m(inputs, tokens);
+      for (std::int64_t r = 0; r < inputs; ++r) std::copy_n(x.row(r), tokens, m.row(r));
+      return m;
+    }();
+    const WeightStream s = encode_stream(w);
+    if (shared) {
+      EXPECT_THROW(engine.forward(s, round_robin_placement(w, 1), x, y), ShapeError)
+          << "trial " << trial;
+      ++refused;
+    } else {
+      engine.forward(s, round_robin_placement(w, 1), x, y);
+      EXPECT_LT(forward_error(w, x_copy.view(), y), kTolerance) << "trial " << trial;
+      ++ran;
+    }
+  }
+  EXPECT_GT(refused, 50);  // both kinds were met
+  EXPECT_GT(ran, 50);
 }
 
 // A placement filled in by hand may name lanes that do not exist; every product refuses
