@@ -553,6 +553,10 @@ DenseMatrix LayerStreamingExecutor::infer(ConstMatrixView features) {
 Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batch_tokens) {
   Impl& m = *impl_;
   m.check_batch(data);
+  if (batch_tokens < 1) {
+    throw ShapeError("evaluate: batch_tokens must be at least 1, got " +
+                     std::to_string(batch_tokens));
+  }
   const std::int64_t total = data.features.cols;
   batch_tokens = std::max<std::int64_t>(batch_tokens, m.engines);
   Evaluation e;
@@ -584,6 +588,13 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
 void build_sparse_mlp(ModelMemory& memory, const std::vector<std::int64_t>& sizes, double sparsity,
                       std::uint64_t seed) {
   if (sizes.size() < 2) throw ShapeError("build_sparse_mlp: needs at least two sizes");
+  for (std::size_t l = 0; l < sizes.size(); ++l) {
+    // A layer of width 0 would pass nothing on: the net's output would not depend on X.
+    if (sizes[l] < 1) {
+      throw ShapeError("build_sparse_mlp: size " + std::to_string(l) + " is " +
+                       std::to_string(sizes[l]) + "; every layer needs at least one feature");
+    }
+  }
   for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
     CsrMatrix w = CsrMatrix::random(sizes[l + 1], sizes[l], sparsity, seed + 7919 * (l + 1));
     const double fan_in = std::max(1.0, (1.0 - sparsity) * static_cast<double>(sizes[l]));

@@ -78,4 +78,17 @@ TEST_F(CliSpmm, RefusesADenseBaselineLargerThanMemory) {
       << o.output;
 }
 
+// Options that describe a random W mean nothing with a matrix file; silently ignoring one
+// would time another layer than the user asked for.
+TEST_F(CliSpmm, OptionsForARandomWAreRefusedWithAMatrixFile) {
+  const fs::path file = dir_ / "w.smtx";
+  std::ofstream(file) << "2, 3, 2\n0 1 2\n0 2\n";
+  for (const char* option : {"--distribution powerlaw", "--sparsity 0.5", "--shape 4x4"}) {
+    const Outcome o = run("spmm --matrix " + file.string() + " --tokens 2 --repeat 1 " + option);
+    EXPECT_EQ(o.exit_code, 2) << option << "\n" << o.output;
+    EXPECT_NE(o.output.find("excludes"), std::string::npos) << o.output;
+  }
+  EXPECT_EQ(run("spmm --matrix " + file.string() + " --tokens 2 --repeat 1").exit_code, 0);
+}
+
 }  // namespace

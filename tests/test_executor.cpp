@@ -449,6 +449,17 @@ TEST(Executor, RefusesBadBatches) {
   DenseMatrix ok(13, 6);
   EXPECT_THROW(exec.train_step({ok.view(), {0, 1, 2, 3, 4, 5}, {}}), ShapeError);  // label 5
   EXPECT_THROW(exec.train_step({ok.view(), {0, 1}, {}}), ShapeError);
+  EXPECT_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 0), ShapeError);
+  EXPECT_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, -4), ShapeError);
+  EXPECT_NO_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 1));  // at least 3 a batch
+}
+
+TEST(Executor, RefusesModelsWithAnEmptyLayer) {
+  HostModelMemory m;
+  EXPECT_THROW(build_sparse_mlp(m, {8, 0, 4}, 0.5, 1), ShapeError);
+  EXPECT_THROW(build_sparse_mlp(m, {8, 4, 0}, 0.5, 1), ShapeError);
+  EXPECT_THROW(build_sparse_mlp(m, {-1, 4}, 0.5, 1), ShapeError);
+  EXPECT_EQ(m.layer_count(), 0);  // nothing half-built
 }
 
 TEST(Executor, MseLossTrainsAndInferMatchesEngines) {

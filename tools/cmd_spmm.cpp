@@ -218,9 +218,10 @@ Command add_spmm_command(CLI::App& app) {
   auto* sparsity = cmd->add_option(
       "--sparsity", o->sparsity,
       "Sparsity of a random W, or a comma-separated list (default: a sweep 0 ... 0.999)");
-  cmd->add_option("--distribution", o->distribution, "Row counts: uniform or powerlaw")
-      ->check(CLI::IsMember({"uniform", "powerlaw"}));
-  matrix->excludes(shape)->excludes(sparsity);
+  auto* distribution = cmd->add_option("--distribution", o->distribution,
+                                       "Row counts of a random W: uniform or powerlaw")
+                           ->check(CLI::IsMember({"uniform", "powerlaw"}));
+  matrix->excludes(shape)->excludes(sparsity)->excludes(distribution);
   cmd->add_option("--tokens", o->tokens, "Tokens (columns of X)")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--threads", o->threads, "Threads (default: all cores)")
       ->check(CLI::Range(1, 4096));
