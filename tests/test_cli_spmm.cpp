@@ -91,4 +91,12 @@ TEST_F(CliSpmm, OptionsForARandomWAreRefusedWithAMatrixFile) {
   EXPECT_EQ(run("spmm --matrix " + file.string() + " --tokens 2 --repeat 1").exit_code, 0);
 }
 
+TEST_F(CliSpmm, AnEmptyMatrixFileIsRefused) {
+  const fs::path file = dir_ / "empty.smtx";
+  std::ofstream(file) << "0, 0, 0\n0\n\n";
+  const Outcome o = run("spmm --matrix " + file.string() + " --tokens 2 --repeat 1");
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_NE(o.output.find("0x0 matrix: nothing to time"), std::string::npos) << o.output;
+}
+
 }  // namespace

@@ -9,6 +9,7 @@
 #include "reference.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/engine.hpp"
+#include "sluice/error.hpp"
 #include "sluice/json.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
@@ -251,6 +252,11 @@ Command add_spmm_command(CLI::App& app) {
     std::vector<CsrMatrix> layers;
     if (!o->matrix.empty()) {
       layers.push_back(read_matrix(o->matrix, o->seed));
+      // .smtx can hold an empty matrix; a product of it has nothing to time.
+      if (layers.back().rows() == 0 || layers.back().cols() == 0) {
+        throw FormatError(o->matrix + " holds a " + std::to_string(layers.back().rows()) + "x" +
+                          std::to_string(layers.back().cols()) + " matrix: nothing to time");
+      }
     } else {
       const auto [out, in] = parse_shape(o->shape);
       const auto distribution =
