@@ -48,7 +48,7 @@ TEST_F(Cli, BadArgumentsExitWithTwo) {
   expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --tokens 0"), 2, "tokens");
   expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --tokens -4"), 2, "tokens");
   expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --threads 0"), 2, "threads");
-  expect_exit(run("no-such-command"), 2, "subcommand");
+  expect_exit(run("no-such-command"), 2, "unknown command 'no-such-command'");
   expect_exit(run(""), 2, "subcommand");
 }
 
@@ -139,6 +139,103 @@ TEST_F(Cli, Bf16RunsCheckAtFp32ToleranceAndTrain) {
               2, "layers");
   expect_exit(run("train --dataset synthetic --layers 64,32,10 --epochs 1 --precision half"), 2,
               "half");
+}
+
+// `sluice train` on tiny data: a CSV of `rows` samples of 3 features, labels 0 and 1.
+std::string train_csv(int rows) {
+  std::string text;
+  for (int r = 0; r < rows; ++r) {
+    text += std::to_string(r % 7) + "," + std::to_string(r % 3) + "," + std::to_string(r % 5) +
+            "," + std::to_string(r % 2) + "\n";
+  }
+  return text;
+}
+
+bool trained(const Outcome& o) {
+  return o.output.find("epoch   1") != std::string::npos;
+}
+
+TEST_F(Cli, TrainRefusesAnUnwritableCheckpointBeforeTraining) {
+  const std::string train = "train --dataset synthetic --layers 64,32,10 --epochs 1 ";
+  Outcome o = run(train + "--checkpoint " + dir_.string());
+  expect_exit(o, 2, dir_.string() + " is a directory");
+  EXPECT_FALSE(trained(o)) << o.output;
+  const std::string missing = (dir_ / "missing" / "m.ckpt").string();
+  o = run(train + "--checkpoint " + missing);
+  expect_exit(o, 2, missing);
+  EXPECT_FALSE(trained(o)) << o.output;
+}
+
+TEST_F(Cli, TrainSavesTheCheckpointBeforeEvaluating) {
+  // 165 samples: 132 to train in batches of 32 tokens, 33 to test. The budget holds 32
+  // training tokens (16 an engine); evaluation puts a remainder of 1 token (fewer than the
+  // 2 engines) into the last batch, 33 tokens, 17 an engine, over the budget: it fails
+  // after the training is done.
+  const std::string train = "train --dataset " + file("d.csv", train_csv(165)) +
+                            " --layers 3,4,2 --epochs 1 --engines 2 --batch 32 ";
+  const Outcome probe = run(train + "--memory-budget 1");
+  const auto at = probe.output.find(" need ");
+  ASSERT_NE(at, std::string::npos) << probe.output;
+  const std::string budget = std::to_string(std::stoll(probe.output.substr(at + 6)));
+  const fs::path ckpt = dir_ / "m.ckpt";
+  const Outcome o = run(train + "--memory-budget " + budget + " --checkpoint " + ckpt.string());
+  expect_exit(o, 1, "memory budget");
+  EXPECT_TRUE(trained(o)) << o.output;
+  EXPECT_TRUE(fs::exists(ckpt)) << o.output;
+}
+
+TEST_F(Cli, TrainEvaluatesWithinTheMemoryBudget) {
+  // 800 test samples at once would need more than the budget; batches of 32 do not.
+  const Outcome o =
+      run("train --dataset synthetic --layers 64,32,10 --epochs 1 --memory-budget 100000");
+  expect_exit(o, 0, "on 800 samples");
+}
+
+TEST_F(Cli, TrainReportsSkippedStepsAndRefusesADivergedModel) {
+  const fs::path ckpt = dir_ / "good.ckpt";
+  std::ofstream(ckpt) << "an older checkpoint";
+  const Outcome o =
+      run("train --dataset synthetic --layers 64,32,10 --epochs 1 --lr 1e30 "
+          "--checkpoint " +
+          ckpt.string());
+  expect_exit(o, 1, "diverged");
+  EXPECT_NE(o.output.find("steps skipped"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("steps were skipped"), std::string::npos) << o.output;
+  std::ifstream in(ckpt);
+  const std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(kept, "an older checkpoint");
+
+  const Outcome good = run("train --dataset synthetic --layers 64,32,10 --epochs 1 --json");
+  expect_exit(good, 0, "\"skipped_steps\": 0");
+}
+
+TEST_F(Cli, TrainRefusesSplitsTooSmallForTheEngines) {
+  // 2 samples: none to test on whatever the engines, which is the data's fault (exit 1).
+  Outcome o =
+      run("train --dataset " + file("two.csv", train_csv(2)) + " --layers 3,4,2 --epochs 1");
+  expect_exit(o, 1, "2 to train and 0 to test");
+  EXPECT_FALSE(trained(o)) << o.output;
+  // 30 samples: 6 to test, fewer than 8 engines, which fewer engines would fix (exit 2).
+  o = run("train --dataset " + file("thirty.csv", train_csv(30)) +
+          " --layers 3,4,2 --epochs 1 --engines 8 --batch 8");
+  expect_exit(o, 2, "6 to test; 8 engines");
+  EXPECT_FALSE(trained(o)) << o.output;
+}
+
+TEST_F(Cli, TrainRefusesOptionsItWouldIgnore) {
+  const std::string ckpt = (dir_ / "m.ckpt").string();
+  const std::string train = "train --dataset synthetic --epochs 1 --resume " + ckpt;
+  ASSERT_EQ(
+      run("train --dataset synthetic --layers 64,32,10 --epochs 1 --checkpoint " + ckpt).exit_code,
+      0);
+  expect_exit(run(train + " --layers 64,32,10"), 0, "test accuracy");
+  Outcome o = run(train + " --layers 64,16,10");
+  expect_exit(o, 2, "--layers 64,16,10 differs from the layers 64,32,10");
+  expect_exit(run(train + " --sparsity 0.5"), 2, "--sparsity");
+  o = run("train --dataset " + file("d.csv", train_csv(30)) + " --epochs 1 --resume " + ckpt);
+  expect_exit(o, 1, "layers 64,32,10 that does not fit the data: 3 features, 2 classes");
+  o = run("train --dataset synthetic --epochs 1 --fabric mpi --engines 2");
+  expect_exit(o, 2, "--engines cannot be given with --fabric mpi");
 }
 
 }  // namespace

@@ -1,8 +1,14 @@
 // `sluice train`: trains a sparse MLP with the layer-streaming executor on the digits
 // set, the built-in synthetic task or a CSV file, and reports accuracy and throughput.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -96,6 +102,31 @@ std::vector<Precision> parse_precisions(const std::string& text, std::int32_t la
   return out;
 }
 
+std::string join_sizes(const std::vector<std::int64_t>& sizes) {
+  std::string out;
+  for (const std::int64_t s : sizes) out += (out.empty() ? "" : ",") + std::to_string(s);
+  return out;
+}
+
+/// Refuses a --checkpoint the end of the run could not write, before any training: the
+/// save writes a temporary file beside it and renames it over the path.
+void check_checkpoint_path(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    throw UsageError("--checkpoint " + path.string() + " is a directory; name a file");
+  }
+  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) {
+    throw UsageError("--checkpoint " + path.string() + ": the directory " + dir.string() +
+                     " does not exist");
+  }
+  if (::access(dir.c_str(), W_OK) != 0) {
+    throw UsageError("--checkpoint " + path.string() + ": cannot write in " + dir.string() + ": " +
+                     std::strerror(errno));
+  }
+}
+
 Dataset load_data(const TrainOptions& o, std::string& name) {
   const std::optional<std::filesystem::path> given =
       o.data.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.data);
@@ -131,8 +162,11 @@ Command add_train_command(CLI::App& app) {
   cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
   cmd->add_option("--layers", o->layers,
                   "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");
-  cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")->check(CLI::Range(0.0, 0.999));
-  cmd->add_option("--engines", o->engines, "Engines in the fabric")->check(CLI::Range(1, 256));
+  auto* sparsity =
+      cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")->check(CLI::Range(0.0, 0.999));
+  auto* engines =
+      cmd->add_option("--engines", o->engines, "Engines in the fabric (--fabric local only)")
+          ->check(CLI::Range(1, 256));
   cmd->add_option("--epochs", o->epochs, "Epochs")->check(CLI::Range(1, 100000));
   cmd->add_option("--batch", o->batch, "Tokens per step")->check(CLI::Range(1, 1 << 24));
   auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
@@ -157,7 +191,16 @@ Command add_train_command(CLI::App& app) {
       ->check(CLI::IsMember({"local", "mpi"}));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
 
-  return [o, optimizer, lr] {
+  return [o, optimizer, lr, sparsity, engines] {
+    // Options the run would silently ignore: refused before anything starts.
+    if (o->fabric == "mpi" && engines->count() > 0) {
+      throw UsageError(
+          "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
+          "(choose their number with mpirun -np)");
+    }
+    if (!o->resume.empty() && sparsity->count() > 0) {
+      throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
+    }
 #ifdef SLUICE_HAVE_MPI
     // The fabric comes first: with MPI, the engine ranks serve it until rank 0 is done,
     // and rank 0's fabric stops them even when rank 0 fails (its destructor says stop).
@@ -188,9 +231,22 @@ Command add_train_command(CLI::App& app) {
           "-DSLUICE_WITH_MPI=ON and an MPI such as Open MPI installed)");
     }
 #endif
+    // Fail before minutes of training when the model could not be saved at the end.
+    if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
     std::string dataset_name;
     Dataset all = load_data(*o, dataset_name);
     auto [train, test] = split_dataset(all, 0.2, o->seed);
+    // Every engine takes a share of each batch's tokens: a split with fewer samples than
+    // engines gives no training step or no evaluation.
+    const std::int64_t fewest = std::min(train.samples(), test.samples());
+    if (fewest < o->engines) {
+      const std::string what = dataset_name + ": " + std::to_string(all.samples()) +
+                               " samples, split into " + std::to_string(train.samples()) +
+                               " to train and " + std::to_string(test.samples()) + " to test";
+      if (fewest < 1) throw FormatError(what + "; too few to train and test on");
+      throw UsageError(what + "; " + std::to_string(o->engines) +
+                       " engines need at least as many samples in each");
+    }
     standardize(train, test);
     const std::vector<std::int64_t> sizes =
         o->layers.empty() ? std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes}
@@ -213,9 +269,20 @@ Command add_train_command(CLI::App& app) {
     memory.set_optimizer(config);
     if (!o->resume.empty()) {
       memory.load(o->resume);
-      if (memory.weights(0).cols() != all.features.rows() ||
-          memory.weights(memory.layer_count() - 1).rows() < all.classes) {
-        throw FormatError("checkpoint " + o->resume + " holds a model that does not fit the data");
+      std::vector<std::int64_t> saved{memory.weights(0).cols()};
+      for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+        saved.push_back(memory.weights(l).rows());
+      }
+      if (!o->layers.empty() && saved != sizes) {
+        throw UsageError("--layers " + join_sizes(sizes) + " differs from the layers " +
+                         join_sizes(saved) + " of checkpoint " + o->resume +
+                         " (leave --layers out to resume)");
+      }
+      if (saved.front() != all.features.rows() || saved.back() < all.classes) {
+        throw FormatError("checkpoint " + o->resume + " holds a model with layers " +
+                          join_sizes(saved) +
+                          " that does not fit the data: " + std::to_string(all.features.rows()) +
+                          " features, " + std::to_string(all.classes) + " classes");
       }
       if (optimizer->count() > 0 || lr->count() > 0) memory.set_optimizer(config);
     }
@@ -239,13 +306,14 @@ Command add_train_command(CLI::App& app) {
     std::iota(order.begin(), order.end(), 0);
     std::mt19937_64 rng(o->seed + 17);
     DenseMatrix batch_x(train.features.rows(), std::min(o->batch, n));
-    std::int64_t steps = 0;
+    std::int64_t steps = 0, skipped = 0;
+    std::int32_t last_bad_layer = -1;
     double final_loss = 0;
     for (int epoch = 1; epoch <= o->epochs; ++epoch) {
       std::shuffle(order.begin(), order.end(), rng);
       const StepMetrics before = executor.totals();
       double loss_sum = 0, correct = 0;
-      std::int64_t seen = 0;
+      std::int64_t seen = 0, epoch_skipped = 0;
       for (std::int64_t begin = 0; begin + o->engines <= n; begin += o->batch) {
         const std::int64_t size = std::min(o->batch, n - begin);
         DenseMatrix& x =
@@ -262,6 +330,11 @@ Command add_train_command(CLI::App& app) {
         correct += r.accuracy * static_cast<double>(size);
         seen += size;
         ++steps;
+        // A non-finite gradient skips the step (NonFinitePolicy::skip_step): say so.
+        if (!r.report.applied) {
+          ++epoch_skipped;
+          if (!r.report.bad_layers.empty()) last_bad_layer = r.report.bad_layers.back();
+        }
       }
       StepMetrics epoch_metrics = executor.totals();
       epoch_metrics.wall_seconds -= before.wall_seconds;
@@ -269,17 +342,31 @@ Command add_train_command(CLI::App& app) {
       epoch_metrics.engine_thread_seconds -= before.engine_thread_seconds;
       epoch_metrics.tokens -= before.tokens;
       final_loss = loss_sum / static_cast<double>(seen);
+      skipped += epoch_skipped;
       char line[256];
-      std::snprintf(
-          line, sizeof line,
-          "epoch %3d  loss %.4f  train accuracy %.4f  %.0f tokens/s  engine busy %.1f%%\n", epoch,
-          final_loss, correct / static_cast<double>(seen), epoch_metrics.tokens_per_second(),
-          100 * epoch_metrics.engine_busy());
-      progress << line << std::flush;
+      std::snprintf(line, sizeof line,
+                    "epoch %3d  loss %.4f  train accuracy %.4f  %.0f tokens/s  engine busy %.1f%%",
+                    epoch, final_loss, correct / static_cast<double>(seen),
+                    epoch_metrics.tokens_per_second(), 100 * epoch_metrics.engine_busy());
+      progress << line;
+      if (epoch_skipped > 0) progress << "  " << epoch_skipped << " steps skipped";
+      progress << "\n" << std::flush;
     }
-    const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}});
-    const StepMetrics& total = executor.totals();
+    // A diverged model is worth nothing: keep an older checkpoint at the path instead.
+    if (!std::isfinite(final_loss)) {
+      std::string why = "training diverged: the last epoch's loss is not finite; " +
+                        std::to_string(skipped) + " of " + std::to_string(steps) +
+                        " steps were skipped for non-finite gradients";
+      if (last_bad_layer >= 0)
+        why += " (the last in layer " + std::to_string(last_bad_layer) + ", from 0)";
+      if (!o->checkpoint.empty()) why += "; " + o->checkpoint + " was not written";
+      throw NumericError(why + " (try a smaller --lr)");
+    }
+    // Saved before evaluating, so a failing evaluation does not cost the trained model.
     if (!o->checkpoint.empty()) memory.save(o->checkpoint);
+    // In batches of --batch tokens, so --memory-budget holds here too.
+    const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}}, o->batch);
+    const StepMetrics& total = executor.totals();
 
     if (o->json) {
       JsonWriter j(2);
@@ -288,6 +375,7 @@ Command add_train_command(CLI::App& app) {
           .field("test_accuracy", e.accuracy)
           .field("test_loss", e.loss);
       j.field("final_loss", final_loss).field("steps", steps).field("epochs", o->epochs);
+      j.field("skipped_steps", skipped);
       j.field("engines", o->engines).field("sparsity", o->sparsity);
       j.field("precision", o->precision);
       j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
@@ -306,6 +394,10 @@ Command add_train_command(CLI::App& app) {
           e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(steps),
           total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy(),
           total.optimizer_seconds, total.stream_wait_seconds);
+      if (skipped > 0) {
+        std::printf("%lld of %lld steps skipped for non-finite gradients\n",
+                    static_cast<long long>(skipped), static_cast<long long>(steps));
+      }
     }
     return 0;
   };
