@@ -564,7 +564,14 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
   std::int64_t correct = 0;
   for (std::int64_t begin = 0; begin < total;) {
     std::int64_t end = std::min(total, begin + batch_tokens);
-    if (total - end < m.engines) end = total;  // too small a remainder joins this batch
+    const std::int64_t rest = total - end;
+    if (rest > 0 && rest < m.engines) {
+      // A remainder too small to give every engine a token: the last two batches share
+      // what is left evenly, so neither exceeds batch_tokens (nor the memory budget that
+      // allows it); only where that cannot give both a token an engine does it join this one.
+      const std::int64_t left = total - begin;
+      end = left >= 2 * m.engines ? begin + (left + 1) / 2 : total;
+    }
     Batch part;
     part.features = {data.features.data + begin, data.features.rows, end - begin,
                      data.features.stride};

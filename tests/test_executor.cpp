@@ -433,6 +433,27 @@ TEST(Executor, MemoryBudgetIsEnforcedBeforeAllocating) {
   roomy.memory_budget_bytes = exec.activation_bytes(kBatch);
   LayerStreamingExecutor fits(m, fabric, roomy);
   EXPECT_NO_THROW(fits.train_step({data.x[0].view(), data.labels[0], {}}));
+
+  // Evaluation in batches of 32 within a budget for 32 tokens: a set of 33 samples leaves
+  // one token, fewer than the engines; the last batches share the rest (17 + 16) rather
+  // than one of 33 (17 an engine, a wider padded row than 16), which the budget refuses.
+  // Every sample still counts once.
+  ExecutorOptions for32;
+  for32.memory_budget_bytes = exec.activation_bytes(32, /*training=*/false);
+  ASSERT_GT(exec.activation_bytes(33, false), for32.memory_budget_bytes);
+  LayerStreamingExecutor tight(m, fabric, for32);
+  DenseMatrix x(kSizes.front(), 33);
+  std::vector<int> labels(33, 1);
+  for (std::int64_t t = 0; t < 33; ++t) {
+    for (std::int64_t f = 0; f < x.rows(); ++f) x(f, t) = data.x[0](f, t % kBatch);
+  }
+  Evaluation e;
+  ASSERT_NO_THROW(e = tight.evaluate({x.view(), labels, {}}, 32));
+  EXPECT_EQ(e.tokens, 33);
+  LayerStreamingExecutor unlimited(m, fabric);
+  const Evaluation whole = unlimited.evaluate({x.view(), labels, {}}, 33);
+  EXPECT_NEAR(e.loss, whole.loss, 1e-6 * std::abs(whole.loss));
+  EXPECT_DOUBLE_EQ(e.accuracy, whole.accuracy);
 }
 
 TEST(Executor, RefusesBadBatches) {
