@@ -229,6 +229,17 @@ TEST_F(Cli, TrainRefusesOptionsItWouldIgnore) {
       run("train --dataset synthetic --layers 64,32,10 --epochs 1 --checkpoint " + ckpt).exit_code,
       0);
   expect_exit(run(train + " --layers 64,32,10"), 0, "test accuracy");
+  // The JSON names the sparsity of the checkpoint's masks, not the default of a new model.
+  const std::string half = (dir_ / "half.ckpt").string();
+  ASSERT_EQ(run("train --dataset synthetic --layers 64,32,10 --epochs 1 --sparsity 0.5 "
+                "--checkpoint " +
+                half)
+                .exit_code,
+            0);
+  const Outcome resumed = run("train --dataset synthetic --epochs 1 --json --resume " + half);
+  const auto at = resumed.output.find("\"sparsity\": ");
+  ASSERT_NE(at, std::string::npos) << resumed.output;
+  EXPECT_NEAR(std::stod(resumed.output.substr(at + 12)), 0.5, 0.05) << resumed.output;
   Outcome o = run(train + " --layers 64,16,10");
   expect_exit(o, 2, "--layers 64,16,10 differs from the layers 64,32,10");
   expect_exit(run(train + " --sparsity 0.5"), 2, "--sparsity");

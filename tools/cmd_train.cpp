@@ -127,6 +127,19 @@ void check_checkpoint_path(const std::filesystem::path& path) {
   }
 }
 
+/// The sparsity of the model trained: as asked for a new one; a resumed one's masks fix
+/// it, so it is read off them.
+double model_sparsity(const HostModelMemory& memory, double asked, const TrainOptions& o) {
+  if (o.resume.empty()) return asked;
+  double weights = 0, cells = 0;
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+    const CsrMatrix& w = memory.weights(l);
+    weights += static_cast<double>(w.nnz());
+    cells += static_cast<double>(w.rows()) * static_cast<double>(w.cols());
+  }
+  return cells > 0 ? 1.0 - weights / cells : asked;
+}
+
 Dataset load_data(const TrainOptions& o, std::string& name) {
   const std::optional<std::filesystem::path> given =
       o.data.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.data);
@@ -376,7 +389,7 @@ Command add_train_command(CLI::App& app) {
           .field("test_loss", e.loss);
       j.field("final_loss", final_loss).field("steps", steps).field("epochs", o->epochs);
       j.field("skipped_steps", skipped);
-      j.field("engines", o->engines).field("sparsity", o->sparsity);
+      j.field("engines", o->engines).field("sparsity", model_sparsity(memory, o->sparsity, *o));
       j.field("precision", o->precision);
       j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
       j.field("train_seconds", total.wall_seconds);
