@@ -46,10 +46,9 @@ bool overlap(const MatrixView<A>& a, const MatrixView<B>& b) {
   const std::ptrdiff_t d = bytes / static_cast<std::ptrdiff_t>(sizeof(float));
   const bool a_first = d >= 0;
   const std::int64_t lo_rows = a_first ? a.rows : b.rows, lo_cols = a_first ? a.cols : b.cols;
-  const std::int64_t hi_rows = a_first ? b.rows : a.rows, hi_cols = a_first ? b.cols : a.cols;
+  const std::int64_t hi_cols = a_first ? b.cols : a.cols;
   const std::int64_t s = a.stride, q = std::abs(d) / s, m = std::abs(d) % s;
-  const auto rows_meet = [&](std::int64_t first) { return first < lo_rows && first + hi_rows > 0; };
-  return (m < lo_cols && rows_meet(q)) || (m + hi_cols > s && rows_meet(q + 1));
+  return (m < lo_cols && q < lo_rows) || (m + hi_cols > s && q + 1 < lo_rows);
 }
 
 void check_placement(const Placement& placement, std::int64_t features, const char* what) {
