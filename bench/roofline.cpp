@@ -7,8 +7,9 @@
 // reduced together as the engine's kernel does (`dot_roofline`).
 // Its GFLOP/s per level (all cores together) is what the streamed kernels can approach.
 // `sluice_*` report the engine's own useful GFLOP/s on the 4096 x 4096 x 256 layer
-// at 90% sparsity (forward, backward-data and backward-weight, fp32 and bf16), to set
-// against the probe of the same step with a 1 MiB block from the same run.
+// at 90% sparsity (forward, backward-data and backward-weight, fp32 and bf16); a table at
+// the end sets each against the probe of its own step with a 1 MiB block (a lane's tile)
+// from the same run, as a fraction.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -16,7 +17,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <new>
 #include <random>
@@ -263,6 +267,67 @@ void BM_sluice(benchmark::State& state, Precision precision, Pass pass) {
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// The default display, plus a note of each benchmark's GFLOP/s by name, so the passes can
+/// be set against their probes once everything has run. (A probe timed inside a pass's
+/// benchmark measured about half its own run: oneTBB's idle workers spin meanwhile.)
+class RecordingReporter final : public benchmark::BenchmarkReporter {
+ public:
+  explicit RecordingReporter(benchmark::BenchmarkReporter* display) : display_(display) {}
+  bool ReportContext(const Context& context) override {
+    display_->SetOutputStream(&GetOutputStream());
+    display_->SetErrorStream(&GetErrorStream());
+    return display_->ReportContext(context);
+  }
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      // The probes count flops (shown with a G suffix), the passes GFLOPs already.
+      for (const auto& [counter, scale] : {std::pair{"GFLOPs", 1e-9}, {"useful_GFLOPs", 1.0}}) {
+        const auto c = run.counters.find(counter);
+        if (c != run.counters.end() && !run.error_occurred) {
+          rates_[run.benchmark_name()] = c->second.value * scale;
+        }
+      }
+    }
+    display_->ReportRuns(runs);
+  }
+  void Finalize() override { display_->Finalize(); }
+
+  /// The GFLOP/s of the first benchmark whose name starts with `prefix` and holds `part`.
+  double rate(const std::string& prefix, const std::string& part) const {
+    for (const auto& [name, value] : rates_) {
+      if (name.rfind(prefix, 0) == 0 && name.find(part) != std::string::npos) return value;
+    }
+    return 0;
+  }
+
+ private:
+  benchmark::BenchmarkReporter* display_;  // the library's own, which it keeps for good
+  std::map<std::string, double> rates_;
+};
+
+/// Each engine pass against the probe of its own step with a 1 MiB block per core — a
+/// lane's tile of 64 fp32 or 128 bf16 tokens of 4096 rows — from this run.
+void print_fractions(const RecordingReporter& r, std::FILE* out) {
+  const struct {
+    const char* pass;
+    const char* probe;
+  } pairs[] = {{"sluice_forward/", "gather_roofline/"},
+               {"sluice_forward_bf16/", "gather_roofline_bf16/"},
+               {"sluice_backward_data/", "scatter_roofline/"},
+               {"sluice_backward_data_bf16/", "scatter_roofline/"},  // its dX work is fp32
+               {"sluice_backward_weight/", "dot_roofline/"}};
+  std::fprintf(out, "\n%-28s %10s   %-24s %10s %9s\n", "pass (90%, 4096x4096x256)", "GFLOP/s",
+               "probe, 1 MiB per core", "GFLOP/s", "fraction");
+  for (const auto& [pass, probe] : pairs) {
+    const double p = r.rate(pass, "");
+    const double q = r.rate(probe, "/1048576/");
+    if (p <= 0 || q <= 0) continue;  // filtered out, or skipped
+    std::fprintf(out, "%-28.*s %10.1f   %-24.*s %10.1f %8.0f%%\n",
+                 static_cast<int>(std::strlen(pass) - 1), pass, p,
+                 static_cast<int>(std::strlen(probe) - 1), probe, q, 100 * p / q);
+  }
+}
+
 }  // namespace
 }  // namespace sluice::bench
 
@@ -299,9 +364,18 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMillisecond);
     }
   }
+  // The summary goes where the table goes, unless that is JSON or CSV for a program.
+  bool machine_format = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    machine_format = machine_format || (arg.rfind("--benchmark_format=", 0) == 0 &&
+                                        arg != "--benchmark_format=console");
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
+  RecordingReporter reporter(benchmark::CreateDefaultDisplayReporter());
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  print_fractions(reporter, machine_format ? stderr : stdout);
   benchmark::Shutdown();
   return 0;
 }
