@@ -185,8 +185,14 @@ std::optional<std::filesystem::path> find_digits_file(
 
 Dataset make_synthetic_dataset(std::int64_t samples, std::int64_t features, int classes,
                                std::uint64_t seed) {
-  if (samples < 1 || features < 1 || classes < 2) {
-    throw ShapeError("synthetic data set: needs samples >= 1, features >= 1, classes >= 2");
+  // The teacher network is features x 4*classes x classes, held densely.
+  constexpr std::int64_t kMaxSide = std::int64_t{1} << 24;
+  if (samples < 1 || features < 1 || classes < 2 || samples > kMaxSide || features > kMaxSide ||
+      classes > kMaxSide / 4) {
+    throw ShapeError(
+        "synthetic data set: needs 1 <= samples, features <= 2^24 and 2 <= classes "
+        "<= 2^22, got " +
+        std::to_string(samples) + ", " + std::to_string(features) + ", " + std::to_string(classes));
   }
   const std::int64_t hidden = 4 * classes;
   const double density = std::min(1.0, 8.0 / static_cast<double>(features));
@@ -229,6 +235,10 @@ std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fract
   if (!(test_fraction >= 0 && test_fraction < 1)) {
     throw ShapeError("split_dataset: test fraction must be in [0, 1), got " +
                      std::to_string(test_fraction));
+  }
+  if (static_cast<std::int64_t>(data.labels.size()) != data.samples()) {
+    throw ShapeError("split_dataset: " + std::to_string(data.labels.size()) + " labels for " +
+                     std::to_string(data.samples()) + " samples");
   }
   const auto n = static_cast<std::size_t>(data.samples());
   std::vector<std::int64_t> order(n);
