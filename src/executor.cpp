@@ -27,7 +27,7 @@ constexpr double kGeluA = 0.044715;
 float activate(Activation a, float z) {
   switch (a) {
     case Activation::relu:
-      return z > 0 ? z : 0.0F;
+      return z <= 0 ? 0.0F : z;  // NaN passes on: a NaN input must not become a finite output
     case Activation::gelu: {
       const double x = z;
       return static_cast<float>(0.5 * x * (1.0 + std::tanh(kGeluC * (x + kGeluA * x * x * x))));
@@ -179,7 +179,25 @@ struct LayerStreamingExecutor::Impl {
     return total * static_cast<std::int64_t>(sizeof(float));
   }
 
+  /// The layers' shapes were read once, when the executor was built; a ModelMemory that
+  /// gained a layer or loaded another model since would be run with the old plan.
+  void check_model_unchanged() const {
+    bool same = memory.layer_count() == layers();
+    for (std::int32_t l = 0; same && l < layers(); ++l) {
+      const CsrMatrix& w = memory.weights(l);
+      same = w.cols() == sizes[static_cast<std::size_t>(l)] &&
+             w.rows() == sizes[static_cast<std::size_t>(l) + 1];
+    }
+    if (!same) {
+      throw ShapeError(
+          "executor: the ModelMemory's layers changed since this executor was "
+          "built for " +
+          std::to_string(layers()) + " layers; build a new executor");
+    }
+  }
+
   void prepare(ConstMatrixView features, bool training) {
+    check_model_unchanged();
     if (features.rows != sizes.front()) {
       throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
                        " features but the batch has " + std::to_string(features.rows));
@@ -446,6 +464,14 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
     throw ShapeError("executor: " + std::to_string(m.options.activations.size()) +
                      " activations for " + std::to_string(layers) + " layers");
   }
+  for (const Activation a : m.options.activations) {
+    if (a != Activation::none && a != Activation::relu && a != Activation::gelu) {
+      throw ShapeError("executor: unknown activation " + std::to_string(static_cast<int>(a)));
+    }
+  }
+  if (m.options.loss != Loss::softmax_cross_entropy && m.options.loss != Loss::mse) {
+    throw ShapeError("executor: unknown loss " + std::to_string(static_cast<int>(m.options.loss)));
+  }
   if (m.options.precisions.empty()) {
     m.options.precisions.assign(static_cast<std::size_t>(layers), Precision::fp32);
   }
@@ -495,12 +521,19 @@ StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
   const auto t0 = Clock::now();
   std::int64_t correct = 0;
   StepResult r;
-  r.loss = m.forward_backward(
-      batch,
-      [&](std::int32_t layer, ReducedGradient&& g) {
-        m.memory.submit_gradient(layer, g.weights, g.bias);
-      },
-      &correct);
+  try {
+    r.loss = m.forward_backward(
+        batch,
+        [&](std::int32_t layer, ReducedGradient&& g) {
+          m.memory.submit_gradient(layer, g.weights, g.bias);
+        },
+        &correct);
+  } catch (...) {
+    // Layers submitted before the failure would otherwise wait for a commit, and the
+    // next step would find them there (and could only commit a mix of two steps).
+    m.memory.discard_step();
+    throw;
+  }
   r.report = m.memory.commit_step();
   StepMetrics& mt = m.metrics;
   mt.wall_seconds = since(t0);

@@ -216,6 +216,15 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
                       std::to_string(static_cast<std::uint32_t>(h.kind)) +
                       " is not a gradient stream");
   }
+  // Gradients always travel in fp32 packets; the header must say so, and so must they.
+  const bool bf16_packets =
+      std::any_of(gradient.chunks.begin(), gradient.chunks.end(),
+                  [](const ChunkPtr& c) { return c != nullptr && !c->packets_bf16.empty(); });
+  if (h.precision != Precision::fp32 || bf16_packets) {
+    throw FormatError("submit_gradient: " + layer_name(layer) +
+                      ": gradient streams must be fp32 (the header says " + to_string(h.precision) +
+                      (bf16_packets ? ", the chunks hold bf16)" : ")"));
+  }
   if (h.outputs != static_cast<std::uint64_t>(w.rows()) ||
       h.inputs != static_cast<std::uint64_t>(w.cols()) ||
       h.nnz != static_cast<std::uint64_t>(w.nnz())) {
@@ -236,6 +245,10 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
 
 StepReport ModelMemory::commit_step() {
   return commit_step_impl();
+}
+
+void ModelMemory::discard_step() {
+  discard_step_impl();
 }
 
 void ModelMemory::set_optimizer(const OptimizerConfig& config) {
@@ -455,6 +468,13 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
   }
   p.seconds = seconds_since(start);
   p.submitted = true;
+}
+
+void HostModelMemory::discard_step_impl() {
+  for (auto& layer : state_->layers) {
+    std::lock_guard lock(layer->pending_mutex);
+    detail::discard(layer->pending);
+  }
 }
 
 StepReport HostModelMemory::commit_step_impl() {

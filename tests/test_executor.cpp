@@ -3,8 +3,10 @@
 // reduction; the memory budget.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -473,6 +475,110 @@ TEST(Executor, RefusesBadBatches) {
   EXPECT_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 0), ShapeError);
   EXPECT_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, -4), ShapeError);
   EXPECT_NO_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 1));  // at least 3 a batch
+}
+
+// A step that fails half-way (here the schedule throws in the last layer's submit, after
+// the others were submitted) leaves nothing pending: the next step runs, and its result is
+// what one clean step from the same start gives, bit for bit.
+TEST(Executor, AFailedStepLeavesNothingBehind) {
+  const Data data = make_data(kSizes.front(), 5, 21);
+  auto trained = [&](bool fail_first) {
+    auto memory = std::make_unique<HostModelMemory>();
+    build_sparse_mlp(*memory, kSizes, 0.5, 3);
+    OptimizerConfig adam;
+    adam.kind = OptimizerKind::adam;
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    // Submits run on their own threads; the last layer's is the first to call.
+    if (fail_first) adam.schedule = [calls](std::int64_t) { return ++*calls == 1 ? NAN : 1.0; };
+    memory->set_optimizer(adam);
+    LocalFabricOptions fo;
+    fo.engines = 2;
+    LocalFabric fabric(fo);
+    LayerStreamingExecutor exec(*memory, fabric);
+    const Batch batch{data.x[0].view(), data.labels[0], {}};
+    if (fail_first) EXPECT_THROW(exec.train_step(batch), ShapeError);
+    EXPECT_EQ(memory->step(), 0);
+    const StepResult r = exec.train_step(batch);
+    EXPECT_TRUE(r.report.applied);
+    EXPECT_EQ(memory->step(), 1);
+    std::vector<float> values;
+    for (std::int32_t l = 0; l < memory->layer_count(); ++l) {
+      const auto& v = memory->weights(l).values();
+      values.insert(values.end(), v.begin(), v.end());
+    }
+    return values;
+  };
+  const std::vector<float> after_failure = trained(true), clean = trained(false);
+  ASSERT_EQ(after_failure.size(), clean.size());
+  EXPECT_EQ(std::memcmp(after_failure.data(), clean.data(), clean.size() * sizeof(float)), 0);
+}
+
+TEST(Executor, ModelMemoryCanDropAPartialStep) {
+  HostModelMemory m;
+  build_sparse_mlp(m, kSizes, 0.5, 4);
+  const std::vector<float> before = m.weights(0).values();
+  WeightStream g = m.stream(0, StreamKind::mask);
+  g.header.kind = StreamKind::gradient;
+  auto chunk = std::make_shared<StreamChunk>(*g.chunks[0]);
+  for (auto& p : chunk->packets) {
+    if (!is_control(p)) p.value = 1.0F;
+  }
+  g.chunks[0] = chunk;
+  const std::vector<float> no_bias_gradient(m.bias(0).size(), 0.0F);
+  m.submit_gradient(0, g, no_bias_gradient);
+  m.discard_step();
+  const StepReport report = m.commit_step();  // nothing is pending any more
+  EXPECT_EQ(m.step(), 0);
+  EXPECT_EQ(m.weights(0).values(), before);
+  m.submit_gradient(0, g, no_bias_gradient);  // accepted again
+  EXPECT_TRUE(m.commit_step().applied);
+  EXPECT_NE(m.weights(0).values(), before);
+  (void)report;
+}
+
+// The executor plans its buffers and streams from the model's shapes when it is built; a
+// model that changed since is refused, not run with the old plan.
+TEST(Executor, RefusesAModelThatChangedUnderIt) {
+  HostModelMemory m;
+  build_sparse_mlp(m, {8, 6, 3}, 0.5, 2);
+  LocalFabric fabric(LocalFabricOptions{});
+  LayerStreamingExecutor exec(m, fabric);
+  DenseMatrix x(8, 4);
+  EXPECT_NO_THROW(exec.infer(x.view()));
+  m.add_layer(CsrMatrix::random(2, 3, 0.5, 1), std::vector<float>(2, 0.0F));
+  try {
+    exec.infer(x.view());
+    FAIL() << "ran a stale plan";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("changed since this executor was built"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(exec.train_step({x.view(), {0, 1, 2, 0}, {}}), ShapeError);
+}
+
+// ReLU(NaN) is NaN: a NaN input must not leave the net as a finite output.
+TEST(Executor, NanInputsStayNan) {
+  HostModelMemory m;
+  build_sparse_mlp(m, {4, 8, 2}, 0.0, 5);
+  LocalFabric fabric(LocalFabricOptions{});
+  for (const Activation hidden : {Activation::relu, Activation::gelu}) {
+    ExecutorOptions eo;
+    eo.activations = {hidden, Activation::none};
+    LayerStreamingExecutor exec(m, fabric, eo);
+    DenseMatrix x(4, 2);
+    for (std::int64_t f = 0; f < 4; ++f) x(f, 1) = 0.25F;
+    x(2, 0) = NAN;
+    const DenseMatrix y = exec.infer(x.view());
+    EXPECT_TRUE(std::isnan(y(0, 0)) && std::isnan(y(1, 0))) << to_string(hidden);
+    EXPECT_TRUE(std::isfinite(y(0, 1)) && std::isfinite(y(1, 1))) << to_string(hidden);
+  }
+  ExecutorOptions bad;
+  bad.activations = {static_cast<Activation>(9), Activation::none};
+  EXPECT_THROW(LayerStreamingExecutor(m, fabric, bad), ShapeError);
+  bad = {};
+  bad.loss = static_cast<Loss>(7);
+  EXPECT_THROW(LayerStreamingExecutor(m, fabric, bad), ShapeError);
 }
 
 TEST(Executor, RefusesModelsWithAnEmptyLayer) {

@@ -584,6 +584,19 @@ TEST_F(BadGradient, WrongKind) {
   expect_refused<FormatError>(s, {"layer 0", "not a gradient"});
 }
 
+// Gradients are fp32 whatever the weights' precision: a bf16 header over fp32 packets, or
+// bf16 packets, are named as such (not as a pattern mismatch deep in the stream).
+TEST_F(BadGradient, NotFp32) {
+  WeightStream s = good(0);
+  s.header.precision = Precision::bf16;
+  expect_refused<FormatError>(s, {"layer 0", "must be fp32"});
+  s = good(0);
+  auto chunk = std::make_shared<StreamChunk>(*s.chunks[0]);
+  chunk->packets_bf16.push_back(bf16_control(kEndOfLayer));
+  s.chunks[0] = chunk;
+  expect_refused<FormatError>(s, {"layer 0", "chunks hold bf16"});
+}
+
 TEST_F(BadGradient, WrongHeaderShape) {
   WeightStream s = good(0);
   s.header.outputs += 1;

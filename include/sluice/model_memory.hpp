@@ -73,6 +73,10 @@ class ModelMemory {
   /// Applies every submitted layer's update, or none if a gradient was not finite
   /// (see NonFinitePolicy). Layers with no submitted gradient are left as they are.
   StepReport commit_step();
+  /// Drops every gradient submitted since the last commit_step(): for a step that failed
+  /// half-way (an engine or a submit threw), so the next step starts clean. Weights,
+  /// optimizer state and the step count are unchanged.
+  void discard_step();
 
   void set_optimizer(const OptimizerConfig& config);
   const OptimizerConfig& optimizer() const;
@@ -99,6 +103,7 @@ class ModelMemory {
   virtual void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                     std::span<const float> bias_gradient) = 0;
   virtual StepReport commit_step_impl() = 0;
+  virtual void discard_step_impl() = 0;
   virtual void set_optimizer_impl(const OptimizerConfig& config) = 0;
   virtual const OptimizerConfig& optimizer_impl() const = 0;
   virtual void set_non_finite_policy_impl(NonFinitePolicy policy) = 0;
@@ -124,6 +129,7 @@ class HostModelMemory final : public ModelMemory {
   void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                             std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
+  void discard_step_impl() override;
   void set_optimizer_impl(const OptimizerConfig& config) override;
   const OptimizerConfig& optimizer_impl() const override;
   void set_non_finite_policy_impl(NonFinitePolicy policy) override;

@@ -21,6 +21,9 @@ struct OptimizerConfig {
   double weight_decay = 0.0;      ///< SGD and Adam: L2 added to the gradient; AdamW: decoupled
   double clip_global_norm = 0.0;  ///< > 0: scale all gradients so their global L2 norm <= this
   /// Learning-rate schedule: multiplier of learning_rate at a step (1-based). Empty = 1.
+  /// Called for every layer of every step, from several threads at once (each layer's
+  /// update is computed as its gradient arrives), so it must be a function of the step
+  /// alone and safe to call concurrently: count steps with the argument, not the calls.
   std::function<double(std::int64_t step)> schedule;
 };
 
