@@ -239,7 +239,11 @@ LocalFabric::LocalFabric(LocalFabricOptions options) : options_(std::move(option
   }
   if (options_.channel_capacity < 1) throw ShapeError("LocalFabric: channel capacity 0");
   EngineOptions eo = options_.engine;
-  if (eo.threads <= 0) {
+  if (eo.threads < 0) {
+    throw ShapeError("LocalFabric: engine threads must be >= 0 (0: share the cores), got " +
+                     std::to_string(eo.threads));
+  }
+  if (eo.threads == 0) {
     const auto cores = static_cast<std::int32_t>(std::max(1U, std::thread::hardware_concurrency()));
     eo.threads = std::max(1, cores / options_.engines);
   }

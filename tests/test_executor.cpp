@@ -581,6 +581,20 @@ TEST(Executor, NanInputsStayNan) {
   EXPECT_THROW(LayerStreamingExecutor(m, fabric, bad), ShapeError);
 }
 
+TEST(Executor, LocalFabricRefusesBadOptions) {
+  LocalFabricOptions fo;
+  fo.engines = 0;
+  EXPECT_THROW(LocalFabric{fo}, ShapeError);
+  fo = {};
+  fo.channel_capacity = 0;
+  EXPECT_THROW(LocalFabric{fo}, ShapeError);
+  fo = {};
+  fo.engine.threads = -5;  // was taken as 0, "share the cores"
+  EXPECT_THROW(LocalFabric{fo}, ShapeError);
+  fo.engine.threads = 0;
+  EXPECT_NO_THROW(LocalFabric{fo});
+}
+
 TEST(Executor, RefusesModelsWithAnEmptyLayer) {
   HostModelMemory m;
   EXPECT_THROW(build_sparse_mlp(m, {8, 0, 4}, 0.5, 1), ShapeError);
