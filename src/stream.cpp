@@ -125,6 +125,11 @@ ChunkFacts check_packets(const StreamHeader& header, const StreamChunk& chunk,
 }  // namespace
 
 void check_header(const StreamHeader& header) {
+  if (header.kind != StreamKind::weights && header.kind != StreamKind::mask &&
+      header.kind != StreamKind::gradient) {
+    throw FormatError("stream header: unknown kind " +
+                      std::to_string(static_cast<std::uint32_t>(header.kind)));
+  }
   if (header.precision != Precision::fp32 && header.precision != Precision::bf16) {
     throw FormatError("stream header: unknown precision " +
                       std::to_string(static_cast<std::uint32_t>(header.precision)));
@@ -253,6 +258,11 @@ StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precisi
 }
 
 std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets) {
+  if (chunk_packets == 0) throw ShapeError("chunk_end: chunks of 0 packets");
+  if (first < 0 || first > matrix.rows()) {
+    throw ShapeError("chunk_end: output " + std::to_string(first) + " outside the matrix's " +
+                     std::to_string(matrix.rows()));
+  }
   const auto& offsets = matrix.row_offsets();
   std::int64_t last = first;
   std::size_t packets = 0;

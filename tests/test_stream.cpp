@@ -90,7 +90,20 @@ TEST(Stream, EmptyLayersStillEndWithEndOfLayer) {
   EXPECT_NO_THROW(s.validate());
 }
 
+TEST(Stream, ChunkingRefusesArgumentsItCannotMeet) {
+  const CsrMatrix w = CsrMatrix::random(9, 5, 0.5, 3);
+  EXPECT_THROW(encode_stream(w, StreamKind::weights, 0), ShapeError);  // was taken as 1
+  EXPECT_THROW(chunk_end(w, -5, 4), ShapeError);
+  EXPECT_THROW(chunk_end(w, 100, 4), ShapeError);
+  EXPECT_EQ(chunk_end(w, 9, 4), 9);  // the end is where the last chunk stops
+}
+
 TEST(Stream, ValidatorNamesEveryCorruption) {
+  {
+    WeightStream s = small_stream();
+    s.header.kind = static_cast<StreamKind>(99);
+    EXPECT_NE(error_of(s).find("unknown kind 99"), std::string::npos) << error_of(s);
+  }
   {
     WeightStream s = small_stream();
     edit(s, 0).packets[0].tag = 5;
