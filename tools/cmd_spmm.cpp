@@ -53,11 +53,7 @@ struct SpmmResult {
 constexpr double kCheckTolerance = 1e-5;
 
 SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
-  // oneDNN's W with its zeros (and, with --backward, dW as large).
-  require_memory(
-      4.0 * static_cast<double>(w.rows()) * static_cast<double>(w.cols()) * (o.backward ? 2 : 1),
-      "the dense baseline of a " + std::to_string(w.rows()) + "x" + std::to_string(w.cols()) +
-          " layer");
+  require_dense_baseline_memory(w.rows(), w.cols(), o.backward);
   EngineOptions eo;
   eo.threads = o.threads;
   eo.geometry = o.geometry;

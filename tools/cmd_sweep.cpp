@@ -130,10 +130,7 @@ double median(std::vector<double> values) {
 Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
               std::vector<MeasuredRun>& runs) {
   const auto [outputs, inputs] = parse_shape(o.shape);
-  // oneDNN's W with its zeros (and, for a training step, dW as large).
-  require_memory(
-      4.0 * static_cast<double>(outputs) * static_cast<double>(inputs) * (o.training ? 2 : 1),
-      "the dense baseline of a " + o.shape + " layer");
+  require_dense_baseline_memory(outputs, inputs, o.training);
   EngineOptions eo;
   eo.threads = runnable_threads(o.threads, "sweep");
   CpuEngine engine(eo);

@@ -67,9 +67,7 @@ struct MpiSession {
 
 std::vector<std::int64_t> parse_layers(const std::string& text) {
   std::vector<std::int64_t> sizes;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : split_list(text)) {
     try {
       std::size_t used = 0;
       const long long v = std::stoll(item, &used);
@@ -86,9 +84,7 @@ std::vector<std::int64_t> parse_layers(const std::string& text) {
 /// "fp32", "bf16", or one of them per layer, comma-separated.
 std::vector<Precision> parse_precisions(const std::string& text, std::int32_t layers) {
   std::vector<Precision> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : split_list(text)) {
     if (item != "fp32" && item != "bf16") {
       throw UsageError("--precision: '" + item + "' is neither fp32 nor bf16");
     }
@@ -129,15 +125,15 @@ void check_checkpoint_path(const std::filesystem::path& path) {
 
 /// The sparsity of the model trained: as asked for a new one; a resumed one's masks fix
 /// it, so it is read off them.
-double model_sparsity(const HostModelMemory& memory, double asked, const TrainOptions& o) {
-  if (o.resume.empty()) return asked;
+double model_sparsity(const HostModelMemory& memory, const TrainOptions& o) {
+  if (o.resume.empty()) return o.sparsity;
   double weights = 0, cells = 0;
   for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
     const CsrMatrix& w = memory.weights(l);
     weights += static_cast<double>(w.nnz());
     cells += static_cast<double>(w.rows()) * static_cast<double>(w.cols());
   }
-  return cells > 0 ? 1.0 - weights / cells : asked;
+  return cells > 0 ? 1.0 - weights / cells : o.sparsity;
 }
 
 Dataset load_data(const TrainOptions& o, std::string& name) {
@@ -389,7 +385,7 @@ Command add_train_command(CLI::App& app) {
           .field("test_loss", e.loss);
       j.field("final_loss", final_loss).field("steps", steps).field("epochs", o->epochs);
       j.field("skipped_steps", skipped);
-      j.field("engines", o->engines).field("sparsity", model_sparsity(memory, o->sparsity, *o));
+      j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o));
       j.field("precision", o->precision);
       j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
       j.field("train_seconds", total.wall_seconds);

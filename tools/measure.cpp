@@ -24,15 +24,19 @@ std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text) {
   return {a, b};
 }
 
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::size_t begin = 0;
+  for (std::size_t comma; (comma = text.find(',', begin)) != std::string::npos; begin = comma + 1) {
+    items.push_back(text.substr(begin, comma - begin));
+  }
+  if (!text.empty()) items.push_back(text.substr(begin));
+  return items;
+}
+
 std::vector<double> parse_sparsities(const std::string& text) {
   std::vector<double> out;
-  std::stringstream in(text);
-  std::string item;
-  // getline drops an empty last item; "0.9," is as malformed as ",0.9".
-  if (!text.empty() && text.back() == ',') {
-    throw UsageError("sparsity list '" + text + "' ends with a comma");
-  }
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : split_list(text)) {
     double v = 0;
     const char* s = item.data();
     const char* e = s + item.size();
@@ -59,13 +63,18 @@ int runnable_threads(int requested, const char* command) {
   return available;
 }
 
-void require_memory(double bytes, const std::string& what) {
+void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient) {
+  const double bytes =
+      4.0 * static_cast<double>(outputs) * static_cast<double>(inputs) * (with_gradient ? 2 : 1);
   const double physical =
       static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
   if (physical > 0 && bytes > physical) {
-    char text[160];
-    std::snprintf(text, sizeof text, "%s needs %.1f GB, more than this machine's %.1f GB of memory",
-                  what.c_str(), bytes * 1e-9, physical * 1e-9);
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "the dense baseline of a %lldx%lld layer needs %.1f GB, more than this "
+                  "machine's %.1f GB of memory",
+                  static_cast<long long>(outputs), static_cast<long long>(inputs), bytes * 1e-9,
+                  physical * 1e-9);
     throw UsageError(text);
   }
 }

@@ -48,6 +48,10 @@ double median_seconds(Fn&& fn, int repeats) {
 /// "4096x1024" -> {4096, 1024}; UsageError unless both are positive integers.
 std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text);
 
+/// "a,b,,c," -> {"a", "b", "", "c", ""}: every item of a comma-separated list, empty ones
+/// included (getline would drop a trailing one), so parsers refuse "0.9," as ",0.9".
+std::vector<std::string> split_list(const std::string& text);
+
 /// "0,0.5,0.9" -> {0, 0.5, 0.9}; UsageError unless each is in [0, 1).
 std::vector<double> parse_sparsities(const std::string& text);
 
@@ -60,9 +64,10 @@ std::int64_t peak_resident_bytes();
 /// report would name a thread count that never ran.
 int runnable_threads(int requested, const char* command);
 
-/// UsageError unless `bytes` fit in this machine's physical memory. The dense baseline
-/// holds W with its zeros: a large, very sparse layer is small for sluice but may not be
-/// for oneDNN, and an allocation of tens of GB fails late or gets the process killed.
-void require_memory(double bytes, const std::string& what);
+/// UsageError unless oneDNN's dense baseline of an outputs x inputs layer (W with its
+/// zeros, and dW as large `with_gradient`) fits in this machine's physical memory: a large,
+/// very sparse layer is small for sluice but may not be for oneDNN, and an allocation of
+/// tens of GB fails late or gets the process killed.
+void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient);
 
 }  // namespace sluice::cli
