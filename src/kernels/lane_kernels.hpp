@@ -67,6 +67,17 @@ inline void leave_sum(const GradientSums& g, const PacketT* packets, std::uint32
   }
 }
 
+/// The backward pass of a by-input stream (StreamOrder::by_input), whose runs are the
+/// layer's input features and whose tags are its output features. For run r and each of
+/// its weights k (w_k, tag_k), with dY's rows gathered by tag from the resident tile:
+///   dx[r, :] = sum_k w_k * dy[tag_k, :]     (overwrites dx's rows; skipped if dx.data is null)
+///   s_k = dot(x[r, :], dy[tag_k, :])        (left as `sums` says; skipped if x.data is null)
+/// One gather of each dY row serves both products: the data gradient becomes a sum kept
+/// in registers, not a read-modify-write of a dX row per weight.
+template <typename PacketT>
+using ByInputKernel = void (*)(const Runs<PacketT>& runs, Tile dy, Tile x, MutableTile dx,
+                               const GradientSums& sums, std::int64_t tokens);
+
 struct LaneKernels {
   /// y[r, :] = sum over run r of w * x[tag, :]  (overwrites y's rows 0..runs-1).
   void (*forward)(const LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);
@@ -75,6 +86,7 @@ struct LaneKernels {
   /// s_k = dot(dy[r, :], x[tag_k, :]) for every weight k of run r, left as `sums` says.
   void (*backward_weight)(const LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
                           std::int64_t tokens);
+  ByInputKernel<Packet> backward_by_input;
 };
 
 /// The same products for a bf16 stream: weights widened from bf16, activations held as
@@ -87,10 +99,26 @@ struct Bf16LaneKernels {
   /// One resident row: src[0, n) rounded to bf16 (nearest even), then zeros up to
   /// `padded` (a multiple of 32), in this table's token order.
   void (*pack)(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t padded);
+  /// As LaneKernels::backward_by_input, the weights widened from bf16 (dY, X, dX in fp32).
+  ByInputKernel<Bf16Packet> backward_by_input;
 };
 
 const LaneKernels& lane_kernels(Isa isa);
 const Bf16LaneKernels& bf16_lane_kernels(Isa isa);
+
+/// The by-input kernels of each ISA (src/kernels/by_input_*.cpp), for the tables.
+void by_input_scalar(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens);
+void by_input_scalar(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens);
+void by_input_avx2(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+                   std::int64_t tokens);
+void by_input_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                   const GradientSums& sums, std::int64_t tokens);
+void by_input_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens);
+void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens);
 
 extern const LaneKernels kScalarKernels;
 extern const LaneKernels kAvx2Kernels;

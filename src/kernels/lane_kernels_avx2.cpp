@@ -231,6 +231,6 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
 
 }  // namespace
 
-const LaneKernels kAvx2Kernels{forward, backward_data, backward_weight};
+const LaneKernels kAvx2Kernels{forward, backward_data, backward_weight, by_input_avx2};
 
 }  // namespace sluice::detail

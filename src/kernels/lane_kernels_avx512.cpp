@@ -245,6 +245,6 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
 
 }  // namespace
 
-const LaneKernels kAvx512Kernels{forward, backward_data, backward_weight};
+const LaneKernels kAvx512Kernels{forward, backward_data, backward_weight, by_input_avx512};
 
 }  // namespace sluice::detail
