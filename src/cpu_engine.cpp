@@ -600,30 +600,37 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                       const ConstMatrixView* x, ConstMatrixView dy,
                                       MutableMatrixView* dx) {
   Impl& m = *impl_;
-  const std::int32_t P = placement.lanes;
-  const bool want_grad = x != nullptr;
-  const std::int64_t inputs = weights.header().inputs;
   const StreamHeader header = weights.header();
-  const Holding holding = holding_for(P, header);
+  const bool want_grad = x != nullptr;
+  // By output, the lanes hold rows of dX or X, the stream's tags; by input, one lane holds
+  // all of dY, the stream's tags again, and walks the input features as the runs.
+  const bool by_input = header.by_input();
+  const std::int64_t tags = header.inputs;
+  const Placement one_lane = Placement::single_lane(tags);
+  const Placement& lanes_of = by_input ? one_lane : placement;
+  const std::int32_t P = lanes_of.lanes;
+  const Holding holding =
+      by_input ? Holding{packs_tiles(1, header.nnz, tags), false, false} : holding_for(P, header);
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
   // dX accumulates in an fp32 tile; X is held as holding_for says for dW.
   const TokenTiling data_tiling =
-      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, Precision::fp32, header.nnz));
+      make_tiling(dy.cols, m.resolve(tags, dy.cols, P, Precision::fp32, header.nnz));
   TokenTiling weight_tiling =
-      make_tiling(dy.cols, m.resolve(inputs, dy.cols, P, holding.precision(), header.nnz));
+      make_tiling(dy.cols, m.resolve(tags, dy.cols, P, holding.precision(), header.nnz));
   const auto t_intake = Clock::now();
-  const LaneLayout layout(placement);
+  const LaneLayout layout(lanes_of);
   std::vector<TakenChunk> chunks;
-  m.arena.execute([&] { chunks = take_in(weights, placement, layout, P > 1, widen); });
+  m.arena.execute([&] { chunks = take_in(weights, lanes_of, layout, P > 1, widen); });
   counters_.intake_seconds += seconds_since(t_intake);
-  if (want_grad) prefer_shares(weight_tiling, m.options.geometry, P, chunks.size());
+  // By input each run's dX row has one writer either way; shares give each weight one too.
+  if (want_grad || by_input) prefer_shares(weight_tiling, m.options.geometry, P, chunks.size());
 
   const std::int32_t S = data_tiling.shares;
   // Stream shares each add their chunks' part of dX: share 0 into dX, the others into
   // their own matrices, added to dX after the pass in share order (so the sums are the
   // same whatever the thread timing).
   std::vector<MutableMatrixView> dx_shares;
-  if (dx != nullptr && S > 1 && dy.cols > 0) {
+  if (!by_input && dx != nullptr && S > 1 && dy.cols > 0) {
     const auto size = static_cast<std::size_t>(dx->rows * dx->cols);
     if (m.dx_share_scratch.size() < (S - 1) * size) m.dx_share_scratch.resize((S - 1) * size);
     for (std::int32_t share = 1; share < S; ++share) {
@@ -692,9 +699,18 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
       }
     }
   }
-  // Two passes over the stream, dX then dW, each keeping one matrix resident: a fused
-  // pass would have to keep X and dX in cache together, halving the tile and doubling
-  // the passes over the stream, which costs more than the second pass.
+  // Task (p, q)'s sums for chunk c on tile t of `tiling`: see GradientSums.
+  auto sums_of = [&](const TokenTiling& tiling, std::int32_t p, std::int32_t q, std::size_t c,
+                     std::int64_t t) {
+    if (!want_grad) return detail::GradientSums{};
+    const bool last = t + 1 == tiling.first_tile(q + 1);
+    return detail::GradientSums{partials[q][c] + (P > 1 ? lane_offset(c, p) : 0),
+                                direct && last ? gradient[c]->packets.data() : nullptr,
+                                t == tiling.first_tile(q)};
+  };
+  // By output: two passes over the stream, dX then dW, each keeping one matrix resident:
+  // a fused pass would have to keep X and dX in cache together, halving the tile and
+  // doubling the passes over the stream, which costs more than the second pass.
   std::vector<double> busy(
       static_cast<std::size_t>(std::max(data_tiling.tasks(P), weight_tiling.tasks(P))), 0.0);
   auto lane_pass = [&](bool data_pass) {
@@ -738,14 +754,6 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
             const Tile x_tile =
                 pack ? resident.tile()
                      : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
-            // This task's sums for chunk c on tile t: see GradientSums.
-            auto sums_of = [&](std::size_t c) {
-              const bool last = t + 1 == tiling.first_tile(q + 1);
-              return detail::GradientSums{
-                  data_pass ? nullptr : partials[q][c] + (P > 1 ? lane_offset(c, p) : 0),
-                  direct && last ? gradient[c]->packets.data() : nullptr,
-                  t == tiling.first_tile(q)};
-            };
             for (std::size_t c = c_begin; c < c_end; ++c) {
               const StreamChunk& chunk = *chunks[c].chunk;
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
@@ -754,12 +762,13 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                               width);
               } else if (bf16) {
                 m.bf16_kernels->backward_weight(chunks[c].runs<Bf16Packet>(p), dy_tile,
-                                                resident.bf16_tile(), sums_of(c), width);
+                                                resident.bf16_tile(), sums_of(tiling, p, q, c, t),
+                                                width);
               } else if (data_pass) {
                 m.kernels->backward_data(chunks[c].runs<Packet>(p), dy_tile, dx_tile, width);
               } else {
-                m.kernels->backward_weight(chunks[c].runs<Packet>(p), dy_tile, x_tile, sums_of(c),
-                                           width);
+                m.kernels->backward_weight(chunks[c].runs<Packet>(p), dy_tile, x_tile,
+                                           sums_of(tiling, p, q, c, t), width);
               }
             }
             if (data_pass && pack) resident.store(rows, target.data, target.stride, t0, width);
@@ -768,8 +777,50 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
         },
         /*one_task_each=*/true);
   };
+  // By input: one pass, dY resident, both gradients per run (see ByInputKernel).
+  auto by_input_pass = [&] {
+    const TokenTiling& tiling = weight_tiling;
+    detail::parallel_for(
+        std::int64_t{0}, tiling.tasks(1),
+        [&](std::int64_t task) {
+          const TokenTiling::Task here = tiling.task(task, 1);
+          const std::int32_t q = here.block, share = here.share;
+          const std::size_t c_begin = tiling.first_chunk(share, chunks.size());
+          const std::size_t c_end = tiling.first_chunk(share + 1, chunks.size());
+          const auto t_start = Clock::now();
+          for (std::size_t c = c_begin; c < c_end && direct && want_grad; ++c) write_controls(c);
+          ResidentTile resident;
+          if (pack) resident.resize(layout.rows[0].size(), tiling.tile);
+          for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
+            const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
+            if (pack) resident.load(layout.rows[0], dy.data, dy.stride, t0, width);
+            const Tile dy_tile = pack ? resident.tile() : Tile{dy.data + t0, dy.stride};
+            for (std::size_t c = c_begin; c < c_end; ++c) {
+              const std::int64_t first = chunks[c].chunk->first_output;  // an input feature
+              const Tile x_rows =
+                  want_grad ? Tile{x->row(first) + t0, x->stride} : Tile{nullptr, 0};
+              const MutableTile dx_rows =
+                  dx != nullptr ? MutableTile{dx->row(first) + t0, dx->stride} : MutableTile{};
+              const detail::GradientSums sums = sums_of(tiling, 0, q, c, t);
+              if (header.precision == Precision::bf16) {
+                m.bf16_kernels->backward_by_input(chunks[c].runs<Bf16Packet>(0), dy_tile, x_rows,
+                                                  dx_rows, sums, width);
+              } else {
+                m.kernels->backward_by_input(chunks[c].runs<Packet>(0), dy_tile, x_rows, dx_rows,
+                                             sums, width);
+              }
+            }
+          }
+          busy[task] += seconds_since(t_start);
+        },
+        /*one_task_each=*/true);
+  };
   m.arena.execute([&] {
     if (dy.cols == 0) return;
+    if (by_input) {
+      by_input_pass();
+      return;
+    }
     if (dx != nullptr) lane_pass(true);
     if (!dx_shares.empty()) {
       detail::parallel_for(std::int64_t{0}, dx->rows, [&](std::int64_t r) {

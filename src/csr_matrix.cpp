@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -208,6 +209,46 @@ std::vector<std::int64_t> CsrMatrix::column_counts() const {
   std::vector<std::int64_t> counts(static_cast<std::size_t>(cols_), 0);
   for (const auto col : col_indices_) ++counts[col];
   return counts;
+}
+
+TransposedPattern transposed_pattern(const CsrMatrix& w) {
+  if (w.rows() >= kMaxCols) {
+    throw ShapeError("transpose: " + std::to_string(w.rows()) +
+                     " rows would be too many columns (at most 2^31 - 1)");
+  }
+  if (static_cast<std::uint64_t>(w.nnz()) > std::numeric_limits<std::uint32_t>::max()) {
+    throw ShapeError("transpose: " + std::to_string(w.nnz()) +
+                     " non-zeros, more than 32-bit positions address");
+  }
+  TransposedPattern t;
+  t.rows = w.cols();
+  t.cols = w.rows();
+  // A counting sort by column: walking W's rows in order leaves each column's entries
+  // sorted by row.
+  t.row_offsets.assign(static_cast<std::size_t>(t.rows) + 1, 0);
+  for (const std::uint32_t c : w.col_indices()) ++t.row_offsets[c + 1];
+  std::partial_sum(t.row_offsets.begin(), t.row_offsets.end(), t.row_offsets.begin());
+  t.col_indices.resize(static_cast<std::size_t>(w.nnz()));
+  t.source.resize(static_cast<std::size_t>(w.nnz()));
+  std::vector<std::int64_t> next(t.row_offsets.begin(), t.row_offsets.end() - 1);
+  const auto& offsets = w.row_offsets();
+  const auto& indices = w.col_indices();
+  for (std::int64_t row = 0; row < w.rows(); ++row) {
+    for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
+      const auto at = static_cast<std::size_t>(next[indices[k]]++);
+      t.col_indices[at] = static_cast<std::uint32_t>(row);
+      t.source[at] = static_cast<std::uint32_t>(k);
+    }
+  }
+  return t;
+}
+
+CsrMatrix transpose(const CsrMatrix& w) {
+  TransposedPattern t = transposed_pattern(w);
+  std::vector<float> values(t.source.size());
+  for (std::size_t k = 0; k < values.size(); ++k) values[k] = w.values()[t.source[k]];
+  return CsrMatrix(t.rows, t.cols, std::move(t.row_offsets), std::move(t.col_indices),
+                   std::move(values));
 }
 
 CsrMatrix CsrMatrix::from_dense(ConstMatrixView dense) {

@@ -97,6 +97,10 @@ void Engine::forward(StreamSource& weights, const Placement& placement, ConstMat
     throw ShapeError(std::string("forward needs a weights stream, got a ") + to_string(h.kind) +
                      " stream");
   }
+  if (h.order != StreamOrder::by_output) {
+    throw ShapeError(std::string("forward needs a stream by output, got one ") +
+                     to_string(h.order));
+  }
   check_layer(h, placement, x);
   check_view(y, "Y");
   if (h.outputs != y.rows || x.cols != y.cols) {
@@ -112,14 +116,21 @@ namespace {
 
 void check_backward(const StreamHeader& h, const Placement& placement, std::int64_t inputs,
                     std::int64_t tokens, ConstMatrixView dy, MutableMatrixView* dx) {
-  check_placement(placement, h.inputs, "placement");
-  if (h.inputs != inputs) {
-    throw ShapeError("stream is for a layer with " + std::to_string(h.inputs) +
+  if (h.order != StreamOrder::by_output && h.order != StreamOrder::by_input) {
+    throw ShapeError("stream of unknown order " +
+                     std::to_string(static_cast<std::uint32_t>(h.order)));
+  }
+  // The layer's shape, whichever way the stream walks it.
+  const std::int64_t layer_inputs = h.layer_inputs(), layer_outputs = h.layer_outputs();
+  check_placement(placement, layer_inputs, "placement");
+  if (layer_inputs != inputs) {
+    throw ShapeError("stream is for a layer with " + std::to_string(layer_inputs) +
                      " inputs but the activations have " + std::to_string(inputs) + " rows");
   }
   check_view(dy, "dY");
-  if (h.outputs != dy.rows || dy.cols != tokens) {
-    throw ShapeError("dY is " + shape(dy.rows, dy.cols) + ", expected " + shape(h.outputs, tokens));
+  if (layer_outputs != dy.rows || dy.cols != tokens) {
+    throw ShapeError("dY is " + shape(dy.rows, dy.cols) + ", expected " +
+                     shape(layer_outputs, tokens));
   }
   if (dx != nullptr) {
     check_view(*dx, "dX");

@@ -42,6 +42,9 @@ struct HostLayer {
 
   std::mutex placement_mutex;
   std::map<std::int32_t, Placement> placements;  ///< by lane count; map nodes never move
+  /// The pattern's transpose, for streams by input: built on first use (under
+  /// placement_mutex) and never changed after, as the pattern never changes.
+  std::unique_ptr<TransposedPattern> transposed;
 
   std::mutex pending_mutex;
   PendingUpdate pending;

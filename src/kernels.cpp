@@ -20,14 +20,8 @@ CpuEngine& shared_engine(std::unique_lock<std::mutex>& lock) {
 
 Placement placement_for(const CsrMatrix& w, const Engine& engine, std::int64_t tokens) {
   const Geometry g = engine.geometry_for(w.rows(), w.cols(), tokens);
-  if (g.lanes == 1) {
-    // One lane owns everything: no need to count columns.
-    Placement p;
-    p.lanes = 1;
-    p.lane_of.assign(w.cols(), 0);
-    p.lane_nnz = {w.nnz()};
-    return p;
-  }
+  // One lane owns everything: no need to count columns.
+  if (g.lanes == 1) return Placement::single_lane(w.cols(), w.nnz());
   return round_robin_placement(w, g.lanes);
 }
 

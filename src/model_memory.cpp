@@ -52,14 +52,32 @@ struct ChunkScan {
   std::string error;  // empty if the chunk matched the mask
 };
 
+/// What a gradient stream of one order must carry: the mask's runs and tags in that order,
+/// and where each value goes in the layer's CSR order (`position` null: in place).
+struct GradientOrder {
+  const std::vector<std::int64_t>& offsets;
+  const std::uint32_t* tags;
+  const std::uint32_t* position;
+  const char* run;  ///< what a run is: "output", or "input" by input
+  const char* tag;
+
+  static GradientOrder of(const CsrMatrix& mask) {
+    return {mask.row_offsets(), mask.col_indices().data(), nullptr, "output", "input"};
+  }
+  static GradientOrder of(const TransposedPattern& t) {
+    return {t.row_offsets, t.col_indices.data(), t.source.data(), "input", "output"};
+  }
+};
+
 // Copies one gradient chunk into `gradient` (CSR order) while checking that its packets
-// are exactly the mask's: the same tags in the same order, a carriage return after each
-// output, end-of-layer after the last.
-ChunkScan scan_gradient_chunk(std::int32_t layer, const CsrMatrix& mask, const StreamChunk& chunk,
-                              std::size_t chunk_index, bool last_chunk, float* gradient) {
+// are exactly the mask's in the stream's order: the same tags in the same order, a
+// carriage return after each run, end-of-layer after the last.
+ChunkScan scan_gradient_chunk(std::int32_t layer, const GradientOrder& mask,
+                              const StreamChunk& chunk, std::size_t chunk_index, bool last_chunk,
+                              float* gradient) {
   ChunkScan scan;
-  const auto& offsets = mask.row_offsets();
-  const auto& indices = mask.col_indices();
+  const auto& offsets = mask.offsets;
+  const std::uint32_t* indices = mask.tags;
   const Packet* packets = chunk.packets.data();
   const std::size_t count = chunk.packets.size();
   std::size_t pos = 0;
@@ -78,17 +96,19 @@ ChunkScan scan_gradient_chunk(std::int32_t layer, const CsrMatrix& mask, const S
       if (pos == count || packets[pos].tag != indices[k]) {
         const std::string found =
             pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos]);
-        return fail("output " + std::to_string(o) + ", position " + std::to_string(k - begin) +
-                    ": found " + found + " where the mask has input " + std::to_string(indices[k]));
+        return fail(std::string(mask.run) + " " + std::to_string(o) + ", position " +
+                    std::to_string(k - begin) + ": found " + found + " where the mask has " +
+                    mask.tag + " " + std::to_string(indices[k]));
       }
       const float g = packets[pos++].value;
-      gradient[k] = g;
+      gradient[mask.position != nullptr ? mask.position[k] : k] = g;
       sum += static_cast<double>(g) * g;
     }
     if (pos == count || packets[pos].tag != kCarriageReturn) {
       return fail(
-          "output " + std::to_string(o) + ", position " + std::to_string(end - begin) +
-          ": expected the carriage return after its " + std::to_string(end - begin) +
+          std::string(mask.run) + " " + std::to_string(o) + ", position " +
+          std::to_string(end - begin) + ": expected the carriage return after its " +
+          std::to_string(end - begin) +
           " gradients, found " +
           (pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos])));
     }
@@ -97,14 +117,15 @@ ChunkScan scan_gradient_chunk(std::int32_t layer, const CsrMatrix& mask, const S
   if (last_chunk) {
     if (pos == count || packets[pos].tag != kEndOfLayer) {
       return fail(
-          "expected end-of-layer after output " + std::to_string(last - 1) + ", found " +
+          "expected end-of-layer after " + std::string(mask.run) + " " + std::to_string(last - 1) +
+          ", found " +
           (pos == count ? std::string("the end of the stream") : describe_packet(packets[pos])));
     }
     ++pos;
   }
   if (pos != count) {
-    return fail(std::to_string(count - pos) + " packet(s) after the chunk's last output " +
-                std::to_string(last - 1) + ", the first is " + describe_packet(packets[pos]));
+    return fail(std::to_string(count - pos) + " packet(s) after the chunk's last " + mask.run +
+                " " + std::to_string(last - 1) + ", the first is " + describe_packet(packets[pos]));
   }
   scan.sum_of_squares = sum;
   return scan;
@@ -165,41 +186,70 @@ const Placement& ModelMemory::placement(std::int32_t layer, std::int32_t lanes) 
   return placement_impl(layer, lanes);
 }
 
-StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind,
-                                        Precision precision) const {
+StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind, Precision precision,
+                                        StreamOrder order) const {
   check_layer(layer);
   if (kind == StreamKind::gradient) {
     // What the engines send back: fp32 whatever the weights streamed in.
-    StreamHeader h = stream_header_for(weights_impl(layer), StreamKind::weights);
+    StreamHeader h = stream_header_for(weights_impl(layer), StreamKind::weights,
+                                       Precision::fp32, order);
     h.kind = kind;
     return h;
   }
   check_stream_kind(kind, "stream_header");
-  return stream_header_for(weights_impl(layer), kind, precision);
+  return stream_header_for(weights_impl(layer), kind, precision, order);
 }
 
-WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind, Precision precision) const {
+WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind, Precision precision,
+                                 StreamOrder order) const {
   check_layer(layer);
   check_stream_kind(kind, "stream");
-  return encode_stream(weights_impl(layer), kind, kDefaultChunkPackets, precision);
+  WeightStream out;
+  out.header = stream_header_for(weights_impl(layer), kind, precision, order);
+  StreamChannel channel(std::numeric_limits<std::size_t>::max());
+  stream_to(layer, kind, channel, kDefaultChunkPackets, precision, order);
+  while (ChunkPtr chunk = channel.pop()) out.chunks.push_back(std::move(chunk));
+  return out;
+}
+
+const TransposedPattern& ModelMemory::transposed(std::int32_t layer) const {
+  check_layer(layer);
+  return transposed_impl(layer);
 }
 
 void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& channel,
-                            std::size_t chunk_packets, Precision precision) const {
+                            std::size_t chunk_packets, Precision precision,
+                            StreamOrder order) const {
   try {
     check_layer(layer);
     check_stream_kind(kind, "stream_to");
     if (chunk_packets == 0) throw ShapeError("stream_to: chunk_packets must be at least 1");
     const CsrMatrix& w = weights_impl(layer);
-    stream_header_for(w, kind, precision);  // refuses what cannot be streamed so
+    stream_header_for(w, kind, precision, order);  // refuses what cannot be streamed so
     // One chunk at a time: the channel's capacity bounds the memory in flight, and the
     // consumer starts on the first chunk while the rest are still being encoded.
-    std::int64_t first = 0;
-    do {
-      const std::int64_t last = chunk_end(w, first, chunk_packets);
-      channel.push(encode_chunk(w, kind, first, last, precision));
-      first = last;
-    } while (first < w.rows());
+    auto send = [&](std::int64_t runs, auto chunk_end_of, auto encode) {
+      std::int64_t first = 0;
+      do {
+        const std::int64_t last = chunk_end_of(first);
+        channel.push(encode(first, last));
+        first = last;
+      } while (first < runs);
+    };
+    if (order == StreamOrder::by_input) {
+      const TransposedPattern& t = transposed_impl(layer);
+      send(
+          t.rows, [&](std::int64_t first) { return chunk_end(t, first, chunk_packets); },
+          [&](std::int64_t first, std::int64_t last) {
+            return encode_chunk(t, w.values(), kind, first, last, precision);
+          });
+    } else {
+      send(
+          w.rows(), [&](std::int64_t first) { return chunk_end(w, first, chunk_packets); },
+          [&](std::int64_t first, std::int64_t last) {
+            return encode_chunk(w, kind, first, last, precision);
+          });
+    }
     channel.close();
   } catch (...) {
     channel.fail(std::current_exception());
@@ -225,14 +275,18 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
                       ": gradient streams must be fp32 (the header says " + to_string(h.precision) +
                       (bf16_packets ? ", the chunks hold bf16)" : ")"));
   }
-  if (h.outputs != static_cast<std::uint64_t>(w.rows()) ||
-      h.inputs != static_cast<std::uint64_t>(w.cols()) ||
+  if (h.order != StreamOrder::by_output && h.order != StreamOrder::by_input) {
+    throw FormatError("submit_gradient: " + layer_name(layer) + ": unknown stream order " +
+                      std::to_string(static_cast<std::uint32_t>(h.order)));
+  }
+  if (h.layer_outputs() != static_cast<std::uint64_t>(w.rows()) ||
+      h.layer_inputs() != static_cast<std::uint64_t>(w.cols()) ||
       h.nnz != static_cast<std::uint64_t>(w.nnz())) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": gradient stream is " +
-                      std::to_string(h.outputs) + "x" + std::to_string(h.inputs) + " with " +
-                      std::to_string(h.nnz) + " non-zeros, the layer is " +
-                      std::to_string(w.rows()) + "x" + std::to_string(w.cols()) + " with " +
-                      std::to_string(w.nnz()));
+    throw FormatError("submit_gradient: " + layer_name(layer) + ": gradient stream is for a " +
+                      std::to_string(h.layer_outputs()) + "x" + std::to_string(h.layer_inputs()) +
+                      " layer with " + std::to_string(h.nnz) + " non-zeros (" +
+                      to_string(h.order) + "), the layer is " + std::to_string(w.rows()) + "x" +
+                      std::to_string(w.cols()) + " with " + std::to_string(w.nnz()));
   }
   const std::size_t bias_size = bias_impl(layer).size();
   if (bias_gradient.size() != bias_size) {
@@ -386,6 +440,15 @@ const std::vector<float>& HostModelMemory::bias_impl(std::int32_t layer) const {
   return state_->layers[layer]->bias;
 }
 
+const TransposedPattern& HostModelMemory::transposed_impl(std::int32_t layer) const {
+  detail::HostLayer& l = *state_->layers[layer];
+  std::lock_guard lock(l.placement_mutex);
+  if (!l.transposed) {
+    l.transposed = std::make_unique<TransposedPattern>(transposed_pattern(l.weights));
+  }
+  return *l.transposed;
+}
+
 const Placement& HostModelMemory::placement_impl(std::int32_t layer, std::int32_t lanes) {
   detail::HostLayer& l = *state_->layers[layer];
   std::lock_guard lock(l.placement_mutex);
@@ -407,13 +470,16 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
                      " already has a gradient for this step (commit_step first)");
   }
 
-  // The chunks' outputs must follow each other and cover the layer; then each chunk can
-  // be checked and copied on its own, in parallel.
+  // The chunks' runs must follow each other and cover the layer; then each chunk can be
+  // checked and copied on its own, in parallel.
   const auto& chunks = gradient.chunks;
   if (chunks.empty()) {
     throw FormatError("submit_gradient: " + layer_name(layer) + ": the gradient stream is empty");
   }
-  const std::int64_t rows = l.weights.rows();
+  // (The header matched the layer: by input, the runs are its inputs.)
+  const bool by_input = gradient.header.by_input();
+  const std::int64_t rows = by_input ? l.weights.cols() : l.weights.rows();
+  const std::string run = by_input ? "input" : "output";
   std::int64_t next_output = 0;
   for (std::size_t c = 0; c < chunks.size(); ++c) {
     if (!chunks[c]) {
@@ -422,25 +488,28 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
     }
     if (chunks[c]->first_output != next_output) {
       throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
-                        " starts at output " + std::to_string(chunks[c]->first_output) +
+                        " starts at " + run + " " + std::to_string(chunks[c]->first_output) +
                         ", expected " + std::to_string(next_output));
     }
     next_output += chunks[c]->outputs;
     if (next_output > rows) {
       throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
-                        " runs to output " + std::to_string(next_output - 1) + ", the layer has " +
-                        std::to_string(rows) + " outputs");
+                        " runs to " + run + " " + std::to_string(next_output - 1) +
+                        ", the layer has " + std::to_string(rows) + " " + run + "s");
     }
   }
   if (next_output != rows) {
     throw FormatError("submit_gradient: " + layer_name(layer) + ": the chunks cover " +
-                      std::to_string(next_output) + " of " + std::to_string(rows) + " outputs");
+                      std::to_string(next_output) + " of " + std::to_string(rows) + " " + run +
+                      "s");
   }
 
   p.gradient.resize(l.weights.values().size());
+  const GradientOrder order =
+      by_input ? GradientOrder::of(transposed_impl(layer)) : GradientOrder::of(l.weights);
   std::vector<ChunkScan> scans(chunks.size());
   auto scan = [&](std::size_t c) {
-    scans[c] = scan_gradient_chunk(layer, l.weights, *chunks[c], c, c + 1 == chunks.size(),
+    scans[c] = scan_gradient_chunk(layer, order, *chunks[c], c, c + 1 == chunks.size(),
                                    p.gradient.data());
   };
   if (chunks.size() == 1) {

@@ -27,6 +27,16 @@ const char* to_string(StreamKind kind) {
   return "unknown";
 }
 
+const char* to_string(StreamOrder order) {
+  switch (order) {
+    case StreamOrder::by_output:
+      return "by_output";
+    case StreamOrder::by_input:
+      return "by_input";
+  }
+  return "unknown";
+}
+
 namespace detail {
 
 std::string describe_chunk(const StreamChunk& chunk, std::uint64_t chunk_index) {
@@ -134,6 +144,10 @@ void check_header(const StreamHeader& header) {
     throw FormatError("stream header: unknown precision " +
                       std::to_string(static_cast<std::uint32_t>(header.precision)));
   }
+  if (header.order != StreamOrder::by_output && header.order != StreamOrder::by_input) {
+    throw FormatError("stream header: unknown order " +
+                      std::to_string(static_cast<std::uint32_t>(header.order)));
+  }
   if (header.precision == Precision::bf16 && header.kind == StreamKind::gradient) {
     throw FormatError("stream header: gradient streams are fp32, this one says bf16");
   }
@@ -233,10 +247,18 @@ std::uint64_t WeightStream::byte_size() const {
   return n;
 }
 
-StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precision precision) {
-  if (matrix.rows() > 0xFFFF'FFFFLL || matrix.cols() >= kControlBit) {
-    throw ShapeError("matrix too large for a stream: " + std::to_string(matrix.rows()) + "x" +
-                     std::to_string(matrix.cols()));
+StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precision precision,
+                               StreamOrder order) {
+  if (order != StreamOrder::by_output && order != StreamOrder::by_input) {
+    throw ShapeError("encode: unknown order " + std::to_string(static_cast<std::uint32_t>(order)));
+  }
+  const bool by_input = order == StreamOrder::by_input;
+  // The stream's runs and tags: the layer's outputs and inputs, or the other way round.
+  const std::int64_t runs = by_input ? matrix.cols() : matrix.rows();
+  const std::int64_t tags = by_input ? matrix.rows() : matrix.cols();
+  if (runs > 0xFFFF'FFFFLL || tags >= kControlBit) {
+    throw ShapeError("matrix too large for a stream " + std::string(to_string(order)) + ": " +
+                     std::to_string(matrix.rows()) + "x" + std::to_string(matrix.cols()));
   }
   if (kind != StreamKind::weights && kind != StreamKind::mask) {
     throw ShapeError(
@@ -247,32 +269,48 @@ StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precisi
     throw ShapeError("encode: unknown precision " +
                      std::to_string(static_cast<std::uint32_t>(precision)));
   }
-  if (precision == Precision::bf16 && matrix.cols() > kMaxBf16Inputs) {
-    throw ShapeError("a bf16 stream addresses at most " + std::to_string(kMaxBf16Inputs) +
-                     " inputs; this layer has " + std::to_string(matrix.cols()) +
-                     " (stream it in fp32)");
+  if (precision == Precision::bf16 && tags > kMaxBf16Inputs) {
+    throw ShapeError("a bf16 stream addresses at most " + std::to_string(kMaxBf16Inputs) + " " +
+                     (by_input ? "outputs (its tags by input)" : "inputs") + "; this layer has " +
+                     std::to_string(tags) + " (stream it in fp32)");
   }
-  return {kind, static_cast<std::uint32_t>(matrix.rows()),
-          static_cast<std::uint32_t>(matrix.cols()), static_cast<std::uint64_t>(matrix.nnz()),
-          precision};
+  return {kind,
+          static_cast<std::uint32_t>(runs),
+          static_cast<std::uint32_t>(tags),
+          static_cast<std::uint64_t>(matrix.nnz()),
+          precision,
+          order};
 }
 
-std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets) {
+namespace {
+
+std::int64_t chunk_end(const std::vector<std::int64_t>& offsets, std::int64_t first,
+                       std::size_t chunk_packets) {
+  const auto runs = static_cast<std::int64_t>(offsets.size()) - 1;
   if (chunk_packets == 0) throw ShapeError("chunk_end: chunks of 0 packets");
-  if (first < 0 || first > matrix.rows()) {
+  if (first < 0 || first > runs) {
     throw ShapeError("chunk_end: output " + std::to_string(first) + " outside the matrix's " +
-                     std::to_string(matrix.rows()));
+                     std::to_string(runs));
   }
-  const auto& offsets = matrix.row_offsets();
   std::int64_t last = first;
   std::size_t packets = 0;
-  while (last < matrix.rows()) {
+  while (last < runs) {
     const auto need = static_cast<std::size_t>(offsets[last + 1] - offsets[last]) + 1;
     if (last > first && packets + need > chunk_packets) break;
     packets += need;
     ++last;
   }
   return last;
+}
+
+}  // namespace
+
+std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets) {
+  return chunk_end(matrix.row_offsets(), first, chunk_packets);
+}
+std::int64_t chunk_end(const TransposedPattern& transposed, std::int64_t first,
+                       std::size_t chunk_packets) {
+  return chunk_end(transposed.row_offsets, first, chunk_packets);
 }
 
 namespace {
@@ -289,61 +327,106 @@ Bf16Packet make_bf16_packet(std::uint32_t index, float value, std::int64_t row) 
   return {static_cast<std::uint16_t>(index), b};
 }
 
-// Outputs [first, last) of `matrix` as packets made by `make`, each output closed by a
-// carriage return, and end-of-layer after the layer's last output.
-template <typename PacketT, typename Make>
-void fill_chunk(std::vector<PacketT, ChunkAllocator<PacketT>>& out, const CsrMatrix& matrix,
+/// The rows of a CSR pattern as a stream's runs: its offsets and tags, and each
+/// non-zero's value by position (`value(k)`).
+template <typename Value>
+struct RunSource {
+  const std::vector<std::int64_t>& offsets;
+  const std::uint32_t* tags;
+  Value value;
+  std::int64_t runs() const { return static_cast<std::int64_t>(offsets.size()) - 1; }
+};
+
+// Runs [first, last) as packets made by `make`, each closed by a carriage return, and
+// end-of-layer after the last run.
+template <typename PacketT, typename Make, typename Value>
+void fill_chunk(std::vector<PacketT, ChunkAllocator<PacketT>>& out, const RunSource<Value>& rows,
                 bool send_values, std::int64_t first, std::int64_t last, Make make,
                 PacketT carriage_return, PacketT end_of_layer) {
-  const auto& offsets = matrix.row_offsets();
-  const auto& idx = matrix.col_indices();
-  const auto& val = matrix.values();
-  const bool ends = last == matrix.rows();
+  const auto& offsets = rows.offsets;
+  const bool ends = last == rows.runs();
   out.resize(static_cast<std::size_t>(offsets[last] - offsets[first] + (last - first)) +
              (ends ? 1 : 0));
   PacketT* p = out.data();
   for (std::int64_t row = first; row < last; ++row) {
     for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
-      *p++ = make(idx[k], send_values ? val[k] : 0.0F, row);
+      *p++ = make(rows.tags[k], send_values ? rows.value(k) : 0.0F, row);
     }
     *p++ = carriage_return;
   }
   if (ends) *p++ = end_of_layer;
 }
 
-}  // namespace
-
-ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
-                      std::int64_t last, Precision precision) {
-  if (first < 0 || last < first || last > matrix.rows()) {
+template <typename Value>
+ChunkPtr encode_runs(const RunSource<Value>& rows, StreamKind kind, std::int64_t first,
+                     std::int64_t last, Precision precision) {
+  if (first < 0 || last < first || last > rows.runs()) {
     throw ShapeError("encode_chunk: outputs [" + std::to_string(first) + ", " +
                      std::to_string(last) + ") outside the matrix's " +
-                     std::to_string(matrix.rows()));
+                     std::to_string(rows.runs()));
   }
   auto chunk = std::make_shared<StreamChunk>();
   chunk->first_output = static_cast<std::uint32_t>(first);
   chunk->outputs = static_cast<std::uint32_t>(last - first);
   const bool send_values = kind == StreamKind::weights;
   if (precision == Precision::bf16) {
-    fill_chunk(chunk->packets_bf16, matrix, send_values, first, last, make_bf16_packet,
+    fill_chunk(chunk->packets_bf16, rows, send_values, first, last, make_bf16_packet,
                bf16_control(kCarriageReturn), bf16_control(kEndOfLayer));
   } else {
-    fill_chunk(chunk->packets, matrix, send_values, first, last, make_packet,
+    fill_chunk(chunk->packets, rows, send_values, first, last, make_packet,
                Packet{kCarriageReturn, 0.0F}, Packet{kEndOfLayer, 0.0F});
   }
   return chunk;
 }
 
+auto runs_of(const CsrMatrix& matrix) {
+  const float* values = matrix.values().data();
+  return RunSource{matrix.row_offsets(), matrix.col_indices().data(),
+                   [values](std::int64_t k) { return values[k]; }};
+}
+
+auto runs_of(const TransposedPattern& transposed, std::span<const float> values) {
+  const std::uint32_t* source = transposed.source.data();
+  const float* layer = values.data();
+  return RunSource{transposed.row_offsets, transposed.col_indices.data(),
+                   [source, layer](std::int64_t k) { return layer[source[k]]; }};
+}
+
+}  // namespace
+
+ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
+                      std::int64_t last, Precision precision) {
+  return encode_runs(runs_of(matrix), kind, first, last, precision);
+}
+
+ChunkPtr encode_chunk(const TransposedPattern& transposed, std::span<const float> values,
+                      StreamKind kind, std::int64_t first, std::int64_t last,
+                      Precision precision) {
+  if (values.size() != transposed.source.size()) {
+    throw ShapeError("encode_chunk: " + std::to_string(values.size()) + " values for a layer of " +
+                     std::to_string(transposed.source.size()) + " non-zeros");
+  }
+  return encode_runs(runs_of(transposed, values), kind, first, last, precision);
+}
+
 WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind, std::size_t chunk_packets,
-                           Precision precision) {
+                           Precision precision, StreamOrder order) {
   WeightStream stream;
-  stream.header = stream_header_for(matrix, kind, precision);
-  std::int64_t first = 0;
-  do {
-    const std::int64_t last = chunk_end(matrix, first, chunk_packets);
-    stream.chunks.push_back(encode_chunk(matrix, kind, first, last, precision));
-    first = last;
-  } while (first < matrix.rows());
+  stream.header = stream_header_for(matrix, kind, precision, order);
+  auto encode = [&](const auto& rows) {
+    std::int64_t first = 0;
+    do {
+      const std::int64_t last = chunk_end(rows.offsets, first, chunk_packets);
+      stream.chunks.push_back(encode_runs(rows, kind, first, last, precision));
+      first = last;
+    } while (first < rows.runs());
+  };
+  if (order == StreamOrder::by_input) {
+    const TransposedPattern transposed = transposed_pattern(matrix);
+    encode(runs_of(transposed, matrix.values()));
+  } else {
+    encode(runs_of(matrix));
+  }
   return stream;
 }
 
@@ -370,20 +453,22 @@ CsrMatrix decode_stream(const WeightStream& stream) {
     take(chunk->packets);
     take(chunk->packets_bf16);
   }
-  return CsrMatrix(stream.header.outputs, stream.header.inputs, std::move(offsets), std::move(idx),
-                   std::move(val));
+  CsrMatrix carried(stream.header.outputs, stream.header.inputs, std::move(offsets),
+                    std::move(idx), std::move(val));
+  return stream.header.by_input() ? transpose(carried) : carried;
 }
 
 // --- serialisation -------------------------------------------------------------------
-// Little-endian. "SLWS" u32 version | u32 kind | u32 precision (version 2 on) | u32 outputs |
-// u32 inputs | u64 nnz | u64 chunk count | u32 CRC-32 of all that | per chunk: u32
-// first_output | u32 outputs | u64 packet count | packets (fp32: u32 tag, f32 value; bf16:
-// u16 index, u16 value) | u32 CRC-32 of the chunk's fields and packets. Version 1 had no
-// precision field and was always fp32; it is still read.
+// Little-endian. "SLWS" u32 version | u32 kind | u32 precision (version 2 on) | u32 order
+// (version 3 on) | u32 outputs | u32 inputs | u64 nnz | u64 chunk count | u32 CRC-32 of all
+// that | per chunk: u32 first_output | u32 outputs | u64 packet count | packets (fp32: u32
+// tag, f32 value; bf16: u16 index, u16 value) | u32 CRC-32 of the chunk's fields and
+// packets. Version 1 had no precision field and was always fp32, versions 1 and 2 no order
+// and were always by output; both are still read.
 namespace {
 
 constexpr char kMagic[4] = {'S', 'L', 'W', 'S'};
-constexpr std::uint32_t kVersion = 2;
+constexpr std::uint32_t kVersion = 3;
 
 template <typename T>
 void put(std::vector<std::byte>& out, T v) {
@@ -427,6 +512,7 @@ std::vector<std::byte> serialize_stream(const WeightStream& stream) {
   put(out, kVersion);
   put(out, static_cast<std::uint32_t>(stream.header.kind));
   put(out, static_cast<std::uint32_t>(stream.header.precision));
+  put(out, static_cast<std::uint32_t>(stream.header.order));
   put(out, stream.header.outputs);
   put(out, stream.header.inputs);
   put(out, stream.header.nnz);
@@ -456,7 +542,7 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
   }
   in.skip(4);
   const auto version = in.get<std::uint32_t>("version");
-  if (version != 1 && version != kVersion) {
+  if (version < 1 || version > kVersion) {
     throw FormatError("serialized stream version " + std::to_string(version) + ", expected 1 to " +
                       std::to_string(kVersion));
   }
@@ -472,6 +558,14 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
       throw FormatError("serialized stream: unknown precision " + std::to_string(precision));
     }
     stream.header.precision = static_cast<Precision>(precision);
+  }
+  if (version >= 3) {
+    const auto order = in.get<std::uint32_t>("order");
+    if (order != static_cast<std::uint32_t>(StreamOrder::by_output) &&
+        order != static_cast<std::uint32_t>(StreamOrder::by_input)) {
+      throw FormatError("serialized stream: unknown order " + std::to_string(order));
+    }
+    stream.header.order = static_cast<StreamOrder>(order);
   }
   const bool bf16 = stream.header.precision == Precision::bf16;
   const std::size_t packet_bytes = bf16 ? sizeof(Bf16Packet) : sizeof(Packet);

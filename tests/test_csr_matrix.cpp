@@ -328,6 +328,40 @@ TEST(CsrMatrixRandom, BadArgumentsRefused) {
   EXPECT_CONTAINS(msg, "sparsity");
 }
 
+TEST(CsrMatrix, TransposeAndItsPositions) {
+  for (const CsrMatrix& w :
+       {CsrMatrix::random(37, 23, 0.7, 5, RowDistribution::powerlaw), CsrMatrix(3, 4, {0, 0, 0, 0}, {}, {}),
+        CsrMatrix(1, 1, {0, 1}, {0}, {2.5F}), CsrMatrix::random(5, 40, 0.0, 2)}) {
+    const TransposedPattern t = transposed_pattern(w);
+    ASSERT_EQ(t.rows, w.cols());
+    ASSERT_EQ(t.cols, w.rows());
+    ASSERT_EQ(t.nnz(), w.nnz());
+    const CsrMatrix wt = transpose(w);
+    EXPECT_NO_THROW(wt.validate());  // sorted, in range
+    EXPECT_EQ(wt.row_offsets(), t.row_offsets);
+    EXPECT_EQ(wt.col_indices(), t.col_indices);
+    const DenseMatrix d = w.to_dense(), dt = wt.to_dense();
+    for (std::int64_t r = 0; r < w.rows(); ++r) {
+      for (std::int64_t c = 0; c < w.cols(); ++c) ASSERT_EQ(dt(c, r), d(r, c)) << r << "," << c;
+    }
+    // Each position names the same weight in W: its row is the tag, its column the run.
+    std::vector<bool> seen(static_cast<std::size_t>(w.nnz()), false);
+    for (std::int64_t i = 0; i < t.rows; ++i) {
+      for (std::int64_t k = t.row_offsets[i]; k < t.row_offsets[i + 1]; ++k) {
+        const std::uint32_t at = t.source[k];
+        ASSERT_LT(at, static_cast<std::uint32_t>(w.nnz()));
+        EXPECT_FALSE(seen[at]);
+        seen[at] = true;
+        EXPECT_EQ(w.col_indices()[at], i);
+        const std::int64_t row = t.col_indices[k];
+        EXPECT_GE(static_cast<std::int64_t>(at), w.row_offsets()[row]);
+        EXPECT_LT(static_cast<std::int64_t>(at), w.row_offsets()[row + 1]);
+      }
+    }
+    EXPECT_EQ(transpose(wt).values(), w.values());
+  }
+}
+
 TEST(CsrMatrix, FillValues) {
   CsrMatrix m = CsrMatrix::random(100, 100, 0.5, 1);
   const auto pattern = m.col_indices();

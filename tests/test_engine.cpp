@@ -52,6 +52,13 @@ std::vector<float> gradient_values(const WeightStream& g) {
   return v;
 }
 
+/// A gradient stream's values in the layer's CSR order, whichever way it was streamed.
+std::vector<float> csr_gradient(const WeightStream& g) {
+  WeightStream values = g;
+  values.header.kind = StreamKind::weights;
+  return decode_stream(values).values();
+}
+
 // A gradient stream is laid out as its weight stream: the same chunks, tags and controls
 // (which carry zero).
 void expect_laid_out_as(const WeightStream& weights, const WeightStream& grad) {
@@ -71,6 +78,40 @@ void expect_laid_out_as(const WeightStream& weights, const WeightStream& grad) {
       }
     }
   }
+}
+
+// The backward from the layer's transpose (a stream by input): one lane holds dY and reads
+// X in place, in fp32 whatever the stream's precision, so dW is checked against X as it is.
+// Both gradients together, each alone, and from the mask alone.
+void check_backward_by_input(CpuEngine& engine, const Case& c, const CsrMatrix& w,
+                             const DenseMatrix& x, const DenseMatrix& dy,
+                             const Placement& placement, std::size_t chunk, Precision precision) {
+  SCOPED_TRACE("by input");
+  const CsrMatrix w_ref = precision == Precision::bf16 ? testing::rounded_to_bf16(w) : w;
+  const WeightStream stream =
+      encode_stream(w, StreamKind::weights, chunk, precision, StreamOrder::by_input);
+  DenseMatrix dx(c.in, c.tokens);
+  dx.fill(NAN);  // every element must be written
+  MutableMatrixView dx_view = dx.view();
+  const WeightStream grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view);
+  EXPECT_LE(backward_data_error(w_ref, dy.view(), dx.view()), kTolerance);
+  ASSERT_EQ(grad.header.kind, StreamKind::gradient);
+  EXPECT_EQ(grad.header.order, StreamOrder::by_input);
+  EXPECT_EQ(grad.header.precision, Precision::fp32);
+  EXPECT_NO_THROW(grad.validate());
+  expect_laid_out_as(stream, grad);
+  const std::vector<float> g = csr_gradient(grad);
+  ASSERT_EQ(static_cast<std::int64_t>(g.size()), w.nnz());
+  EXPECT_LE(backward_weight_error(w, dy.view(), x.view(), g), kTolerance);
+
+  DenseMatrix dx_alone(c.in, c.tokens);
+  dx_alone.fill(NAN);
+  engine.backward_data(stream, placement, dy.view(), dx_alone.view());
+  EXPECT_LE(backward_data_error(w_ref, dy.view(), dx_alone.view()), kTolerance);
+  const WeightStream mask =
+      encode_stream(w, StreamKind::mask, chunk, precision, StreamOrder::by_input);
+  const WeightStream g_mask = engine.backward(mask, placement, x.view(), dy.view(), nullptr);
+  EXPECT_LE(backward_weight_error(w, dy.view(), x.view(), csr_gradient(g_mask)), kTolerance);
 }
 
 // Runs forward and both backward products on one engine and checks them. In bf16 the
@@ -115,6 +156,8 @@ void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::siz
   const std::vector<float> g_mask =
       gradient_values(engine.backward(mask, placement, x.view(), dy.view(), nullptr));
   EXPECT_EQ(g_mask, g);
+
+  check_backward_by_input(engine, c, w, x, dy, placement, chunk, precision);
 }
 
 const Case kCases[] = {

@@ -37,7 +37,8 @@ WeightStream stream_through_channel(const ModelMemory& mm, std::int32_t layer, S
   return s;
 }
 
-void expect_same_packets(const std::vector<Packet>& a, const std::vector<Packet>& b) {
+template <typename A, typename B>
+void expect_same_packets(const A& a, const B& b) {
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(a[i].tag, b[i].tag) << i;
@@ -158,6 +159,57 @@ TEST_F(Layers, StreamToSendsTheSamePacketsInWholeOutputChunks) {
       }
     }
   }
+}
+
+// By input, ModelMemory sends the layer's transpose, its values read through the kept
+// transposed pattern: the same packets and chunks as encoding the transpose directly.
+TEST_F(Layers, StreamsByInputAreTheTransposeEncoded) {
+  for (std::int32_t l = 0; l < mm.layer_count(); ++l) {
+    for (Precision precision : {Precision::fp32, Precision::bf16}) {
+      for (std::size_t chunk_packets : {std::size_t{1}, std::size_t{9}, kDefaultChunkPackets}) {
+        SCOPED_TRACE("layer " + std::to_string(l) + ", " + to_string(precision) + ", chunks of " +
+                     std::to_string(chunk_packets));
+        StreamChannel channel(1000);
+        mm.stream_to(l, StreamKind::weights, channel, chunk_packets, precision,
+                     StreamOrder::by_input);
+        const WeightStream expected = encode_stream(transpose(mm.weights(l)), StreamKind::weights,
+                                                    chunk_packets, precision);
+        std::size_t c = 0;
+        while (ChunkPtr chunk = channel.pop()) {
+          ASSERT_LT(c, expected.chunks.size());
+          EXPECT_EQ(chunk->first_output, expected.chunks[c]->first_output);
+          EXPECT_EQ(chunk->outputs, expected.chunks[c]->outputs);
+          expect_same_packets(chunk->packets, expected.chunks[c]->packets);
+          ASSERT_EQ(chunk->packets_bf16.size(), expected.chunks[c]->packets_bf16.size());
+          for (std::size_t k = 0; k < chunk->packets_bf16.size(); ++k) {
+            ASSERT_EQ(chunk->packets_bf16[k].index, expected.chunks[c]->packets_bf16[k].index);
+            ASSERT_EQ(chunk->packets_bf16[k].value, expected.chunks[c]->packets_bf16[k].value);
+          }
+          ++c;
+        }
+        EXPECT_EQ(c, expected.chunks.size());
+        StreamHeader h = expected.header;
+        h.order = StreamOrder::by_input;
+        const StreamHeader got = mm.stream_header(l, StreamKind::weights, precision,
+                                                  StreamOrder::by_input);
+        EXPECT_EQ(got.outputs, h.outputs);
+        EXPECT_EQ(got.inputs, h.inputs);
+        EXPECT_EQ(got.nnz, h.nnz);
+        EXPECT_EQ(got.order, StreamOrder::by_input);
+      }
+    }
+    const WeightStream whole = mm.stream(l, StreamKind::mask, Precision::fp32, StreamOrder::by_input);
+    EXPECT_EQ(whole.header.order, StreamOrder::by_input);
+    EXPECT_EQ(decode_stream(whole).col_indices(), mm.weights(l).col_indices());
+  }
+  // Built once and kept, whichever thread asks first.
+  std::vector<const TransposedPattern*> seen(6);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) threads.emplace_back([&, t] { seen[t] = &mm.transposed(t % 2); });
+  for (auto& t : threads) t.join();
+  for (int t = 2; t < 6; ++t) EXPECT_EQ(seen[t], seen[t % 2]);
+  EXPECT_EQ(seen[1]->source, transposed_pattern(mm.weights(1)).source);
+  EXPECT_THROW(mm.transposed(4), ShapeError);
 }
 
 TEST_F(Layers, StreamToDeliversErrorsThroughTheChannel) {

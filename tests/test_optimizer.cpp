@@ -22,30 +22,58 @@ namespace {
 
 // --- building gradient streams by hand (independent of encode_stream) ----------------
 
-WeightStream gradient_stream(const CsrMatrix& mask, const std::vector<float>& gradient,
-                             std::int64_t outputs_per_chunk = 5) {
+// Runs of weight packets, `runs_per_chunk` to a chunk, each closed by a carriage return.
+WeightStream chunked(StreamHeader header, const std::vector<std::vector<Packet>>& runs,
+                     std::int64_t runs_per_chunk) {
   WeightStream s;
-  s.header = {StreamKind::gradient, static_cast<std::uint32_t>(mask.rows()),
-              static_cast<std::uint32_t>(mask.cols()), static_cast<std::uint64_t>(mask.nnz())};
-  const auto& off = mask.row_offsets();
-  const auto& idx = mask.col_indices();
+  s.header = header;
+  const auto count = static_cast<std::int64_t>(runs.size());
   std::int64_t r = 0;
   do {
     auto chunk = std::make_shared<StreamChunk>();
-    const std::int64_t end = std::min(mask.rows(), r + outputs_per_chunk);
+    const std::int64_t end = std::min(count, r + runs_per_chunk);
     chunk->first_output = static_cast<std::uint32_t>(r);
     chunk->outputs = static_cast<std::uint32_t>(end - r);
     for (std::int64_t o = r; o < end; ++o) {
-      for (std::int64_t k = off[o]; k < off[o + 1]; ++k) {
-        chunk->packets.push_back({idx[k], gradient[k]});
-      }
+      chunk->packets.insert(chunk->packets.end(), runs[o].begin(), runs[o].end());
       chunk->packets.push_back({kCarriageReturn, 0.0F});
     }
-    if (end == mask.rows()) chunk->packets.push_back({kEndOfLayer, 0.0F});
+    if (end == count) chunk->packets.push_back({kEndOfLayer, 0.0F});
     s.chunks.push_back(std::move(chunk));
     r = end;
-  } while (r < mask.rows());
+  } while (r < count);
   return s;
+}
+
+WeightStream gradient_stream(const CsrMatrix& mask, const std::vector<float>& gradient,
+                             std::int64_t outputs_per_chunk = 5) {
+  std::vector<std::vector<Packet>> runs(static_cast<std::size_t>(mask.rows()));
+  const auto& off = mask.row_offsets();
+  for (std::int64_t o = 0; o < mask.rows(); ++o) {
+    for (std::int64_t k = off[o]; k < off[o + 1]; ++k) {
+      runs[o].push_back({mask.col_indices()[k], gradient[k]});
+    }
+  }
+  return chunked({StreamKind::gradient, static_cast<std::uint32_t>(mask.rows()),
+                  static_cast<std::uint32_t>(mask.cols()), static_cast<std::uint64_t>(mask.nnz())},
+                 runs, outputs_per_chunk);
+}
+
+// The same gradient by input: the mask's columns in order, each its rows' gradients in
+// increasing row order (walking the rows in order, not through transposed_pattern).
+WeightStream gradient_stream_by_input(const CsrMatrix& mask, const std::vector<float>& gradient,
+                                      std::int64_t inputs_per_chunk = 4) {
+  std::vector<std::vector<Packet>> runs(static_cast<std::size_t>(mask.cols()));
+  const auto& off = mask.row_offsets();
+  for (std::int64_t o = 0; o < mask.rows(); ++o) {
+    for (std::int64_t k = off[o]; k < off[o + 1]; ++k) {
+      runs[mask.col_indices()[k]].push_back({static_cast<std::uint32_t>(o), gradient[k]});
+    }
+  }
+  return chunked({StreamKind::gradient, static_cast<std::uint32_t>(mask.cols()),
+                  static_cast<std::uint32_t>(mask.rows()), static_cast<std::uint64_t>(mask.nnz()),
+                  Precision::fp32, StreamOrder::by_input},
+                 runs, inputs_per_chunk);
 }
 
 // A copy of one chunk that the caller may change.
@@ -378,7 +406,9 @@ TEST(Optimizer, EmptyCommitAppliesNothing) {
   EXPECT_EQ(m.memory.step(), 0);
 }
 
-TEST(Optimizer, ConcurrentSubmitsOfDifferentLayersMatchReference) {
+// Layers submitted concurrently, some by output and some by input (the backward pass's
+// order), land on the right weights: step for step the reference.
+TEST(Optimizer, ConcurrentSubmitsOfDifferentLayersInEitherOrderMatchReference) {
   Model m;
   OptimizerConfig c;
   c.kind = OptimizerKind::adamw;
@@ -389,7 +419,9 @@ TEST(Optimizer, ConcurrentSubmitsOfDifferentLayersMatchReference) {
     const Gradients g = random_gradients(m.memory, 800 + static_cast<std::uint32_t>(s));
     std::vector<WeightStream> streams;
     for (std::int32_t l = 0; l < m.memory.layer_count(); ++l) {
-      streams.push_back(gradient_stream(m.memory.weights(l), g.weights[l], 7));
+      const CsrMatrix& mask = m.memory.weights(l);
+      streams.push_back((l + s) % 2 == 0 ? gradient_stream_by_input(mask, g.weights[l], 3)
+                                         : gradient_stream(mask, g.weights[l], 7));
     }
     std::vector<std::thread> threads;
     for (std::int32_t l = 0; l < m.memory.layer_count(); ++l) {
@@ -400,6 +432,25 @@ TEST(Optimizer, ConcurrentSubmitsOfDifferentLayersMatchReference) {
     m.ref.apply(g);
     expect_matches_reference(m, "step " + std::to_string(s + 1));
   }
+}
+
+// A NaN in a gradient by input is caught as one by output is: the step is skipped.
+TEST(Optimizer, NonFiniteGradientByInputSkipsTheStep) {
+  Model m;
+  OptimizerConfig c;
+  c.kind = OptimizerKind::adam;
+  build(m, c);
+  Gradients bad = random_gradients(m.memory, 950);
+  bad.weights[1].back() = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> before = m.memory.weights(1).values();
+  for (std::int32_t l = 0; l < m.memory.layer_count(); ++l) {
+    m.memory.submit_gradient(l, gradient_stream_by_input(m.memory.weights(l), bad.weights[l]),
+                             bad.bias[l]);
+  }
+  const StepReport r = m.memory.commit_step();
+  EXPECT_FALSE(r.applied);
+  EXPECT_EQ(r.bad_layers, std::vector<std::int32_t>{1});
+  EXPECT_EQ(m.memory.weights(1).values(), before);
 }
 
 TEST(Optimizer, NonFiniteGradientSkipsTheWholeStep) {
@@ -662,6 +713,27 @@ TEST_F(BadGradient, ChunksOutOfOrderOrMissing) {
   s = good(0);
   s.chunks.clear();
   expect_refused<FormatError>(s, {"layer 0"});
+}
+
+// By input the runs are input features: a wrong tag is named by input and position, and
+// a stream by output under a by-input header is refused, not read crosswise.
+TEST_F(BadGradient, ByInputWrongTagNamesTheInput) {
+  WeightStream s = gradient_stream_by_input(m.memory.weights(0), g.weights[0]);
+  ASSERT_GE(s.chunks.size(), 2U);
+  StreamChunk& chunk = editable_chunk(s, 1);  // inputs 4..7
+  std::size_t pos = 0;
+  while (is_control(chunk.packets[pos])) ++pos;  // the first weight of the chunk
+  std::size_t run = 4;
+  for (std::size_t k = 0; k < pos; ++k) run += chunk.packets[k].tag == kCarriageReturn ? 1 : 0;
+  chunk.packets[pos].tag += 1;
+  expect_refused<FormatError>(s, {"layer 0", "input " + std::to_string(run), "position 0"});
+  WeightStream crosswise = good(0);
+  crosswise.header.order = StreamOrder::by_input;
+  std::swap(crosswise.header.outputs, crosswise.header.inputs);
+  expect_refused<FormatError>(crosswise, {"layer 0", "inputs"});
+  WeightStream unknown = good(0);
+  unknown.header.order = StreamOrder{3};
+  expect_refused<FormatError>(unknown, {"layer 0", "unknown stream order"});
 }
 
 TEST_F(BadGradient, WrongBiasGradientSize) {

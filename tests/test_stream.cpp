@@ -2,6 +2,7 @@
 // and the bounded channel between a producer and an engine.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <random>
@@ -16,9 +17,13 @@
 #include "sluice/error.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/stream.hpp"
+#include "reference.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
+
+using testing::thrown_message;
 
 std::string error_of(const WeightStream& s) {
   try {
@@ -278,23 +283,93 @@ TEST(Stream, Bf16ValidatorNamesEveryCorruption) {
             std::string::npos);
 }
 
-TEST(Stream, ReadsVersionOneSerialisation) {
-  // Version 1 had no precision field: rebuild such bytes from a version 2 serialisation.
+// The bytes an older version wrote: version 1 had neither the precision nor the order
+// field (bytes 12-20 of version 3), version 2 no order field (bytes 16-20).
+std::vector<std::byte> as_version(const std::vector<std::byte>& v3, std::uint32_t version) {
+  const std::size_t dropped = version == 1 ? 8 : 4;
+  std::vector<std::byte> old(v3.begin(), v3.begin() + static_cast<std::ptrdiff_t>(20 - dropped));
+  old.insert(old.end(), v3.begin() + 20, v3.end());
+  std::memcpy(old.data() + 4, &version, 4);
+  const std::size_t header_bytes = 4 + 4 + 4 + 8 + 4 + 4 + 8 + 8 - dropped;
+  const std::uint32_t crc = crc32(std::span<const std::byte>(old.data(), header_bytes));
+  std::memcpy(old.data() + header_bytes, &crc, 4);
+  return old;
+}
+
+TEST(Stream, ReadsVersionOneAndTwoSerialisations) {
   const WeightStream s = small_stream(4);
-  std::vector<std::byte> v2 = serialize_stream(s);
-  std::vector<std::byte> v1(v2.begin(), v2.begin() + 12);  // magic, version, kind
-  v1.insert(v1.end(), v2.begin() + 16, v2.end());          // drop the precision field
-  const std::uint32_t one = 1;
-  std::memcpy(v1.data() + 4, &one, 4);
-  const std::size_t header_bytes = 4 + 4 + 4 + 4 + 4 + 8 + 8;
-  const std::uint32_t crc = crc32(std::span<const std::byte>(v1.data(), header_bytes));
-  std::memcpy(v1.data() + header_bytes, &crc, 4);
-  const WeightStream back = deserialize_stream(v1);
-  EXPECT_EQ(back.header.precision, Precision::fp32);
-  EXPECT_EQ(decode_stream(back).values(), decode_stream(s).values());
-  std::uint32_t three = 3;
-  std::memcpy(v1.data() + 4, &three, 4);
-  EXPECT_THROW(deserialize_stream(v1), FormatError);
+  for (std::uint32_t version : {1U, 2U}) {
+    SCOPED_TRACE(version);
+    std::vector<std::byte> old = as_version(serialize_stream(s), version);
+    const WeightStream back = deserialize_stream(old);
+    EXPECT_EQ(back.header.precision, Precision::fp32);
+    EXPECT_EQ(back.header.order, StreamOrder::by_output);
+    EXPECT_EQ(decode_stream(back).values(), decode_stream(s).values());
+  }
+  std::vector<std::byte> future = serialize_stream(s);
+  const std::uint32_t four = 4;
+  std::memcpy(future.data() + 4, &four, 4);
+  EXPECT_CONTAINS(thrown_message<FormatError>([&] { deserialize_stream(future); }), "version 4");
+}
+
+// A stream by input carries W^T: runs are input features, tags output features, and it
+// decodes, serialises and validates like any other, back to the layer's W.
+TEST(Stream, ByInputCarriesTheTransposeAndDecodesToTheLayer) {
+  const CsrMatrix w = CsrMatrix::random(37, 23, 0.7, 5, RowDistribution::powerlaw);
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    SCOPED_TRACE(to_string(precision));
+    const WeightStream s =
+        encode_stream(w, StreamKind::weights, 16, precision, StreamOrder::by_input);
+    EXPECT_EQ(s.header.order, StreamOrder::by_input);
+    EXPECT_EQ(s.header.outputs, 23U);  // runs: the layer's inputs
+    EXPECT_EQ(s.header.inputs, 37U);
+    EXPECT_EQ(s.header.layer_outputs(), 37U);
+    EXPECT_EQ(s.header.layer_inputs(), 23U);
+    EXPECT_GT(s.chunks.size(), 2U);
+    EXPECT_NO_THROW(s.validate());
+    const CsrMatrix expected = precision == Precision::bf16 ? testing::rounded_to_bf16(w) : w;
+    const CsrMatrix back = decode_stream(s);
+    EXPECT_EQ(back.row_offsets(), w.row_offsets());
+    EXPECT_EQ(back.col_indices(), w.col_indices());
+    EXPECT_EQ(back.values(), expected.values());
+    const WeightStream again = deserialize_stream(serialize_stream(s));
+    EXPECT_EQ(again.header.order, StreamOrder::by_input);
+    EXPECT_EQ(decode_stream(again).values(), expected.values());
+    // Packet by packet: run i holds column i of W, rows increasing.
+    std::uint32_t run = 0;
+    std::int64_t last_tag = -1;
+    for (const auto& chunk : s.chunks) {
+      for (std::size_t k = 0; k < chunk->size(); ++k) {
+        const std::uint32_t tag = precision == Precision::bf16 ? tag_of(chunk->packets_bf16[k])
+                                                               : tag_of(chunk->packets[k]);
+        if (tag == kCarriageReturn) {
+          ++run;
+          last_tag = -1;
+        } else if (tag != kEndOfLayer) {
+          EXPECT_GT(static_cast<std::int64_t>(tag), last_tag);
+          last_tag = tag;
+          const auto& cols = w.col_indices();
+          const auto begin = cols.begin() + w.row_offsets()[tag];
+          const auto end = cols.begin() + w.row_offsets()[tag + 1];
+          EXPECT_TRUE(std::binary_search(begin, end, run)) << "W(" << tag << ", " << run << ")";
+        }
+      }
+    }
+    EXPECT_EQ(run, 23U);
+  }
+  // bf16 tags are 16-bit: by input they are the layer's outputs.
+  const CsrMatrix tall = CsrMatrix::random(70000, 3, 0.999, 1);
+  EXPECT_NO_THROW(encode_stream(tall, StreamKind::weights, 64, Precision::bf16));
+  EXPECT_CONTAINS(thrown_message<ShapeError>([&] {
+                    encode_stream(tall, StreamKind::weights, 64, Precision::bf16,
+                                  StreamOrder::by_input);
+                  }),
+                  "outputs (its tags by input)");
+  WeightStream bad = encode_stream(w);
+  bad.header.order = StreamOrder{7};
+  EXPECT_CONTAINS(thrown_message<FormatError>([&] { bad.validate(); }), "unknown order");
+  EXPECT_CONTAINS(thrown_message<FormatError>([&] { deserialize_stream(serialize_stream(bad)); }),
+                  "unknown order");
 }
 
 // The rules of a chunk, packet by packet, as plainly as they can be written: what the

@@ -64,6 +64,25 @@ class CsrMatrix {
   std::vector<float> values_;
 };
 
+/// The pattern of W^T, and where each of its non-zeros sits in W: W^T's k-th non-zero is
+/// W.values()[source[k]]. How a layer is streamed by input (its transpose, for the
+/// backward pass) from the one copy of its values that ModelMemory keeps.
+struct TransposedPattern {
+  std::int64_t rows = 0;                     ///< W's columns
+  std::int64_t cols = 0;                     ///< W's rows
+  std::vector<std::int64_t> row_offsets{0};  ///< rows + 1 offsets, as in CsrMatrix
+  std::vector<std::uint32_t> col_indices;    ///< W's row of each, increasing within a row
+  std::vector<std::uint32_t> source;         ///< position of each in W's CSR arrays
+  std::int64_t nnz() const { return static_cast<std::int64_t>(col_indices.size()); }
+};
+
+/// W^T's pattern and positions (O(nnz + cols)). ShapeError if W has 2^31 rows or more
+/// (they become column indices) or 2^32 non-zeros or more (positions are 32-bit).
+TransposedPattern transposed_pattern(const CsrMatrix& w);
+
+/// W^T with its values.
+CsrMatrix transpose(const CsrMatrix& w);
+
 /// Reads a Matrix Market file: coordinate format; real, integer or pattern; general
 /// symmetry. Pattern values are filled from `seed`. Duplicate entries are an error.
 /// Errors name the file, the line and what is wrong.

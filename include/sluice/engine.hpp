@@ -12,6 +12,13 @@
 // one AXPY (acc += w * X[i, tokens]); a carriage return hands the lane's accumulator to
 // a ring reduction over the lanes that runs concurrently with the AXPYs and ends each
 // output at the lane the next layer's placement wants.
+// Backward takes the stream either way. By output, the wafer's dual of the forward: each
+// lane adds w * dY[o, :] into the dX rows it owns, and a second pass takes the weight
+// gradients. By input (the layer's transpose), one lane holds a token tile of dY and for
+// each input feature i gathers the dY rows its weights name, once for both products:
+// dX[i, :] = sum w * dY[o, :] as a sum kept in registers, and dot(X[i, :], dY[o, :]) for
+// each weight. On a CPU that is one pass of reads instead of a read-modify-write of a dX
+// row per weight plus a second pass.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -66,9 +73,11 @@ class Engine {
     forward(source, placement, x, y, next_placement);
   }
 
-  /// Backward of Y = W X. With `dx` given: dX = W^T dY (the stream must carry weights).
-  /// Always: the weight gradient dot(dY[o,:], X[i,:]) at every mask position, returned
-  /// as a gradient stream in the weight stream's order (a `mask` stream suffices).
+  /// Backward of Y = W X, from a stream by output or by input. With `dx` given:
+  /// dX = W^T dY (the stream must carry weights). Always: the weight gradient
+  /// dot(dY[o,:], X[i,:]) at every mask position, returned as a gradient stream in the
+  /// weight stream's order and orientation (a `mask` stream suffices). A stream by input
+  /// runs on one lane (its tile holds dY, not X): the placement is checked, not used.
   WeightStream backward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                         ConstMatrixView dy, MutableMatrixView* dx);
   WeightStream backward(const WeightStream& weights, const Placement& placement, ConstMatrixView x,

@@ -49,25 +49,34 @@ class ModelMemory {
   /// The layer's placement on `lanes` lanes (planned once, then kept with the layer).
   const Placement& placement(std::int32_t layer, std::int32_t lanes);
 
-  /// The layer's stream: weights, or the mask alone (`StreamKind::mask`). The master
-  /// values stay fp32; in bf16 they are rounded as they are streamed (half the bytes).
+  /// The layer's stream: weights, or the mask alone (`StreamKind::mask`), by output (W,
+  /// for the forward pass) or by input (W^T, for the backward pass; see StreamOrder). The
+  /// master values stay fp32; in bf16 they are rounded as they are streamed (half the
+  /// bytes). By input they are read through the layer's transposed pattern (built on
+  /// first use and kept, like its placements): no second copy of the weights is kept.
   WeightStream stream(std::int32_t layer, StreamKind kind = StreamKind::weights,
-                      Precision precision = Precision::fp32) const;
+                      Precision precision = Precision::fp32,
+                      StreamOrder order = StreamOrder::by_output) const;
   /// The same, chunk by chunk into a bounded channel (closes it at the end, or fails it).
   /// Chunks are encoded one at a time as the channel takes them. Never throws: every
   /// error, a bad argument included, reaches the consumer through `channel.fail()`.
   void stream_to(std::int32_t layer, StreamKind kind, StreamChannel& channel,
                  std::size_t chunk_packets = kDefaultChunkPackets,
-                 Precision precision = Precision::fp32) const;
+                 Precision precision = Precision::fp32,
+                 StreamOrder order = StreamOrder::by_output) const;
   /// The header of the layer's stream of `kind` (for a ChannelStreamSource). Gradient
   /// streams are always fp32.
   StreamHeader stream_header(std::int32_t layer, StreamKind kind = StreamKind::weights,
-                             Precision precision = Precision::fp32) const;
+                             Precision precision = Precision::fp32,
+                             StreamOrder order = StreamOrder::by_output) const;
+  /// The layer's transposed pattern: what it is streamed by input with.
+  const TransposedPattern& transposed(std::int32_t layer) const;
 
   /// Hands in one layer's gradient for the current step: the gradient stream (same mask
-  /// and order as the weight stream) and the bias gradient (empty if the layer has none).
-  /// Checks shape and pattern (FormatError), records whether all values are finite,
-  /// and may compute the update right away. Thread-safe for different layers.
+  /// and order as the weight stream it answers, by output or by input) and the bias
+  /// gradient (empty if the layer has none). Checks shape and pattern (FormatError),
+  /// records whether all values are finite, and may compute the update right away.
+  /// Thread-safe for different layers.
   void submit_gradient(std::int32_t layer, const WeightStream& gradient,
                        std::span<const float> bias_gradient);
   /// Applies every submitted layer's update, or none if a gradient was not finite
@@ -100,6 +109,8 @@ class ModelMemory {
   virtual const CsrMatrix& weights_impl(std::int32_t layer) const = 0;
   virtual const std::vector<float>& bias_impl(std::int32_t layer) const = 0;
   virtual const Placement& placement_impl(std::int32_t layer, std::int32_t lanes) = 0;
+  /// Built once per layer and kept; thread-safe.
+  virtual const TransposedPattern& transposed_impl(std::int32_t layer) const = 0;
   virtual void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                     std::span<const float> bias_gradient) = 0;
   virtual StepReport commit_step_impl() = 0;
@@ -126,6 +137,7 @@ class HostModelMemory final : public ModelMemory {
   const CsrMatrix& weights_impl(std::int32_t layer) const override;
   const std::vector<float>& bias_impl(std::int32_t layer) const override;
   const Placement& placement_impl(std::int32_t layer, std::int32_t lanes) override;
+  const TransposedPattern& transposed_impl(std::int32_t layer) const override;
   void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                             std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;

@@ -20,6 +20,14 @@ struct Placement {
   /// max lane nnz / mean lane nnz; 1.0 is perfect, 1.0 too for an all-zero matrix.
   double balance() const;
   std::int64_t max_lane_nnz() const;
+
+  /// Every one of `features` on one lane, which receives all `nnz` non-zeros.
+  static Placement single_lane(std::int64_t features, std::int64_t nnz = 0) {
+    Placement p;
+    p.lane_of.assign(static_cast<std::size_t>(features), 0);
+    p.lane_nnz = {nnz};
+    return p;
+  }
 };
 
 /// The planner's placement: sort input features by non-zero count, descending (ties by

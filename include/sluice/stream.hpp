@@ -7,6 +7,11 @@
 // one end-of-layer packet. Packets travel in chunks that hold whole outputs, so a
 // producer and the engines can work concurrently through a bounded channel.
 //
+// A stream by input (StreamOrder::by_input) is the same format carrying the layer's
+// transpose: one run per input feature i, closed by a carriage return, its packets
+// (output index, value) sorted by output. The backward pass reads it: a CPU engine then
+// gathers dY rows for both gradients instead of writing a dX row back for every weight.
+//
 // A stream has a precision. fp32 streams carry 8-byte `Packet`s; bf16 streams carry
 // 4-byte `Bf16Packet`s (16-bit input index, bfloat16 value), half the bytes, for layers
 // with at most 65535 inputs. Gradient streams are always fp32.
@@ -80,12 +85,27 @@ enum class StreamKind : std::uint32_t {
 };
 const char* to_string(StreamKind kind);
 
+/// Which way a stream walks its layer's weights.
+enum class StreamOrder : std::uint32_t {
+  by_output = 0,  ///< W: a run per output feature, tags are input features (forward)
+  by_input = 1,   ///< W^T: a run per input feature, tags are output features (backward)
+};
+const char* to_string(StreamOrder order);
+
+/// A stream's shape is the matrix it carries: W by output, W^T by input. Every check of
+/// runs and tags reads `outputs` and `inputs` the same either way; the layer's own shape
+/// is layer_outputs() x layer_inputs().
 struct StreamHeader {
   StreamKind kind = StreamKind::weights;
-  std::uint32_t outputs = 0;              ///< rows of W: carriage returns in the stream
-  std::uint32_t inputs = 0;               ///< columns of W: every weight tag is < inputs
+  std::uint32_t outputs = 0;              ///< runs: carriage returns in the stream
+  std::uint32_t inputs = 0;               ///< every weight tag is < inputs
   std::uint64_t nnz = 0;                  ///< weight packets in the stream
   Precision precision = Precision::fp32;  ///< which packets the chunks carry
+  StreamOrder order = StreamOrder::by_output;
+
+  bool by_input() const { return order == StreamOrder::by_input; }
+  std::uint32_t layer_outputs() const { return by_input() ? inputs : outputs; }
+  std::uint32_t layer_inputs() const { return by_input() ? outputs : inputs; }
 };
 
 namespace detail {
@@ -188,26 +208,36 @@ struct WeightStream {
 /// that the first chunk reaches the engine early.
 inline constexpr std::size_t kDefaultChunkPackets = 1 << 15;
 
-/// Encodes a CSR matrix as a stream of the given kind (`mask` sends zeros as values).
-/// In bf16 the values are rounded to nearest even; a matrix with more than 65535
-/// columns, or a finite weight too large for bf16, is refused with ShapeError.
+/// Encodes a layer's CSR matrix as a stream of the given kind (`mask` sends zeros as
+/// values), by output or by input (then the stream carries the matrix's transpose).
+/// In bf16 the values are rounded to nearest even; a stream whose tags would exceed
+/// 65534 (inputs by output, outputs by input), or a finite weight too large for bf16, is
+/// refused with ShapeError.
 WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind::weights,
                            std::size_t chunk_packets = kDefaultChunkPackets,
-                           Precision precision = Precision::fp32);
+                           Precision precision = Precision::fp32,
+                           StreamOrder order = StreamOrder::by_output);
 
 /// The pieces of encode_stream, for producers that encode a layer chunk by chunk:
-/// the stream's header (ShapeError if the matrix cannot be streamed so), where the chunk
-/// that starts at output `first` ends (whole outputs, about `chunk_packets` packets, at
-/// least one output), and the chunk of outputs [first, last) (end-of-layer after the
-/// matrix's last output).
+/// the stream's header (ShapeError if the layer cannot be streamed so), where the chunk
+/// that starts at run `first` ends (whole runs, about `chunk_packets` packets, at least
+/// one run), and the chunk of runs [first, last) (end-of-layer after the last run). By
+/// input, the runs are the transpose's rows, its values read through its positions in
+/// the layer's values (so a producer needs no second copy of them).
 StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind,
-                               Precision precision = Precision::fp32);
+                               Precision precision = Precision::fp32,
+                               StreamOrder order = StreamOrder::by_output);
 std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets);
+std::int64_t chunk_end(const TransposedPattern& transposed, std::int64_t first,
+                       std::size_t chunk_packets);
 ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t first,
                       std::int64_t last, Precision precision = Precision::fp32);
+ChunkPtr encode_chunk(const TransposedPattern& transposed, std::span<const float> values,
+                      StreamKind kind, std::int64_t first, std::int64_t last,
+                      Precision precision = Precision::fp32);
 
-/// Decodes a complete, valid stream back into CSR (values from the packets, widened to
-/// fp32 from a bf16 stream).
+/// Decodes a complete, valid stream back into the layer's CSR matrix (values from the
+/// packets, widened to fp32 from a bf16 stream; a stream by input is transposed back).
 CsrMatrix decode_stream(const WeightStream& stream);
 
 /// Serialises a stream to bytes (magic "SLWS", version, header, framed chunks, CRC-32 per
