@@ -12,6 +12,7 @@
 #include "sluice/bf16.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/dense.hpp"
+#include "sluice/stream.hpp"
 
 namespace sluice::testing {
 
@@ -93,6 +94,13 @@ inline double backward_data_error(const CsrMatrix& w, ConstMatrixView dy, ConstM
     }
   }
   return worst;
+}
+
+/// A gradient stream's values in the layer's CSR order, whichever way it was streamed.
+inline std::vector<float> csr_gradient(const WeightStream& gradient) {
+  WeightStream values = gradient;
+  values.header.kind = StreamKind::weights;  // decoded as values, not as a gradient
+  return decode_stream(values).values();
 }
 
 /// Largest relative error of the weight gradient (CSR order) against dot(dY[o], X[i]).

@@ -1,15 +1,17 @@
 // Backward: dX = W^T dY and dW = dY X^T at the mask, streamed, vs oneDNN dense for both
-// products, in fp32 and bf16. Counters: useful GFLOP/s (4 nnz tokens / time), acceleration
-// over dense, and backward / forward time in the same precision.
+// products, in fp32 and bf16; the layer streamed by input (one pass, dY gathered once for
+// both gradients, as training streams it) and by output (the wafer's order: dX scattered,
+// then a pass for dW). Counters: useful GFLOP/s (4 nnz tokens / time), acceleration over
+// dense, and backward / forward time in the same precision.
 #include "bench_common.hpp"
 #include "sluice/planner.hpp"
 
 namespace sluice::bench {
 namespace {
 
-void BM_sparse_backward(benchmark::State& state, Precision precision) {
+void BM_sparse_backward(benchmark::State& state, Precision precision, StreamOrder order) {
   const Layer& l = layer(state);
-  const WeightStream& stream = l.weights(precision);
+  const WeightStream& stream = l.backward(precision, order);
   CpuEngine& e = engine();
   const Placement placement = placement_for(l);
   DenseMatrix dx(l.w.cols(), l.x.cols());
@@ -28,7 +30,7 @@ void BM_sparse_backward(benchmark::State& state, Precision precision) {
   });
   DenseMatrix y(l.w.rows(), l.x.cols());
   const double forward =
-      median_seconds([&] { e.forward(stream, placement, l.x.view(), y.view()); });
+      median_seconds([&] { e.forward(l.weights(precision), placement, l.x.view(), y.view()); });
   const double backward = median_seconds(step);
   state.counters["dense_ms"] = dense * 1e3;
   state.counters["acceleration"] = dense / backward;
@@ -40,10 +42,17 @@ void BM_sparse_backward(benchmark::State& state, Precision precision) {
 
 int main(int argc, char** argv) {
   using namespace sluice::bench;
-  register_sweep("sparse_backward",
-                 [](benchmark::State& s) { BM_sparse_backward(s, sluice::Precision::fp32); });
-  register_sweep("sparse_backward_bf16",
-                 [](benchmark::State& s) { BM_sparse_backward(s, sluice::Precision::bf16); });
+  using sluice::Precision;
+  using sluice::StreamOrder;
+  register_sweep("sparse_backward", [](benchmark::State& s) {
+    BM_sparse_backward(s, Precision::fp32, StreamOrder::by_input);
+  });
+  register_sweep("sparse_backward_bf16", [](benchmark::State& s) {
+    BM_sparse_backward(s, Precision::bf16, StreamOrder::by_input);
+  });
+  register_sweep("sparse_backward_by_output", [](benchmark::State& s) {
+    BM_sparse_backward(s, Precision::fp32, StreamOrder::by_output);
+  });
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -42,9 +42,14 @@ struct Layer {
   DenseMatrix w_dense, x, dy;
   WeightStream stream, mask;
   WeightStream stream_bf16;  ///< the same weights streamed in bf16
+  WeightStream by_input, by_input_bf16;  ///< the layer's transpose, for the backward
 
   const WeightStream& weights(Precision precision) const {
     return precision == Precision::bf16 ? stream_bf16 : stream;
+  }
+  const WeightStream& backward(Precision precision, StreamOrder order) const {
+    if (order == StreamOrder::by_output) return weights(precision);
+    return precision == Precision::bf16 ? by_input_bf16 : by_input;
   }
 };
 
@@ -64,6 +69,10 @@ inline const Layer& layer(const benchmark::State& state) {
     slot->mask = encode_stream(slot->w, StreamKind::mask);
     slot->stream_bf16 =
         encode_stream(slot->w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
+    slot->by_input = encode_stream(slot->w, StreamKind::weights, kDefaultChunkPackets,
+                                   Precision::fp32, StreamOrder::by_input);
+    slot->by_input_bf16 = encode_stream(slot->w, StreamKind::weights, kDefaultChunkPackets,
+                                        Precision::bf16, StreamOrder::by_input);
   }
   return *slot;
 }

@@ -7,9 +7,10 @@
 // reduced together as the engine's kernel does (`dot_roofline`).
 // Its GFLOP/s per level (all cores together) is what the streamed kernels can approach.
 // `sluice_*` report the engine's own useful GFLOP/s on the 4096 x 4096 x 256 layer
-// at 90% sparsity (forward, backward-data and backward-weight, fp32 and bf16); a table at
-// the end sets each against the probe of its own step with a 1 MiB block (a lane's tile)
-// from the same run, as a fraction.
+// at 90% sparsity (forward, backward-data and backward-weight, fp32 and bf16, by output;
+// the backward by input, dX alone and both gradients, which gather dY rows as the forward
+// gathers X rows); a table at the end sets each against the probe of its own step with a
+// 1 MiB block (a lane's tile) from the same run, as a fraction.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
@@ -235,8 +236,16 @@ void BM_roofline(benchmark::State& state, Step step) {
 
 /// The engine's passes, each to be set against its own probe: the forward gathers rows
 /// (gather_roofline), the data gradient scatters them (scatter_roofline), the weight
-/// gradient takes dot products with them (dot_roofline).
-enum class Pass { forward, backward_data, backward_weight };
+/// gradient takes dot products with them (dot_roofline). By input, the data gradient
+/// gathers dY rows (gather_roofline), and both gradients together do twice the arithmetic
+/// on the same gathered rows (2 x gather_roofline).
+enum class Pass {
+  forward,
+  backward_data,
+  backward_weight,
+  backward_data_by_input,
+  backward_by_input
+};
 
 void BM_sluice(benchmark::State& state, Precision precision, Pass pass) {
   if (!cpu_supports(Isa::avx512)) {
@@ -246,6 +255,7 @@ void BM_sluice(benchmark::State& state, Precision precision, Pass pass) {
   const Layer& l = layer(state);
   const Placement placement = placement_for(l);
   const WeightStream& stream = l.weights(precision);
+  const WeightStream& by_input = l.backward(precision, StreamOrder::by_input);
   DenseMatrix y(l.w.rows(), l.x.cols()), dx(l.w.cols(), l.x.cols());
   MutableMatrixView dx_view = dx.view();
   for (auto _ : state) {
@@ -260,9 +270,18 @@ void BM_sluice(benchmark::State& state, Precision precision, Pass pass) {
         benchmark::DoNotOptimize(
             engine().backward(stream, placement, l.x.view(), l.dy.view(), nullptr));
         break;
+      case Pass::backward_data_by_input:
+        engine().backward_data(by_input, placement, l.dy.view(), dx_view);
+        break;
+      case Pass::backward_by_input:
+        benchmark::DoNotOptimize(
+            engine().backward(by_input, placement, l.x.view(), l.dy.view(), &dx_view));
+        break;
     }
   }
-  const double flops = 2.0 * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
+  const double products = pass == Pass::backward_by_input ? 2.0 : 1.0;
+  const double flops =
+      2.0 * products * static_cast<double>(l.w.nnz()) * static_cast<double>(l.x.cols());
   state.counters["useful_GFLOPs"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -311,20 +330,23 @@ void print_fractions(const RecordingReporter& r, std::FILE* out) {
   const struct {
     const char* pass;
     const char* probe;
-  } pairs[] = {{"sluice_forward/", "gather_roofline/"},
-               {"sluice_forward_bf16/", "gather_roofline_bf16/"},
-               {"sluice_backward_data/", "scatter_roofline/"},
-               {"sluice_backward_data_bf16/", "scatter_roofline/"},  // its dX work is fp32
-               {"sluice_backward_weight/", "dot_roofline/"}};
-  std::fprintf(out, "\n%-28s %10s   %-24s %10s %9s\n", "pass (90%, 4096x4096x256)", "GFLOP/s",
+    double times;  ///< flops per gathered element, against the probe's
+  } pairs[] = {{"sluice_forward/", "gather_roofline/", 1},
+               {"sluice_forward_bf16/", "gather_roofline_bf16/", 1},
+               {"sluice_backward_data/", "scatter_roofline/", 1},
+               {"sluice_backward_data_bf16/", "scatter_roofline/", 1},  // its dX work is fp32
+               {"sluice_backward_weight/", "dot_roofline/", 1},
+               {"sluice_backward_data_by_input/", "gather_roofline/", 1},
+               {"sluice_backward_by_input/", "gather_roofline/", 2}};
+  std::fprintf(out, "\n%-32s %10s   %-26s %10s %9s\n", "pass (90%, 4096x4096x256)", "GFLOP/s",
                "probe, 1 MiB per core", "GFLOP/s", "fraction");
-  for (const auto& [pass, probe] : pairs) {
+  for (const auto& [pass, probe, times] : pairs) {
     const double p = r.rate(pass, "");
-    const double q = r.rate(probe, "/1048576/");
+    const double q = times * r.rate(probe, "/1048576/");
     if (p <= 0 || q <= 0) continue;  // filtered out, or skipped
-    std::fprintf(out, "%-28.*s %10.1f   %-24.*s %10.1f %8.0f%%\n",
-                 static_cast<int>(std::strlen(pass) - 1), pass, p,
-                 static_cast<int>(std::strlen(probe) - 1), probe, q, 100 * p / q);
+    const std::string name = (times > 1 ? "2 x " : "") + std::string(probe, std::strlen(probe) - 1);
+    std::fprintf(out, "%-32.*s %10.1f   %-26s %10.1f %8.0f%%\n",
+                 static_cast<int>(std::strlen(pass) - 1), pass, p, name.c_str(), q, 100 * p / q);
   }
 }
 
@@ -349,9 +371,12 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMillisecond);
     }
   }
-  const std::pair<const char*, Pass> passes[] = {{"sluice_forward", Pass::forward},
-                                                 {"sluice_backward_data", Pass::backward_data},
-                                                 {"sluice_backward_weight", Pass::backward_weight}};
+  const std::pair<const char*, Pass> passes[] = {
+      {"sluice_forward", Pass::forward},
+      {"sluice_backward_data", Pass::backward_data},
+      {"sluice_backward_weight", Pass::backward_weight},
+      {"sluice_backward_data_by_input", Pass::backward_data_by_input},
+      {"sluice_backward_by_input", Pass::backward_by_input}};
   for (const auto& [pass_name, pass] : passes) {
     for (const sluice::Precision precision : {sluice::Precision::fp32, sluice::Precision::bf16}) {
       const std::string name =

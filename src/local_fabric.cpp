@@ -40,11 +40,12 @@ WeightStream add_streams(const WeightStream& a, const WeightStream& b) {
   const StreamHeader& ha = a.header;
   const StreamHeader& hb = b.header;
   if (ha.kind != hb.kind || ha.outputs != hb.outputs || ha.inputs != hb.inputs ||
-      ha.nnz != hb.nnz) {
+      ha.nnz != hb.nnz || ha.order != hb.order) {
     throw FormatError("gradient reduction: streams have different headers (" +
                       std::to_string(ha.outputs) + "x" + std::to_string(ha.inputs) + ", " +
-                      std::to_string(ha.nnz) + " nnz vs " + std::to_string(hb.outputs) + "x" +
-                      std::to_string(hb.inputs) + ", " + std::to_string(hb.nnz) + " nnz)");
+                      std::to_string(ha.nnz) + " nnz, " + to_string(ha.order) + " vs " +
+                      std::to_string(hb.outputs) + "x" + std::to_string(hb.inputs) + ", " +
+                      std::to_string(hb.nnz) + " nnz, " + to_string(hb.order) + ")");
   }
   WeightStream sum;
   sum.header = ha;
@@ -186,6 +187,10 @@ void Fabric::forward(StreamSource& weights, std::span<const Placement* const> pl
   if (weights.header().kind != StreamKind::weights) {
     throw ShapeError(std::string("fabric forward needs a weights stream, got a ") +
                      to_string(weights.header().kind) + " stream");
+  }
+  if (weights.header().order != StreamOrder::by_output) {
+    throw ShapeError(std::string("fabric forward needs a stream by output, got one ") +
+                     to_string(weights.header().order));
   }
   check_placements(placements, n);
   check_count(xs, n, "X views");

@@ -48,13 +48,18 @@ TEST_F(CliSpmm, CheckJudgesUnderflowAsUnderflow) {
   EXPECT_LT(json_number(o.output, "max_rel_error_bwd"), 1e-5) << o.output;
 }
 
-TEST_F(CliSpmm, CheckPassesOnOrdinaryLayersInEveryPrecision) {
+TEST_F(CliSpmm, CheckPassesOnOrdinaryLayersInEveryPrecisionAndOrder) {
   for (const char* precision : {"fp32", "bf16"}) {
-    const Outcome o = run(std::string("spmm --shape 70x45 --sparsity 0.3,0.9 --tokens 19 ") +
-                          "--repeat 1 --check --backward --precision " + precision);
-    EXPECT_EQ(o.exit_code, 0) << o.output;
-    EXPECT_EQ(o.output.find("check failed"), std::string::npos) << o.output;
+    for (const char* order : {"by_input", "by_output"}) {
+      const Outcome o = run(std::string("spmm --shape 70x45 --sparsity 0.3,0.9 --tokens 19 ") +
+                            "--repeat 1 --check --backward --precision " + precision +
+                            " --backward-order " + order);
+      EXPECT_EQ(o.exit_code, 0) << precision << " " << order << "\n" << o.output;
+      EXPECT_EQ(o.output.find("check failed"), std::string::npos) << o.output;
+    }
   }
+  EXPECT_EQ(run("spmm --shape 8x8 --sparsity 0.5 --backward --backward-order sideways").exit_code,
+            2);
 }
 
 TEST_F(CliSpmm, ReportsTheThreadsThatRan) {

@@ -25,6 +25,7 @@ namespace {
 
 using testing::backward_data_error;
 using testing::backward_weight_error;
+using testing::csr_gradient;
 using testing::forward_error;
 using testing::random_dense;
 using testing::thrown_message;
@@ -50,13 +51,6 @@ std::vector<float> gradient_values(const WeightStream& g) {
     }
   }
   return v;
-}
-
-/// A gradient stream's values in the layer's CSR order, whichever way it was streamed.
-std::vector<float> csr_gradient(const WeightStream& g) {
-  WeightStream values = g;
-  values.header.kind = StreamKind::weights;
-  return decode_stream(values).values();
 }
 
 // A gradient stream is laid out as its weight stream: the same chunks, tags and controls

@@ -29,6 +29,7 @@ struct SpmmOptions {
   bool check = false;
   bool json = false;
   bool backward = false;
+  std::string backward_order = "by_input";
   std::string precision = "fp32";
   Geometry geometry;
 };
@@ -84,16 +85,25 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   const CsrMatrix& w_ref = bf16 ? w_held : w;
   const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
   const ConstMatrixView x_ref = x_in_bf16 ? x_held.view() : x.view();
+  // By input the lane holds dY and reads X in place, in fp32.
+  const ConstMatrixView x_ref_bwd = o.backward_order == "by_input" ? x.view() : x_ref;
 
-  // Preparing the layer (planning + encoding the stream) happens once per layer in
-  // ModelMemory, so it is reported apart from the product.
-  WeightStream stream;
+  // Preparing the layer (planning + encoding the streams) happens in ModelMemory, so it is
+  // reported apart from the products. The backward reads the layer by input, as training
+  // does (`--backward-order by_output`: the wafer's own order, dX scattered).
+  const StreamOrder backward_order =
+      o.backward_order == "by_output" ? StreamOrder::by_output : StreamOrder::by_input;
+  WeightStream stream, backward_stream;
   Placement placement;
   r.prepare_ms =
       1e3 * median_seconds(
                 [&] {
                   placement = round_robin_placement(w, g.lanes);
                   stream = encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision);
+                  if (o.backward) {
+                    backward_stream = encode_stream(w, StreamKind::weights, kDefaultChunkPackets,
+                                                    precision, backward_order);
+                  }
                 },
                 1);
   r.balance = placement.balance();
@@ -112,9 +122,13 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   std::vector<std::function<void()>> products{
       [&] { engine.forward(stream, placement, x.view(), y.view()); }};
   if (o.backward) {
+    // Both gradients, as a training step takes them; dX alone; dW alone from the mask, as
+    // the first layer takes it.
+    products.emplace_back([&] {
+      grad = engine.backward(backward_stream, placement, x.view(), dy.view(), &dx_view);
+    });
     products.emplace_back(
-        [&] { grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view); });
-    products.emplace_back([&] { engine.backward_data(stream, placement, dy.view(), dx_view); });
+        [&] { engine.backward_data(backward_stream, placement, dy.view(), dx_view); });
     products.emplace_back([&] { engine.backward(mask, placement, x.view(), dy.view(), nullptr); });
   }
   const std::vector<double> ms = median_seconds_interleaved(products, o.repeat);
@@ -141,15 +155,9 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
                   },
                   o.repeat);
     if (o.check) {
-      std::vector<float> g;
-      g.reserve(w.nnz());
-      for (const auto& chunk : grad.chunks) {
-        for (const Packet& p : chunk->packets) {
-          if (!is_control(p)) g.push_back(p.value);
-        }
-      }
-      r.max_rel_error_bwd = std::max(testing::backward_data_error(w_ref, dy.view(), dx.view()),
-                                     testing::backward_weight_error(w, dy.view(), x_ref, g));
+      r.max_rel_error_bwd = std::max(
+          testing::backward_data_error(w_ref, dy.view(), dx.view()),
+          testing::backward_weight_error(w, dy.view(), x_ref_bwd, testing::csr_gradient(grad)));
     }
   }
   return r;
@@ -242,6 +250,11 @@ Command add_spmm_command(CLI::App& app) {
                 "Check against a float64 reference (of the bf16-rounded operands in bf16); exit "
                 "code 1 if a relative error exceeds 1e-5");
   cmd->add_flag("--backward", o->backward, "Also time (and check) backward-data and -weight");
+  cmd->add_option("--backward-order", o->backward_order,
+                  "How the backward reads the layer: by_input (its transpose: dY gathered once "
+                  "for both gradients, as training does) or by_output (dX scattered, then a "
+                  "pass for dW)")
+      ->check(CLI::IsMember({"by_input", "by_output"}));
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
 
   return [o] {

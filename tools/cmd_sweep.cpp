@@ -156,11 +156,15 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   struct Layer {
     Placement placement;
     WeightStream stream;
+    WeightStream backward;  ///< by input, as a training step streams it (with --training)
   };
   std::vector<Layer> layers;
   for (const double sparsity : sparsities) {
     const CsrMatrix w = CsrMatrix::random(outputs, inputs, sparsity, o.seed);
-    Layer layer{round_robin_placement(w, s.geometry.lanes), encode_stream(w)};
+    Layer layer{round_robin_placement(w, s.geometry.lanes), encode_stream(w),
+                o.training ? encode_stream(w, StreamKind::weights, kDefaultChunkPackets,
+                                           Precision::fp32, StreamOrder::by_input)
+                           : WeightStream{}};
     SweepPoint p;
     p.sparsity = sparsity;
     p.nnz = w.nnz();
@@ -193,7 +197,7 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     items.push_back([&] {
       engine.forward(layer.stream, layer.placement, x.view(), y.view());
       if (o.training)
-        (void)engine.backward(layer.stream, layer.placement, x.view(), dy.view(), &dx_view);
+        (void)engine.backward(layer.backward, layer.placement, x.view(), dy.view(), &dx_view);
     });
   }
 

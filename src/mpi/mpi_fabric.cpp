@@ -149,6 +149,8 @@ struct Command {
   std::int32_t want_dx = 0;  ///< any engine wants dX (then dX is gathered)
   std::uint32_t kind = 0, outputs = 0, inputs = 0;
   std::uint32_t precision = 0;  ///< the weight stream's: which packets its frames carry
+  std::uint32_t order = 0;      ///< by output or by input: which of outputs/inputs is X's
+  std::uint32_t unused = 0;
   std::uint64_t nnz = 0;
   FrameMeta first;  ///< the stream's first frame
 };
@@ -166,7 +168,7 @@ struct Reply {
   std::uint64_t packets = 0, bytes = 0;
   std::uint64_t grad_packets = 0;
   std::uint64_t grad_values = 0;  ///< weight packets in the gradient stream: values sent
-  std::uint32_t grad_kind = 0, grad_outputs = 0, grad_inputs = 0, unused = 0;
+  std::uint32_t grad_kind = 0, grad_outputs = 0, grad_inputs = 0, grad_order = 0;
   std::uint64_t grad_nnz = 0;
 };
 
@@ -561,6 +563,7 @@ struct MpiFabric::Impl {
     c.inputs = h.inputs;
     c.nnz = h.nnz;
     c.precision = static_cast<std::uint32_t>(h.precision);
+    c.order = static_cast<std::uint32_t>(h.order);
     c.first = first.meta(h.precision);
     mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, comm), "command broadcast");
   }
@@ -766,7 +769,8 @@ struct MpiFabric::Impl {
                           std::to_string(sent.packets) + " and " + std::to_string(sent.values));
       }
       if (a.grad_kind != b.grad_kind || a.grad_outputs != b.grad_outputs ||
-          a.grad_inputs != b.grad_inputs || a.grad_nnz != b.grad_nnz) {
+          a.grad_inputs != b.grad_inputs || a.grad_nnz != b.grad_nnz ||
+          a.grad_order != b.grad_order) {
         throw FormatError("MpiFabric: engines 0 and " + std::to_string(k) +
                           " return gradient streams with different headers");
       }
@@ -801,6 +805,7 @@ struct MpiFabric::Impl {
     result.header.inputs = r.grad_inputs;
     result.header.nnz = r.grad_nnz;
     result.header.precision = Precision::fp32;  // gradients always travel in fp32
+    result.header.order = static_cast<StreamOrder>(r.grad_order);
     std::uint64_t at = 0, arrived = 0, next_segment = 0;
     const bool streaming = sent.packets * sizeof(Packet) > kStreamingBytes;
     for (std::size_t i = 0; i < sent.chunks.size(); ++i) {
@@ -1052,29 +1057,36 @@ struct MpiFabric::Impl {
     const bool echo = cmd.op == static_cast<std::int32_t>(Op::probe_echo);
     const bool probe = echo || cmd.op == static_cast<std::int32_t>(Op::probe);
     const bool returns_gradient = backward || echo;
-    Placement placement;
-    Job job;
-    DenseMatrix x, y, dy, dx;
-    if (!probe) {
-      job = receive_job(cmd.inputs, placement);
-      x = receive_matrix(cmd.inputs, job.tokens);
-    }
-    if (probe) {
-    } else if (backward) {
-      dy = receive_matrix(cmd.outputs, job.tokens);
-      if (job.want_dx) dx = DenseMatrix(cmd.inputs, job.tokens);
-    } else {
-      y = DenseMatrix(cmd.outputs, job.tokens);
-    }
     StreamHeader header;
     header.kind = static_cast<StreamKind>(cmd.kind);
     header.outputs = cmd.outputs;
     header.inputs = cmd.inputs;
     header.nnz = cmd.nnz;
     header.precision = static_cast<Precision>(cmd.precision);
+    header.order = static_cast<StreamOrder>(cmd.order);
     if (header.precision != Precision::fp32 && header.precision != Precision::bf16) {
       throw FormatError("MpiFabric: unknown stream precision " + std::to_string(cmd.precision) +
                         " from rank 0");
+    }
+    if (header.order != StreamOrder::by_output && header.order != StreamOrder::by_input) {
+      throw FormatError("MpiFabric: unknown stream order " + std::to_string(cmd.order) +
+                        " from rank 0");
+    }
+    // The layer's shape, whichever way its stream walks it.
+    const std::uint32_t inputs = header.layer_inputs(), outputs = header.layer_outputs();
+    Placement placement;
+    Job job;
+    DenseMatrix x, y, dy, dx;
+    if (!probe) {
+      job = receive_job(inputs, placement);
+      x = receive_matrix(inputs, job.tokens);
+    }
+    if (probe) {
+    } else if (backward) {
+      dy = receive_matrix(outputs, job.tokens);
+      if (job.want_dx) dx = DenseMatrix(inputs, job.tokens);
+    } else {
+      y = DenseMatrix(outputs, job.tokens);
     }
     FrameChannel channel(options.window * kMaxFrameChunks);
     const EngineCounters before = engine->counters();
@@ -1129,6 +1141,7 @@ struct MpiFabric::Impl {
       reply.grad_kind = static_cast<std::uint32_t>(gradient.header.kind);
       reply.grad_outputs = gradient.header.outputs;
       reply.grad_inputs = gradient.header.inputs;
+      reply.grad_order = static_cast<std::uint32_t>(gradient.header.order);
       reply.grad_nnz = gradient.header.nnz;
       reply.grad_packets = gradient.packet_count();
       reply.grad_values = gradient.header.nnz;
@@ -1494,11 +1507,11 @@ ReducedGradient MpiFabric::backward_impl(StreamSource& weights,
   const StreamHeader& h = weights.header();
   bool want_dx = false;
   for (std::size_t k = 0; k < xs.size(); ++k) {
-    check_slice("X", k, xs[k].rows, xs[k].cols, h.inputs, xs[k].cols);
-    check_slice("dY", k, dys[k].rows, dys[k].cols, h.outputs, xs[k].cols);
-    check_slice("placement", k, placements[k]->features(), 1, h.inputs, 1);
+    check_slice("X", k, xs[k].rows, xs[k].cols, h.layer_inputs(), xs[k].cols);
+    check_slice("dY", k, dys[k].rows, dys[k].cols, h.layer_outputs(), xs[k].cols);
+    check_slice("placement", k, placements[k]->features(), 1, h.layer_inputs(), 1);
     if (!dxs.empty() && dxs[k] != nullptr) {
-      check_slice("dX", k, dxs[k]->rows, dxs[k]->cols, h.inputs, xs[k].cols);
+      check_slice("dX", k, dxs[k]->rows, dxs[k]->cols, h.layer_inputs(), xs[k].cols);
       want_dx = true;
     }
   }
