@@ -10,21 +10,22 @@
 
 #include "sluice/dataset.hpp"
 #include "sluice/error.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
 
-std::filesystem::path temp(const std::string& name) {
-  // The process id keeps tests that ctest runs in parallel off each other's files.
-  return std::filesystem::temp_directory_path() /
-         ("sluice_dataset_" + std::to_string(::getpid()) + "_" + name);
-}
+// Files go in a directory of the test's own, removed when it ends.
+class DatasetFiles : public testing::TempDirTest {
+ protected:
+  std::filesystem::path temp(const std::string& name) const { return dir_ / name; }
+};
 
 void write(const std::filesystem::path& p, const std::string& text) {
   std::ofstream(p) << text;
 }
 
-TEST(Dataset, ReadsPlainAndGzippedCsv) {
+TEST_F(DatasetFiles, ReadsPlainAndGzippedCsv) {
   const std::string text = "1,2,3,0\n4,5,6,2\n\n7, 8 ,9,1\n";
   write(temp("plain.csv"), text);
   gzFile gz = gzopen(temp("packed.csv.gz").c_str(), "wb");
@@ -42,7 +43,7 @@ TEST(Dataset, ReadsPlainAndGzippedCsv) {
   }
 }
 
-TEST(Dataset, BadRowsNameTheLine) {
+TEST_F(DatasetFiles, BadRowsNameTheLine) {
   write(temp("bad1.csv"), "1,2,0\n1,x,1\n");
   write(temp("bad2.csv"), "1,2,0\n1,2\n1,2,3,4\n");
   write(temp("bad3.csv"), "1,2,0\n1,2,-1\n");
