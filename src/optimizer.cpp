@@ -102,6 +102,18 @@ bool adam_update(const UpdateScalars& s, const UpdateArrays& a, std::size_t begi
                      1.0 / s.bias_correction2) == 0;
 }
 
+/// AdamW decays by w *= 1 - lr * weight_decay: at lr * weight_decay >= 1 the weights would
+/// be zeroed or flip sign every step, which no schedule means.
+void require_decay_below_one(const OptimizerConfig& c, double learning_rate, const char* when) {
+  if (c.kind == OptimizerKind::adamw && learning_rate * c.weight_decay >= 1) {
+    throw ShapeError(std::string("optimizer config: adamw with learning rate ") +
+                     std::to_string(learning_rate) + when + " and weight_decay " +
+                     std::to_string(c.weight_decay) +
+                     " decays each weight by a factor 1 - lr * weight_decay <= 0 (needs lr * "
+                     "weight_decay < 1)");
+  }
+}
+
 }  // namespace
 
 int optimizer_slot_count(OptimizerKind kind) {
@@ -125,6 +137,7 @@ void validate_optimizer_config(const OptimizerConfig& c) {
           "finite and >= 0");
   require(std::isfinite(c.clip_global_norm) && c.clip_global_norm >= 0, "clip_global_norm",
           c.clip_global_norm, "finite and >= 0 (0 = no clipping)");
+  require_decay_below_one(c, c.learning_rate, "");
 }
 
 double scheduled_learning_rate(const OptimizerConfig& config, std::int64_t step) {
@@ -134,7 +147,10 @@ double scheduled_learning_rate(const OptimizerConfig& config, std::int64_t step)
     throw ShapeError("learning-rate schedule returned " + std::to_string(factor) + " at step " +
                      std::to_string(step) + " (expected a finite multiplier >= 0)");
   }
-  return config.learning_rate * factor;
+  const double learning_rate = config.learning_rate * factor;
+  require_decay_below_one(config, learning_rate,
+                          (" (scheduled at step " + std::to_string(step) + ")").c_str());
+  return learning_rate;
 }
 
 UpdateScalars make_update_scalars(const OptimizerConfig& config, double learning_rate,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "sluice/model_memory.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
@@ -561,6 +562,17 @@ TEST(Optimizer, BadConfigurationsAreRefused) {
   refuse([](OptimizerConfig& c) { c.epsilon = 0; });
   refuse([](OptimizerConfig& c) { c.weight_decay = -0.1; });
   refuse([](OptimizerConfig& c) { c.clip_global_norm = -1; });
+  // AdamW's decoupled decay multiplies each weight by 1 - lr * weight_decay.
+  refuse([](OptimizerConfig& c) {
+    c.kind = OptimizerKind::adamw;
+    c.learning_rate = 0.5;
+    c.weight_decay = 2;
+  });
+  OptimizerConfig adam_l2;  // Adam's decay is an L2 term in the gradient: no such bound
+  adam_l2.kind = OptimizerKind::adam;
+  adam_l2.learning_rate = 0.5;
+  adam_l2.weight_decay = 2;
+  EXPECT_NO_THROW(mm.set_optimizer(adam_l2));
   EXPECT_THROW(mm.set_non_finite_policy(static_cast<NonFinitePolicy>(7)), ShapeError);
 }
 
@@ -573,6 +585,20 @@ TEST(Optimizer, ScheduleReturningNonsenseIsRefused) {
   const std::string before = fingerprint(m.memory);
   EXPECT_THROW(submit_and_commit(m.memory, random_gradients(m.memory, 1300)), ShapeError);
   EXPECT_TRUE(fingerprint(m.memory) == before) << "state changed";
+  // A schedule that takes AdamW's decay factor 1 - lr * weight_decay to 0 or below.
+  m.memory.discard_step();
+  c.kind = OptimizerKind::adamw;
+  c.learning_rate = 0.01;
+  c.weight_decay = 10;
+  c.schedule = [](std::int64_t step) { return step < 2 ? 1.0 : 20.0; };
+  m.memory.set_optimizer(c);
+  ASSERT_TRUE(submit_and_commit(m.memory, random_gradients(m.memory, 1301)).applied);
+  const std::string after_one = fingerprint(m.memory);
+  EXPECT_CONTAINS(testing::thrown_message<ShapeError>(
+                      [&] { submit_and_commit(m.memory, random_gradients(m.memory, 1302)); }),
+                  "scheduled at step 2");
+  m.memory.discard_step();
+  EXPECT_TRUE(fingerprint(m.memory) == after_one) << "state changed";
 }
 
 TEST(Optimizer, SetOptimizerWhileAStepIsPendingIsRefused) {
