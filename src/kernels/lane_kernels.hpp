@@ -78,6 +78,19 @@ template <typename PacketT>
 using ByInputKernel = void (*)(const Runs<PacketT>& runs, Tile dy, Tile x, MutableTile dx,
                                const GradientSums& sums, std::int64_t tokens);
 
+/// Calls run.template operator()<kData, kWeight>() for the products a by-input call asks
+/// for (dX where dx.data is set, dW where x.data is), so kernels test that once per call.
+template <typename Run>
+void with_by_input_products(Tile x, MutableTile dx, Run&& run) {
+  if (dx.data != nullptr && x.data != nullptr) {
+    run.template operator()<true, true>();
+  } else if (dx.data != nullptr) {
+    run.template operator()<true, false>();
+  } else if (x.data != nullptr) {
+    run.template operator()<false, true>();
+  }
+}
+
 struct LaneKernels {
   /// y[r, :] = sum over run r of w * x[tag, :]  (overwrites y's rows 0..runs-1).
   void (*forward)(const LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);

@@ -179,6 +179,63 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
   }
 }
 
+inline std::uint32_t index_of(const Packet& p) {
+  return p.tag;
+}
+inline std::uint32_t index_of(const Bf16Packet& p) {
+  return p.index;
+}
+
+/// dot(a, b) over the group's NV vectors, left as eight partial sums.
+template <int NV>
+inline __m256 dot_registers(const __m256* a, const __m256* b) {
+  __m256 sum = _mm256_mul_ps(a[0], b[0]);
+  for (int v = 1; v < NV; ++v) sum = _mm256_fmadd_ps(a[v], b[v], sum);
+  return sum;
+}
+
+/// The backward of a stream by input (see ByInputKernel) on one group of up to 32 tokens:
+/// per run, X's row and one accumulator set for dX stay in registers (with the gathered dY
+/// row, that is the sixteen ymm; each packet's eight FMAs on two ports outlast the FMA
+/// latency of one set), each dY row is gathered once for both products, and the dot
+/// products are reduced eight at a time.
+template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT>
+void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, const float* x,
+                    std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
+                    __m256i tail) {
+  const PacketT* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    __m256 xv[NV], acc[NV];
+    if constexpr (kWeight) {
+      const float* row = x + r * xs;
+      for (int v = 0; v < NV; ++v) xv[v] = load<NV, kTail>(row, v, tail);
+      if (r + 1 < L.runs) prefetch_row<NV>(row + xs);
+    }
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+    GradientBatch<PacketT> batch(sums, p);
+    const std::uint32_t e = L.end[r];
+    for (std::uint32_t k = L.begin[r]; k < e; ++k) {
+      if (k + kPrefetch < e) {
+        _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[k + kPrefetch]), dys)),
+                     _MM_HINT_T0);
+      }
+      const float* d = row_of(dy, index_of(p[k]), dys);
+      __m256 dv[NV];
+      for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+      if constexpr (kData) {
+        const __m256 w = _mm256_set1_ps(value_of(p[k]));
+        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, dv[v], acc[v]);
+      }
+      if constexpr (kWeight) batch.add(k, dot_registers<NV>(dv, xv));
+    }
+    if constexpr (kWeight) batch.flush();
+    if constexpr (kData) {
+      float* out = dx + r * dxs;
+      for (int v = 0; v < NV; ++v) store<NV, kTail>(out, v, acc[v], tail);
+    }
+  }
+}
+
 /// Calls run.template operator()<nv>() for the nv in NV..kMaxNV that matches.
 template <int NV, int kMaxNV, typename Run>
 void with_vector_count(int nv, Run& run) {
@@ -229,7 +286,30 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
   });
 }
 
+template <typename PacketT>
+void by_input(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+              std::int64_t tokens) {
+  constexpr std::int64_t kGroup = 8 * 4;  // tokens per group of for_each_group<4>
+  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
+    for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
+      by_input_group<kData, kWeight, NV, kTail>(
+          L, dy.data + t0, dy.stride, kWeight ? x.data + t0 : nullptr, x.stride,
+          kData ? dx.data + t0 : nullptr, dx.stride,
+          for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
+    });
+  });
+}
+
 }  // namespace
+
+void by_input_avx2(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+                   std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
+void by_input_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                   const GradientSums& sums, std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
 
 const LaneKernels kAvx2Kernels{forward, backward_data, backward_weight, by_input_avx2};
 

@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <utility>
 
 #include "kernels/lane_kernels.hpp"
 #include "kernels/reduce8.hpp"
@@ -152,20 +153,26 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
   }
 }
 
-/// dot(dy, x) over the group, left as 16 partial sums (two chains at the full width).
+/// dot(a, b) over the group's NV vectors, left as 16 partial sums (two chains at the full
+/// width).
+template <int NV>
+inline __m512 dot_registers(const __m512* a, const __m512* b) {
+  if constexpr (NV == 4) {
+    return _mm512_add_ps(_mm512_fmadd_ps(a[1], b[1], _mm512_mul_ps(a[0], b[0])),
+                         _mm512_fmadd_ps(a[3], b[3], _mm512_mul_ps(a[2], b[2])));
+  } else {
+    __m512 sum = _mm512_mul_ps(a[0], b[0]);
+    for (int v = 1; v < NV; ++v) sum = _mm512_fmadd_ps(a[v], b[v], sum);
+    return sum;
+  }
+}
+
+/// dot(dy, x) over the group with x's row loaded here (the loads fuse into the FMAs).
 template <int NV, bool kTail>
 inline __m512 dot_partial(const __m512* dv, const float* x, __mmask16 tail) {
-  if constexpr (NV == 4) {
-    const __m512 a = _mm512_fmadd_ps(dv[1], load<NV, kTail>(x, 1, tail),
-                                     _mm512_mul_ps(dv[0], load<NV, kTail>(x, 0, tail)));
-    const __m512 b = _mm512_fmadd_ps(dv[3], load<NV, kTail>(x, 3, tail),
-                                     _mm512_mul_ps(dv[2], load<NV, kTail>(x, 2, tail)));
-    return _mm512_add_ps(a, b);
-  } else {
-    __m512 a = _mm512_mul_ps(dv[0], load<NV, kTail>(x, 0, tail));
-    for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(dv[v], load<NV, kTail>(x, v, tail), a);
-    return a;
-  }
+  __m512 xv[NV];
+  for (int v = 0; v < NV; ++v) xv[v] = load<NV, kTail>(x, v, tail);
+  return dot_registers<NV>(dv, xv);
 }
 
 template <int NV, bool kTail>
@@ -188,6 +195,90 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
       }
       return dot_partial<NV, kTail>(dv, row_of(x, p[k].tag, xs), tail);
     });
+  }
+}
+
+inline std::uint32_t index_of(const Packet& p) {
+  return p.tag;
+}
+inline std::uint32_t index_of(const Bf16Packet& p) {
+  return p.index;
+}
+[[gnu::always_inline]] inline void prefetch_stream(const Bf16Packet* packet) {
+  _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
+}
+
+/// The backward of a stream by input (see ByInputKernel) on one group of tokens. Per run,
+/// X's row (for the weight gradient) and two accumulator sets (for dX, hiding the FMA
+/// latency) stay in registers while the run's dY rows are gathered from the resident tile,
+/// each once for both products; the weights' dot products are reduced eight at a time.
+template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT>
+void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, const float* x,
+                    std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
+                    __mmask16 tail) {
+  const PacketT* p = L.packets;
+  // Packets per line of the stream: it is asked for once per line, well ahead.
+  constexpr std::uint32_t kPerLine = 64 / sizeof(PacketT);
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    __m512 xv[NV];
+    if constexpr (kWeight) {
+      const float* row = x + r * xs;
+      for (int v = 0; v < NV; ++v) xv[v] = load<NV, kTail>(row, v, tail);
+      if (r + 1 < L.runs) prefetch_row<NV>(row + xs);  // read once per tile, in order
+    }
+    __m512 a[NV], b[NV];
+    for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
+    const std::uint32_t e = L.end[r];
+    // One packet: its dY row gathered once, for dX (into set a or b) and for its dot.
+    auto packet = [&](std::uint32_t k, __m512* acc) __attribute__((always_inline)) {
+      if (k % kPerLine == 0) prefetch_stream(p + k + kStreamAhead);
+      if (k + kPrefetch < e) {
+        const float* next = row_of(dy, index_of(p[k + kPrefetch]), dys);
+        for (int v = 0; v < NV; v += 4) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
+        }
+      }
+      const float* d = row_of(dy, index_of(p[k]), dys);
+      __m512 dv[NV];
+      for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+      if constexpr (kData) {
+        const __m512 w = _mm512_set1_ps(value_of(p[k]));
+        for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(w, dv[v], acc[v]);
+      }
+      if constexpr (kWeight) {
+        return dot_registers<NV>(dv, xv);
+      } else {
+        return _mm512_setzero_ps();
+      }
+    };
+    // Packets go to a and b in turn, each named at compile time: an accumulator picked at
+    // run time would live in memory (the dX pass then ran 1.5x the forward's time).
+    std::uint32_t k = L.begin[r];
+    __m512 part[8];
+    for (; k + 8 <= e; k += 8) {
+      [&]<unsigned... J>(std::integer_sequence<unsigned, J...>) {
+        ((part[2 * J] = packet(k + 2 * J, a), part[2 * J + 1] = packet(k + 2 * J + 1, b)), ...);
+      }(std::make_integer_sequence<unsigned, 4>{});
+      if constexpr (kWeight) add_sums(sums, p, k, part, 8);
+    }
+    if (k < e) {
+      const unsigned n = e - k;
+      unsigned j = 0;
+      for (; j + 2 <= n; j += 2) {
+        part[j] = packet(k + j, a);
+        part[j + 1] = packet(k + j + 1, b);
+      }
+      if (j < n) {
+        part[j] = packet(k + j, a);
+        ++j;
+      }
+      for (; j < 8; ++j) part[j] = _mm512_setzero_ps();
+      if constexpr (kWeight) add_sums(sums, p, k, part, n);
+    }
+    if constexpr (kData) {
+      float* out = dx + r * dxs;
+      for (int v = 0; v < NV; ++v) store<NV, kTail>(out, v, _mm512_add_ps(a[v], b[v]), tail);
+    }
   }
 }
 
@@ -243,7 +334,29 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
   });
 }
 
+template <typename PacketT>
+void by_input(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+              std::int64_t tokens) {
+  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
+    for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
+      by_input_group<kData, kWeight, NV, kTail>(
+          L, dy.data + t0, dy.stride, kWeight ? x.data + t0 : nullptr, x.stride,
+          kData ? dx.data + t0 : nullptr, dx.stride,
+          for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
+    });
+  });
+}
+
 }  // namespace
+
+void by_input_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
+void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
 
 const LaneKernels kAvx512Kernels{forward, backward_data, backward_weight, by_input_avx512};
 
