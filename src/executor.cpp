@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "parallel.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -25,34 +26,61 @@ double since(Clock::time_point t0) {
 constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kGeluA = 0.044715;
 
-float activate(Activation a, float z) {
-  switch (a) {
-    case Activation::relu:
-      return z <= 0 ? 0.0F : z;  // NaN passes on: a NaN input must not become a finite output
-    case Activation::gelu: {
-      const double x = z;
-      return static_cast<float>(0.5 * x * (1.0 + std::tanh(kGeluC * (x + kGeluA * x * x * x))));
-    }
-    case Activation::none:
-      break;
-  }
-  return z;
+double gelu(double x) {
+  return 0.5 * x * (1.0 + std::tanh(kGeluC * (x + kGeluA * x * x * x)));
+}
+double gelu_slope(double x) {
+  const double th = std::tanh(kGeluC * (x + kGeluA * x * x * x));
+  return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * kGeluC * (1.0 + 3.0 * kGeluA * x * x);
 }
 
-float activation_slope(Activation a, float z) {
+// Row by row, with the activation chosen outside the loops so each one vectorises (per
+// element, the executor's own passes took ~10% of a 4096-wide layer's training step).
+
+/// out = act(z + bias) over a row of n tokens; z gets the bias added in place.
+void add_bias_and_activate(Activation a, float bias, float* z, float* out, std::int64_t n) {
+  if (bias != 0.0F) {
+    for (std::int64_t t = 0; t < n; ++t) z[t] += bias;
+  }
+  switch (a) {
+    case Activation::relu:  // NaN passes on: a NaN input must not become a finite output
+      for (std::int64_t t = 0; t < n; ++t) out[t] = z[t] <= 0 ? 0.0F : z[t];
+      return;
+    case Activation::gelu:
+      for (std::int64_t t = 0; t < n; ++t) out[t] = static_cast<float>(gelu(z[t]));
+      return;
+    case Activation::none:
+      return;
+  }
+}
+
+/// fn(row) for every row of a rows x cols pass, on every core when it is large enough to
+/// pay for waking them (a small layer's whole pass takes microseconds).
+template <typename Fn>
+void for_each_row(std::int64_t rows, std::int64_t cols, Fn&& fn) {
+  constexpr std::int64_t kParallelElements = std::int64_t{1} << 16;
+  if (rows * cols < kParallelElements) {
+    for (std::int64_t r = 0; r < rows; ++r) fn(r);
+  } else {
+    detail::parallel_for(std::int64_t{0}, rows, fn);
+  }
+}
+
+/// d *= act'(z) over a row of n tokens.
+void scale_by_slope(Activation a, const float* z, float* d, std::int64_t n) {
   switch (a) {
     case Activation::relu:
-      return z > 0 ? 1.0F : 0.0F;
-    case Activation::gelu: {
-      const double x = z;
-      const double th = std::tanh(kGeluC * (x + kGeluA * x * x * x));
-      return static_cast<float>(0.5 * (1.0 + th) +
-                                0.5 * x * (1.0 - th * th) * kGeluC * (1.0 + 3.0 * kGeluA * x * x));
-    }
+      for (std::int64_t t = 0; t < n; ++t) {
+        const float slope = z[t] > 0 ? 1.0F : 0.0F;  // (GCC 12 vectorises this form only)
+        d[t] = d[t] * slope;
+      }
+      return;
+    case Activation::gelu:
+      for (std::int64_t t = 0; t < n; ++t) d[t] *= static_cast<float>(gelu_slope(z[t]));
+      return;
     case Activation::none:
-      break;
+      return;
   }
-  return 1.0F;
 }
 
 std::int64_t padded(std::int64_t cols) {
@@ -306,17 +334,11 @@ struct LayerStreamingExecutor::Impl {
       const Activation act = options.activations[li];
       for (auto& s : state) {
         DenseMatrix& z = s.z[li];
-        for (std::int64_t o = 0; o < z.rows(); ++o) {
-          float* zr = z.row(o);
+        for_each_row(z.rows(), z.cols(), [&](std::int64_t o) {
           const float b = bias.empty() ? 0.0F : bias[static_cast<std::size_t>(o)];
-          if (b != 0.0F) {
-            for (std::int64_t t = 0; t < z.cols(); ++t) zr[t] += b;
-          }
-          if (act != Activation::none) {
-            float* ar = s.a[li].row(o);
-            for (std::int64_t t = 0; t < z.cols(); ++t) ar[t] = activate(act, zr[t]);
-          }
-        }
+          float* out = act != Activation::none ? s.a[li].row(o) : nullptr;
+          add_bias_and_activate(act, b, z.row(o), out, z.cols());
+        });
       }
     }
   }
@@ -417,11 +439,9 @@ struct LayerStreamingExecutor::Impl {
           const Activation act = options.activations[li];
           if (act == Activation::none) continue;
           MutableMatrixView d = rows_of(s.grad, sizes[li + 1], s.tokens);
-          for (std::int64_t o = 0; o < d.rows; ++o) {
-            const float* zr = s.z[li].row(o);
-            float* dr = d.row(o);
-            for (std::int64_t t = 0; t < d.cols; ++t) dr[t] *= activation_slope(act, zr[t]);
-          }
+          for_each_row(d.rows, d.cols, [&](std::int64_t o) {
+            scale_by_slope(act, s.z[li].row(o), d.row(o), d.cols);
+          });
         }
         std::unique_ptr<LayerStream> current = std::move(next);
         if (l > 0) next = open_backward(l - 1);
