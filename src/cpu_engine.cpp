@@ -606,7 +606,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   // all of dY, the stream's tags again, and walks the input features as the runs.
   const bool by_input = header.by_input();
   const std::int64_t tags = header.inputs;
-  const Placement one_lane = Placement::single_lane(tags);
+  const Placement one_lane = by_input ? Placement::single_lane(tags) : Placement{};
   const Placement& lanes_of = by_input ? one_lane : placement;
   const std::int32_t P = lanes_of.lanes;
   const Holding holding =
