@@ -357,6 +357,13 @@ void fill_chunk(std::vector<PacketT, ChunkAllocator<PacketT>>& out, const RunSou
   if (ends) *p++ = end_of_layer;
 }
 
+// (A function, not aggregate deduction, which Clang 14 — the fuzz builds' compiler — lacks.)
+template <typename Value>
+RunSource<Value> run_source(const std::vector<std::int64_t>& offsets, const std::uint32_t* tags,
+                            Value value) {
+  return {offsets, tags, value};
+}
+
 template <typename Value>
 ChunkPtr encode_runs(const RunSource<Value>& rows, StreamKind kind, std::int64_t first,
                      std::int64_t last, Precision precision) {
@@ -381,15 +388,15 @@ ChunkPtr encode_runs(const RunSource<Value>& rows, StreamKind kind, std::int64_t
 
 auto runs_of(const CsrMatrix& matrix) {
   const float* values = matrix.values().data();
-  return RunSource{matrix.row_offsets(), matrix.col_indices().data(),
-                   [values](std::int64_t k) { return values[k]; }};
+  return run_source(matrix.row_offsets(), matrix.col_indices().data(),
+                    [values](std::int64_t k) { return values[k]; });
 }
 
 auto runs_of(const TransposedPattern& transposed, std::span<const float> values) {
   const std::uint32_t* source = transposed.source.data();
   const float* layer = values.data();
-  return RunSource{transposed.row_offsets, transposed.col_indices.data(),
-                   [source, layer](std::int64_t k) { return layer[source[k]]; }};
+  return run_source(transposed.row_offsets, transposed.col_indices.data(),
+                    [source, layer](std::int64_t k) { return layer[source[k]]; });
 }
 
 }  // namespace
