@@ -186,35 +186,26 @@ inline std::uint32_t index_of(const Bf16Packet& p) {
   return p.index;
 }
 
-/// dot(a, b) over the group's NV vectors, left as eight partial sums.
-template <int NV>
-inline __m256 dot_registers(const __m256* a, const __m256* b) {
-  __m256 sum = _mm256_mul_ps(a[0], b[0]);
-  for (int v = 1; v < NV; ++v) sum = _mm256_fmadd_ps(a[v], b[v], sum);
-  return sum;
-}
-
-/// The backward of a stream by input (see ByInputKernel) on one group of up to 32 tokens:
-/// per run, X's row and one accumulator set for dX stay in registers (with the gathered dY
-/// row, that is the sixteen ymm; each packet's eight FMAs on two ports outlast the FMA
-/// latency of one set), each dY row is gathered once for both products, and the dot
-/// products are reduced eight at a time.
+/// The backward of a stream by input (see ByInputKernel) on one group of up to 32 tokens.
+/// Per run, one accumulator set for dX stays in registers (each packet's eight FMAs on two
+/// ports outlast the FMA latency of one set) and each dY row is gathered once for both
+/// products. Eight packets go per step, their dot products' partials in registers and
+/// reduced together; X's row is read from L1 beside them, since with the partials, the
+/// accumulators and the gathered row there is no register left to hold it.
 template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT>
 void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, const float* x,
                     std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
                     __m256i tail) {
   const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
-    __m256 xv[NV], acc[NV];
+    const float* row = kWeight ? x + r * xs : nullptr;
     if constexpr (kWeight) {
-      const float* row = x + r * xs;
-      for (int v = 0; v < NV; ++v) xv[v] = load<NV, kTail>(row, v, tail);
       if (r + 1 < L.runs) prefetch_row<NV>(row + xs);
     }
+    __m256 acc[NV];
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
-    GradientBatch<PacketT> batch(sums, p);
-    const std::uint32_t e = L.end[r];
-    for (std::uint32_t k = L.begin[r]; k < e; ++k) {
+    // One packet: dX accumulated, and its dot product's partials returned.
+    auto step = [&](std::uint32_t k, std::uint32_t e) {
       if (k + kPrefetch < e) {
         _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[k + kPrefetch]), dys)),
                      _MM_HINT_T0);
@@ -226,9 +217,30 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
         const __m256 w = _mm256_set1_ps(value_of(p[k]));
         for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, dv[v], acc[v]);
       }
-      if constexpr (kWeight) batch.add(k, dot_registers<NV>(dv, xv));
+      __m256 dot = _mm256_setzero_ps();
+      if constexpr (kWeight) {
+        dot = _mm256_mul_ps(dv[0], load<NV, kTail>(row, 0, tail));
+        for (int v = 1; v < NV; ++v) dot = _mm256_fmadd_ps(dv[v], load<NV, kTail>(row, v, tail), dot);
+      }
+      return dot;
+    };
+    std::uint32_t k = L.begin[r];
+    const std::uint32_t e = L.end[r];
+    for (; k + 8 <= e; k += 8) {
+      __m256 part[8];
+      for (std::uint32_t j = 0; j < 8; ++j) part[j] = step(k + j, e);
+      if constexpr (kWeight) leave_sums8(sums, p, k, hsum8(part));
     }
-    if constexpr (kWeight) batch.flush();
+    if (k < e) {
+      __m256 part[8];
+      const auto n = static_cast<int>(e - k);
+      for (int j = 0; j < 8; ++j) part[j] = j < n ? step(k + j, e) : _mm256_setzero_ps();
+      if constexpr (kWeight) {
+        alignas(32) float each[8];
+        _mm256_store_ps(each, hsum8(part));
+        for (int j = 0; j < n; ++j) leave_sum(sums, p, k + j, each[j]);
+      }
+    }
     if constexpr (kData) {
       float* out = dx + r * dxs;
       for (int v = 0; v < NV; ++v) store<NV, kTail>(out, v, acc[v], tail);
