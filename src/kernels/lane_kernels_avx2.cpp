@@ -220,7 +220,9 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
       __m256 dot = _mm256_setzero_ps();
       if constexpr (kWeight) {
         dot = _mm256_mul_ps(dv[0], load<NV, kTail>(row, 0, tail));
-        for (int v = 1; v < NV; ++v) dot = _mm256_fmadd_ps(dv[v], load<NV, kTail>(row, v, tail), dot);
+        for (int v = 1; v < NV; ++v) {
+          dot = _mm256_fmadd_ps(dv[v], load<NV, kTail>(row, v, tail), dot);
+        }
       }
       return dot;
     };
