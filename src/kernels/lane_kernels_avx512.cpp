@@ -217,8 +217,12 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
                     std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
                     __mmask16 tail) {
   const PacketT* p = L.packets;
-  // Packets per line of the stream: it is asked for once per line, well ahead.
-  constexpr std::uint32_t kPerLine = 64 / sizeof(PacketT);
+  auto prefetch_rows = [&](std::uint32_t k) __attribute__((always_inline)) {
+    const float* next = row_of(dy, index_of(p[k]), dys);
+    for (int v = 0; v < NV; v += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
+    }
+  };
   for (std::int64_t r = 0; r < L.runs; ++r) {
     __m512 xv[NV];
     if constexpr (kWeight) {
@@ -230,14 +234,8 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
     const std::uint32_t e = L.end[r];
     // One packet: its dY row gathered once, for dX (into set a or b) and for its dot.
+    // The caller asks for the rows and the stream ahead.
     auto packet = [&](std::uint32_t k, __m512* acc) __attribute__((always_inline)) {
-      if (k % kPerLine == 0) prefetch_stream(p + k + kStreamAhead);
-      if (k + kPrefetch < e) {
-        const float* next = row_of(dy, index_of(p[k + kPrefetch]), dys);
-        for (int v = 0; v < NV; v += 4) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
-        }
-      }
       const float* d = row_of(dy, index_of(p[k]), dys);
       __m512 dv[NV];
       for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
@@ -253,15 +251,24 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     };
     // Packets go to a and b in turn, each named at compile time: an accumulator picked at
     // run time would live in memory (the dX pass then ran 1.5x the forward's time).
+    // Each pair's dots are folded as soon as both are done (fold_pair), so four vectors
+    // wait for the reduction, not eight: with X's row, both sets and the gathered row,
+    // eight would not fit the 32 zmm and went to the stack every step.
     std::uint32_t k = L.begin[r];
     __m512 part[8];
     for (; k + 8 <= e; k += 8) {
+      // Once per step, not per packet: the checks cost more issue slots than the
+      // prefetches they save. Near the run's end its last row is asked for again.
+      prefetch_stream(p + k + kStreamAhead);
+      for (std::uint32_t j = 0; j < 8; ++j) prefetch_rows(std::min(k + j + kPrefetch, e - 1));
+      __m512 pairs[4];
       [&]<unsigned... J>(std::integer_sequence<unsigned, J...>) {
-        ((part[2 * J] = packet(k + 2 * J, a), part[2 * J + 1] = packet(k + 2 * J + 1, b)), ...);
+        ((pairs[J] = fold_pair(packet(k + 2 * J, a), packet(k + 2 * J + 1, b))), ...);
       }(std::make_integer_sequence<unsigned, 4>{});
-      if constexpr (kWeight) add_sums(sums, p, k, part, 8);
+      if constexpr (kWeight) add_folded_sums(sums, p, k, fold_pairs(pairs), 8);
     }
     if (k < e) {
+      prefetch_stream(p + k + kStreamAhead);
       const unsigned n = e - k;
       unsigned j = 0;
       for (; j + 2 <= n; j += 2) {

@@ -19,17 +19,15 @@ namespace sluice::detail {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
-/// Eight dot products' partial sums folded to their totals: 128-bit block i of the result
-/// is [sum v[i], sum v[i], sum v[4 + i], sum v[4 + i]]. Each step folds pairs of vectors
-/// into one, so eight reductions cost 16 shuffles and 8 adds together: about a third of
-/// reducing each alone, and the weight gradient needs one per non-zero per token group.
-[[gnu::target("avx512f")]] inline __m512 fold8(const __m512* v) {
-  __m512 h[4];
-  for (int j = 0; j < 4; ++j) {
-    const __m512 a = v[2 * j], b = v[2 * j + 1];
-    // [a.lo + a.hi, b.lo + b.hi] (256-bit halves): 8 partials of a, then 8 of b.
-    h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
+/// The first step of fold8 on one pair of vectors: [a.lo + a.hi, b.lo + b.hi] (256-bit
+/// halves), 8 partials of a, then 8 of b. A kernel may take it as each pair is done, so
+/// four vectors wait for the rest of the reduction instead of eight.
+[[gnu::target("avx512f")]] inline __m512 fold_pair(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+
+/// The rest of fold8, from the four fold_pair results of v[0, 1], ..., v[6, 7].
+[[gnu::target("avx512f")]] inline __m512 fold_pairs(const __m512* h) {
   __m512 q[2];
   for (int j = 0; j < 2; ++j) {
     const __m512 a = h[2 * j], b = h[2 * j + 1];
@@ -40,6 +38,16 @@ namespace sluice::detail {
   const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm512_add_ps(r, _mm512_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+/// Eight dot products' partial sums folded to their totals: 128-bit block i of the result
+/// is [sum v[i], sum v[i], sum v[4 + i], sum v[4 + i]]. Each step folds pairs of vectors
+/// into one, so eight reductions cost 16 shuffles and 8 adds together: about a third of
+/// reducing each alone, and the weight gradient needs one per non-zero per token group.
+[[gnu::target("avx512f")]] inline __m512 fold8(const __m512* v) {
+  const __m512 h[4] = {fold_pair(v[0], v[1]), fold_pair(v[2], v[3]), fold_pair(v[4], v[5]),
+                       fold_pair(v[6], v[7])};
+  return fold_pairs(h);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
@@ -56,13 +64,13 @@ namespace sluice::detail {
   return _mm512_castsi512_ps(_mm512_cvtepu32_epi64(index));
 }
 
-/// Leaves the sums of part[0, n) (n <= 8; the rest are read, their sums dropped) for
-/// packets k, ..., k + n - 1 as `g` says, as leave_sum does for one.
+/// Leaves the totals `folded` (as fold8 leaves them) of packets k, ..., k + n - 1 (n <= 8)
+/// as `g` says, as leave_sum does for one.
 template <typename PacketT>
-[[gnu::target("avx512f,avx512vl")]] inline void add_sums(const GradientSums& g,
-                                                         const PacketT* packets, std::uint32_t k,
-                                                         const __m512* part, unsigned n) {
-  const __m512 folded = fold8(part);
+[[gnu::target("avx512f,avx512vl")]] inline void add_folded_sums(const GradientSums& g,
+                                                                const PacketT* packets,
+                                                                std::uint32_t k, __m512 folded,
+                                                                unsigned n) {
   const auto m8 = static_cast<__mmask8>((1U << n) - 1U);
   if (g.out == nullptr) {
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -82,6 +90,15 @@ template <typename PacketT>
   const auto m16 = static_cast<__mmask16>((1U << (2 * n)) - 1U);
   const __m512 tags = tags_of8(packets + k, n);
   _mm512_mask_storeu_ps(g.out + k, m16, _mm512_mask_blend_ps(0xAAAA, tags, sums));
+}
+
+/// Leaves the sums of part[0, n) (n <= 8; the rest are read, their sums dropped) for
+/// packets k, ..., k + n - 1 as `g` says, as leave_sum does for one.
+template <typename PacketT>
+[[gnu::target("avx512f,avx512vl")]] inline void add_sums(const GradientSums& g,
+                                                         const PacketT* packets, std::uint32_t k,
+                                                         const __m512* part, unsigned n) {
+  add_folded_sums(g, packets, k, fold8(part), n);
 }
 
 /// For every packet k of a run [begin, end): its dot product's 16 partial sums,
