@@ -205,11 +205,7 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     __m256 acc[NV];
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
     // One packet: dX accumulated, and its dot product's partials returned.
-    auto step = [&](std::uint32_t k, std::uint32_t e) {
-      if (k + kPrefetch < e) {
-        _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[k + kPrefetch]), dys)),
-                     _MM_HINT_T0);
-      }
+    auto step = [&](std::uint32_t k) {
       const float* d = row_of(dy, index_of(p[k]), dys);
       __m256 dv[NV];
       for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
@@ -229,14 +225,21 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
     for (; k + 8 <= e; k += 8) {
+      // The rows ahead asked for once per step, not checked per packet (near the run's
+      // end its last row is asked for again), as in the AVX-512 kernel.
+      for (std::uint32_t j = 0; j < 8; ++j) {
+        const std::uint32_t ahead = std::min(k + j + kPrefetch, e - 1);
+        _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[ahead]), dys)),
+                     _MM_HINT_T0);
+      }
       __m256 part[8];
-      for (std::uint32_t j = 0; j < 8; ++j) part[j] = step(k + j, e);
+      for (std::uint32_t j = 0; j < 8; ++j) part[j] = step(k + j);
       if constexpr (kWeight) leave_sums8(sums, p, k, hsum8(part));
     }
     if (k < e) {
       __m256 part[8];
       const auto n = static_cast<int>(e - k);
-      for (int j = 0; j < 8; ++j) part[j] = j < n ? step(k + j, e) : _mm256_setzero_ps();
+      for (int j = 0; j < 8; ++j) part[j] = j < n ? step(k + j) : _mm256_setzero_ps();
       if constexpr (kWeight) {
         alignas(32) float each[8];
         _mm256_store_ps(each, hsum8(part));
