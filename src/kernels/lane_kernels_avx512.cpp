@@ -18,7 +18,6 @@
 #endif
 
 #include <algorithm>
-#include <utility>
 
 #include "kernels/lane_kernels.hpp"
 #include "kernels/reduce8.hpp"
@@ -235,7 +234,7 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     const std::uint32_t e = L.end[r];
     // One packet: its dY row gathered once, for dX (into set a or b) and for its dot.
     // The caller asks for the rows and the stream ahead.
-    auto packet = [&](std::uint32_t k, __m512* acc) __attribute__((always_inline)) {
+    auto packet = [&](std::uint32_t k, __m512 acc[NV]) __attribute__((always_inline)) {
       const float* d = row_of(dy, index_of(p[k]), dys);
       __m512 dv[NV];
       for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
@@ -255,32 +254,27 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     // wait for the reduction, not eight: with X's row, both sets and the gathered row,
     // eight would not fit the 32 zmm and went to the stack every step.
     std::uint32_t k = L.begin[r];
-    __m512 part[8];
     for (; k + 8 <= e; k += 8) {
       // Once per step, not per packet: the checks cost more issue slots than the
       // prefetches they save. Near the run's end its last row is asked for again.
       prefetch_stream(p + k + kStreamAhead);
       for (std::uint32_t j = 0; j < 8; ++j) prefetch_rows(std::min(k + j + kPrefetch, e - 1));
-      __m512 pairs[4];
-      [&]<unsigned... J>(std::integer_sequence<unsigned, J...>) {
-        ((pairs[J] = fold_pair(packet(k + 2 * J, a), packet(k + 2 * J + 1, b))), ...);
-      }(std::make_integer_sequence<unsigned, 4>{});
+      const __m512 pairs[4] = {fold_pair(packet(k, a), packet(k + 1, b)),
+                               fold_pair(packet(k + 2, a), packet(k + 3, b)),
+                               fold_pair(packet(k + 4, a), packet(k + 5, b)),
+                               fold_pair(packet(k + 6, a), packet(k + 7, b))};
       if constexpr (kWeight) add_folded_sums(sums, p, k, fold_pairs(pairs), 8);
     }
     if (k < e) {
       prefetch_stream(p + k + kStreamAhead);
-      const unsigned n = e - k;
-      unsigned j = 0;
-      for (; j + 2 <= n; j += 2) {
-        part[j] = packet(k + j, a);
-        part[j + 1] = packet(k + j + 1, b);
+      const unsigned n = e - k;  // 1..7: the missing packets' dots are zeros
+      const __m512 zero = _mm512_setzero_ps();
+      __m512 pairs[4];
+      for (unsigned j = 0; j < 8; j += 2) {
+        pairs[j / 2] =
+            fold_pair(j < n ? packet(k + j, a) : zero, j + 1 < n ? packet(k + j + 1, b) : zero);
       }
-      if (j < n) {
-        part[j] = packet(k + j, a);
-        ++j;
-      }
-      for (; j < 8; ++j) part[j] = _mm512_setzero_ps();
-      if constexpr (kWeight) add_sums(sums, p, k, part, n);
+      if constexpr (kWeight) add_folded_sums(sums, p, k, fold_pairs(pairs), n);
     }
     if constexpr (kData) {
       float* out = dx + r * dxs;
