@@ -603,14 +603,18 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const StreamHeader header = weights.header();
   const bool want_grad = x != nullptr;
   // By output, the lanes hold rows of dX or X, the stream's tags; by input, one lane holds
-  // all of dY, the stream's tags again, and walks the input features as the runs.
+  // all of dY, the stream's tags again, and walks the input features as the runs. A bf16
+  // layer holds what it packs in bf16: X by output, dY by input (halving the bytes each
+  // weight gathers; dX, X and every sum stay fp32).
   const bool by_input = header.by_input();
   const std::int64_t tags = header.inputs;
   const Placement one_lane = by_input ? Placement::single_lane(tags) : Placement{};
   const Placement& lanes_of = by_input ? one_lane : placement;
   const std::int32_t P = lanes_of.lanes;
+  const bool packs_dy = by_input && packs_tiles(1, header.nnz, tags);
   const Holding holding =
-      by_input ? Holding{packs_tiles(1, header.nnz, tags), false, false} : holding_for(P, header);
+      by_input ? Holding{packs_dy, packs_dy && header.precision == Precision::bf16, false}
+               : holding_for(P, header);
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
   // dX accumulates in an fp32 tile; X is held as holding_for says for dW.
   const TokenTiling data_tiling =
@@ -790,10 +794,14 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
           const auto t_start = Clock::now();
           for (std::size_t c = c_begin; c < c_end && direct && want_grad; ++c) write_controls(c);
           ResidentTile resident;
-          if (pack) resident.resize(layout.rows[0].size(), tiling.tile);
+          if (pack) resident.resize(layout.rows[0].size(), tiling.tile, holding.precision());
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
             const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
-            if (pack) resident.load(layout.rows[0], dy.data, dy.stride, t0, width);
+            if (bf16) {
+              resident.load_bf16(layout.rows[0], dy.data, dy.stride, t0, width, *m.bf16_kernels);
+            } else if (pack) {
+              resident.load(layout.rows[0], dy.data, dy.stride, t0, width);
+            }
             const Tile dy_tile = pack ? resident.tile() : Tile{dy.data + t0, dy.stride};
             for (std::size_t c = c_begin; c < c_end; ++c) {
               const std::int64_t first = chunks[c].chunk->first_output;  // an input feature
@@ -802,7 +810,11 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
               const MutableTile dx_rows =
                   dx != nullptr ? MutableTile{dx->row(first) + t0, dx->stride} : MutableTile{};
               const detail::GradientSums sums = sums_of(tiling, 0, q, c, t);
-              if (header.precision == Precision::bf16) {
+              if (bf16) {
+                m.bf16_kernels->backward_by_input_held(chunks[c].runs<Bf16Packet>(0),
+                                                       resident.bf16_tile(), x_rows, dx_rows, sums,
+                                                       width);
+              } else if (header.precision == Precision::bf16) {
                 m.bf16_kernels->backward_by_input(chunks[c].runs<Bf16Packet>(0), dy_tile, x_rows,
                                                   dx_rows, sums, width);
               } else {

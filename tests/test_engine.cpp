@@ -74,20 +74,25 @@ void expect_laid_out_as(const WeightStream& weights, const WeightStream& grad) {
   }
 }
 
-// The backward from the layer's transpose (a stream by input): one lane holds dY and reads
-// X in place, in fp32 whatever the stream's precision, so dW is checked against X as it is.
+// The backward from the layer's transpose (a stream by input): one lane holds dY, in bf16
+// for a bf16 layer where it packs the rows (else read in place, in fp32), and reads X in
+// place, in fp32 whatever the stream's precision, so dW is checked against X as it is.
 // Both gradients together, each alone, and from the mask alone.
 void check_backward_by_input(CpuEngine& engine, const Case& c, const CsrMatrix& w,
-                             const DenseMatrix& x, const DenseMatrix& dy,
+                             const DenseMatrix& x, const DenseMatrix& dy_given,
                              const Placement& placement, std::size_t chunk, Precision precision) {
   SCOPED_TRACE("by input");
-  const CsrMatrix w_ref = precision == Precision::bf16 ? testing::rounded_to_bf16(w) : w;
+  const bool bf16 = precision == Precision::bf16;
+  const CsrMatrix w_ref = bf16 ? testing::rounded_to_bf16(w) : w;
+  // The engine gets dY as given; the reference takes it as held.
+  const DenseMatrix dy_held = testing::rounded_to_bf16(dy_given.view());
+  const DenseMatrix& dy = bf16 && CpuEngine::packs_tiles(1, w.nnz(), c.out) ? dy_held : dy_given;
   const WeightStream stream =
       encode_stream(w, StreamKind::weights, chunk, precision, StreamOrder::by_input);
   DenseMatrix dx(c.in, c.tokens);
   dx.fill(NAN);  // every element must be written
   MutableMatrixView dx_view = dx.view();
-  const WeightStream grad = engine.backward(stream, placement, x.view(), dy.view(), &dx_view);
+  const WeightStream grad = engine.backward(stream, placement, x.view(), dy_given.view(), &dx_view);
   EXPECT_LE(backward_data_error(w_ref, dy.view(), dx.view()), kTolerance);
   ASSERT_EQ(grad.header.kind, StreamKind::gradient);
   EXPECT_EQ(grad.header.order, StreamOrder::by_input);
@@ -100,11 +105,11 @@ void check_backward_by_input(CpuEngine& engine, const Case& c, const CsrMatrix& 
 
   DenseMatrix dx_alone(c.in, c.tokens);
   dx_alone.fill(NAN);
-  engine.backward_data(stream, placement, dy.view(), dx_alone.view());
+  engine.backward_data(stream, placement, dy_given.view(), dx_alone.view());
   EXPECT_LE(backward_data_error(w_ref, dy.view(), dx_alone.view()), kTolerance);
   const WeightStream mask =
       encode_stream(w, StreamKind::mask, chunk, precision, StreamOrder::by_input);
-  const WeightStream g_mask = engine.backward(mask, placement, x.view(), dy.view(), nullptr);
+  const WeightStream g_mask = engine.backward(mask, placement, x.view(), dy_given.view(), nullptr);
   EXPECT_LE(backward_weight_error(w, dy.view(), x.view(), csr_gradient(g_mask)), kTolerance);
 }
 

@@ -1,6 +1,7 @@
 // The by-input backward kernel of every ISA, called directly against a float64 reference:
-// both gradients, each alone, every GradientSums mode, any token count, and nothing
-// written past a row's tokens. (The engine's tests run it through whole products.)
+// both gradients, each alone, every GradientSums mode, any token count, dY in fp32 or
+// held in bf16, and nothing written past a row's tokens. (The engine's tests run it
+// through whole products.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -60,15 +61,45 @@ std::vector<float> random_rows(std::int64_t rows, std::int64_t stride, std::mt19
   return m;
 }
 
-template <typename PacketT>
-void check(Isa isa, ByInputKernel<PacketT> kernel, std::int64_t tokens, bool data, bool weight) {
+/// dY as a kernel reads it: fp32 rows as they are (Tile), or (Bf16Tile) rows packed by the
+/// ISA's bf16 table, padded to whole 32-token blocks and then some; `dy` is rounded to
+/// what the kernel holds, for the reference.
+template <typename DyTile>
+struct HeldDy {
+  std::vector<std::uint16_t> bits;
+  DyTile tile;
+
+  HeldDy(Isa isa, std::vector<float>& dy, std::int64_t rows, std::int64_t stride,
+         std::int64_t tokens) {
+    if constexpr (std::is_same_v<DyTile, Tile>) {
+      tile = {dy.data(), stride};
+    } else {
+      const std::int64_t padded = (tokens + kBf16RowAlign - 1) / kBf16RowAlign * kBf16RowAlign;
+      const std::int64_t held_stride = padded + kBf16RowAlign;
+      bits.assign(static_cast<std::size_t>(rows * held_stride), 0xFFFF);  // NaN past rows
+      for (std::int64_t r = 0; r < rows; ++r) {
+        float* row = dy.data() + r * stride;
+        bf16_lane_kernels(isa).pack(row, bits.data() + r * held_stride, tokens, padded);
+        for (std::int64_t t = 0; t < tokens; ++t) row[t] = round_to_bf16(row[t]);
+      }
+      tile = {bits.data(), held_stride};
+    }
+  }
+};
+
+template <typename PacketT, typename DyTile = Tile>
+void check(Isa isa, ByInputKernel<PacketT, DyTile> kernel, std::int64_t tokens, bool data,
+           bool weight) {
+  constexpr bool held = std::is_same_v<DyTile, Bf16Tile>;
   SCOPED_TRACE(std::string(to_string(isa)) + (sizeof(PacketT) == 4 ? " bf16" : " fp32") +
-               " tokens=" + std::to_string(tokens) + (data ? " dX" : "") + (weight ? " dW" : ""));
+               (held ? " dY held in bf16" : "") + " tokens=" + std::to_string(tokens) +
+               (data ? " dX" : "") + (weight ? " dW" : ""));
   std::mt19937 rng(static_cast<std::uint32_t>(tokens * 7 + (data ? 1 : 0) + (weight ? 2 : 0)));
   const RunsData<PacketT> runs(/*tags=*/90, rng);
   const std::int64_t stride = tokens + kPad;
   const std::int64_t run_count = static_cast<std::int64_t>(runs.begin.size());
-  const std::vector<float> dy = random_rows(runs.tags, stride, rng);
+  std::vector<float> dy = random_rows(runs.tags, stride, rng);
+  const HeldDy<DyTile> held_dy(isa, dy, runs.tags, stride, tokens);
   const std::vector<float> x = random_rows(run_count, stride, rng);
   std::vector<float> dx(static_cast<std::size_t>(run_count * stride), kSentinel);
   const std::size_t n = runs.packets.size();
@@ -76,7 +107,7 @@ void check(Isa isa, ByInputKernel<PacketT> kernel, std::int64_t tokens, bool dat
   // to them and sends the totals out as gradient packets.
   std::vector<float> partial(n, kSentinel);
   std::vector<Packet> out(n, Packet{0, kSentinel});
-  const Tile dy_tile{dy.data(), stride};
+  const DyTile dy_tile = held_dy.tile;
   const Tile x_tile{weight ? x.data() : nullptr, stride};
   const MutableTile dx_tile{data ? dx.data() : nullptr, stride};
   kernel(runs.runs(), dy_tile, x_tile, dx_tile, GradientSums{partial.data(), nullptr, true},
@@ -133,6 +164,8 @@ TEST_P(LaneKernelsByIsa, ByInputMatchesReference) {
       check<Packet>(GetParam(), lane_kernels(GetParam()).backward_by_input, tokens, data, weight);
       check<Bf16Packet>(GetParam(), bf16_lane_kernels(GetParam()).backward_by_input, tokens, data,
                         weight);
+      check<Bf16Packet, Bf16Tile>(GetParam(), bf16_lane_kernels(GetParam()).backward_by_input_held,
+                                  tokens, data, weight);
     }
   }
 }

@@ -85,14 +85,16 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   const CsrMatrix& w_ref = bf16 ? w_held : w;
   const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
   const ConstMatrixView x_ref = x_in_bf16 ? x_held.view() : x.view();
-  // By input the lane holds dY and reads X in place, in fp32.
-  const ConstMatrixView x_ref_bwd = o.backward_order == "by_input" ? x.view() : x_ref;
+  // By input the lane holds dY (in bf16 where it packs the rows) and reads X in place, in
+  // fp32.
+  const bool by_input = o.backward_order == "by_input";
+  const ConstMatrixView x_ref_bwd = by_input ? x.view() : x_ref;
+  const bool dy_in_bf16 = bf16 && by_input && CpuEngine::packs_tiles(1, w.nnz(), w.rows());
 
   // Preparing the layer (planning + encoding the streams) happens in ModelMemory, so it is
   // reported apart from the products. The backward reads the layer by input, as training
   // does (`--backward-order by_output`: the wafer's own order, dX scattered).
-  const StreamOrder backward_order =
-      o.backward_order == "by_output" ? StreamOrder::by_output : StreamOrder::by_input;
+  const StreamOrder backward_order = by_input ? StreamOrder::by_input : StreamOrder::by_output;
   WeightStream stream, backward_stream;
   Placement placement;
   r.prepare_ms =
@@ -124,9 +126,8 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   if (o.backward) {
     // Both gradients, as a training step takes them; dX alone; dW alone from the mask, as
     // the first layer takes it.
-    products.emplace_back([&] {
-      grad = engine.backward(backward_stream, placement, x.view(), dy.view(), &dx_view);
-    });
+    products.emplace_back(
+        [&] { grad = engine.backward(backward_stream, placement, x.view(), dy.view(), &dx_view); });
     products.emplace_back(
         [&] { engine.backward_data(backward_stream, placement, dy.view(), dx_view); });
     products.emplace_back([&] { engine.backward(mask, placement, x.view(), dy.view(), nullptr); });
@@ -155,9 +156,11 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
                   },
                   o.repeat);
     if (o.check) {
+      const DenseMatrix dy_held = dy_in_bf16 ? testing::rounded_to_bf16(dy.view()) : DenseMatrix();
+      const ConstMatrixView dy_ref = dy_in_bf16 ? dy_held.view() : dy.view();
       r.max_rel_error_bwd = std::max(
-          testing::backward_data_error(w_ref, dy.view(), dx.view()),
-          testing::backward_weight_error(w, dy.view(), x_ref_bwd, testing::csr_gradient(grad)));
+          testing::backward_data_error(w_ref, dy_ref, dx.view()),
+          testing::backward_weight_error(w, dy_ref, x_ref_bwd, testing::csr_gradient(grad)));
     }
   }
   return r;

@@ -1,12 +1,20 @@
 // The reference by-input backward kernel (see ByInputKernel): plain loops, every sum in
-// fp32 in token order. The AVX2 and AVX-512 variants are tested against it.
+// fp32 in token order, dY widened exactly where it is held in bf16 (in token order in
+// this table's tiles). The AVX2 and AVX-512 variants are tested against it.
 #include "kernels/lane_kernels.hpp"
 
 namespace sluice::detail {
 namespace {
 
-template <typename PacketT>
-void by_input(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+inline float widen(float v) {
+  return v;
+}
+inline float widen(std::uint16_t v) {
+  return from_bf16(v);
+}
+
+template <typename PacketT, typename DyTile>
+void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
   for (std::int64_t r = 0; r < L.runs; ++r) {
     float* out = dx.data != nullptr ? dx.data + r * dx.stride : nullptr;
@@ -15,14 +23,14 @@ void by_input(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx, const Gra
       for (std::int64_t t = 0; t < tokens; ++t) out[t] = 0.0F;
     }
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
-      const float* d = dy.data + static_cast<std::int64_t>(tag_of(L.packets[k])) * dy.stride;
+      const auto* d = dy.data + static_cast<std::int64_t>(tag_of(L.packets[k])) * dy.stride;
       if (out != nullptr) {
         const float w = value_of(L.packets[k]);
-        for (std::int64_t t = 0; t < tokens; ++t) out[t] += w * d[t];
+        for (std::int64_t t = 0; t < tokens; ++t) out[t] += w * widen(d[t]);
       }
       if (in != nullptr) {
         float sum = 0.0F;
-        for (std::int64_t t = 0; t < tokens; ++t) sum += in[t] * d[t];
+        for (std::int64_t t = 0; t < tokens; ++t) sum += in[t] * widen(d[t]);
         leave_sum(sums, L.packets, k, sum);
       }
     }
@@ -36,6 +44,10 @@ void by_input_scalar(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
   by_input(runs, dy, x, dx, sums, tokens);
 }
 void by_input_scalar(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
+void by_input_scalar(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens) {
   by_input(runs, dy, x, dx, sums, tokens);
 }

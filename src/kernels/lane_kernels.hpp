@@ -74,8 +74,9 @@ inline void leave_sum(const GradientSums& g, const PacketT* packets, std::uint32
 ///   s_k = dot(x[r, :], dy[tag_k, :])        (left as `sums` says; skipped if x.data is null)
 /// One gather of each dY row serves both products: the data gradient becomes a sum kept
 /// in registers, not a read-modify-write of a dX row per weight.
-template <typename PacketT>
-using ByInputKernel = void (*)(const Runs<PacketT>& runs, Tile dy, Tile x, MutableTile dx,
+/// DyTile: Tile, or Bf16Tile where dY is held in bf16 (half the bytes gathered per weight).
+template <typename PacketT, typename DyTile = Tile>
+using ByInputKernel = void (*)(const Runs<PacketT>& runs, DyTile dy, Tile x, MutableTile dx,
                                const GradientSums& sums, std::int64_t tokens);
 
 /// Calls run.template operator()<kData, kWeight>() for the products a by-input call asks
@@ -114,6 +115,9 @@ struct Bf16LaneKernels {
   void (*pack)(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t padded);
   /// As LaneKernels::backward_by_input, the weights widened from bf16 (dY, X, dX in fp32).
   ByInputKernel<Bf16Packet> backward_by_input;
+  /// The same with dY held in bf16 in the resident tile (this table's token order, as
+  /// `pack` writes it), widened exactly; X and dX in fp32.
+  ByInputKernel<Bf16Packet, Bf16Tile> backward_by_input_held;
 };
 
 const LaneKernels& lane_kernels(Isa isa);
@@ -124,13 +128,19 @@ void by_input_scalar(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 void by_input_scalar(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
+void by_input_scalar(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens);
 void by_input_avx2(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
                    std::int64_t tokens);
 void by_input_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                    const GradientSums& sums, std::int64_t tokens);
+void by_input_avx2(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
+                   const GradientSums& sums, std::int64_t tokens);
 void by_input_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens);
+void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 
 extern const LaneKernels kScalarKernels;

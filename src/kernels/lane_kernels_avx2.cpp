@@ -30,6 +30,24 @@ inline __m256 load(const float* p, int v, __m256i tail) {
 }
 
 // A masked store is microcoded and slow on AMD cores, so it is kept to partial vectors.
+/// A gathered dY row's NV vectors, from fp32 rows.
+template <int NV, bool kTail>
+inline void load_row(const float* row, __m256 dv[NV], __m256i tail) {
+  for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
+}
+/// ... from bf16 rows in the bf16 kernels' order (lane_kernels_bf16_avx2.cpp: word j of a
+/// 16-token block holds token j in its high half, token 8 + j in its low half), widened
+/// exactly. Rows are padded with zeros to whole blocks, so no load is masked.
+template <int NV, bool kTail>
+inline void load_row(const std::uint16_t* row, __m256 dv[NV], __m256i /*tail*/) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000U));
+  for (int v = 0; v < NV; v += 2) {
+    const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8 * v));
+    dv[v] = _mm256_castsi256_ps(_mm256_and_si256(block, high));
+    if (v + 1 < NV) dv[v + 1] = _mm256_castsi256_ps(_mm256_slli_epi32(block, 16));
+  }
+}
+
 template <int NV, bool kTail>
 inline void store(float* p, int v, __m256 value, __m256i tail) {
   if (kTail && v == NV - 1) {
@@ -39,7 +57,8 @@ inline void store(float* p, int v, __m256 value, __m256i tail) {
   }
 }
 
-inline const float* row_of(const float* base, std::uint32_t tag, std::int64_t stride) {
+template <typename T>
+inline const T* row_of(const T* base, std::uint32_t tag, std::int64_t stride) {
   return base + static_cast<std::int64_t>(tag) * stride;
 }
 
@@ -191,9 +210,10 @@ inline std::uint32_t index_of(const Bf16Packet& p) {
 /// ports outlast the FMA latency of one set) and each dY row is gathered once for both
 /// products. Eight packets go per step, their dot products' partials in registers and
 /// reduced together; X's row is read from L1 beside them, since with the partials, the
-/// accumulators and the gathered row there is no register left to hold it.
-template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT>
-void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, const float* x,
+/// accumulators and the gathered row there is no register left to hold it. DyT: float, or
+/// bf16 bits where dY is held in bf16.
+template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT, typename DyT>
+void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, const float* x,
                     std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
                     __m256i tail) {
   const PacketT* p = L.packets;
@@ -206,9 +226,8 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
     // One packet: dX accumulated, and its dot product's partials returned.
     auto step = [&](std::uint32_t k) {
-      const float* d = row_of(dy, index_of(p[k]), dys);
       __m256 dv[NV];
-      for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+      load_row<NV, kTail>(row_of(dy, index_of(p[k]), dys), dv, tail);
       if constexpr (kData) {
         const __m256 w = _mm256_set1_ps(value_of(p[k]));
         for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, dv[v], acc[v]);
@@ -303,8 +322,8 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
   });
 }
 
-template <typename PacketT>
-void by_input(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+template <typename PacketT, typename DyTile>
+void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
   constexpr std::int64_t kGroup = 8 * 4;  // tokens per group of for_each_group<4>
   with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
@@ -324,6 +343,10 @@ void by_input_avx2(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx, const 
   by_input(runs, dy, x, dx, sums, tokens);
 }
 void by_input_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                   const GradientSums& sums, std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
+void by_input_avx2(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                    const GradientSums& sums, std::int64_t tokens) {
   by_input(runs, dy, x, dx, sums, tokens);
 }

@@ -34,7 +34,8 @@ inline __mmask16 tail_mask(std::int64_t width) {
   return static_cast<__mmask16>((1U << rem) - 1U);
 }
 
-inline const float* row_of(const float* base, std::uint32_t tag, std::int64_t stride) {
+template <typename T>
+inline const T* row_of(const T* base, std::uint32_t tag, std::int64_t stride) {
   return base + static_cast<std::int64_t>(tag) * stride;
 }
 
@@ -56,6 +57,24 @@ template <int NV, bool kTail>
 inline __m512 load(const float* p, int v, __mmask16 tail) {
   return kTail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, p + 16 * v)
                               : _mm512_loadu_ps(p + 16 * v);
+}
+
+/// A gathered dY row's NV vectors, from fp32 rows.
+template <int NV, bool kTail>
+inline void load_row(const float* row, __m512 dv[NV], __mmask16 tail) {
+  for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
+}
+/// ... from bf16 rows in the bf16 kernels' order (lane_kernels_bf16_avx512.cpp: word j of
+/// a 32-token block holds token j in its high half, token 16 + j in its low half), widened
+/// exactly. Rows are padded with zeros to whole blocks, so no load is masked.
+template <int NV, bool kTail>
+inline void load_row(const std::uint16_t* row, __m512 dv[NV], __mmask16 /*tail*/) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
+  for (int v = 0; v < NV; v += 2) {
+    const __m512i block = _mm512_loadu_si512(row + 16 * v);
+    dv[v] = _mm512_castsi512_ps(_mm512_and_si512(block, high));
+    if (v + 1 < NV) dv[v + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(block, 16));
+  }
 }
 
 template <int NV, bool kTail>
@@ -209,18 +228,17 @@ inline std::uint32_t index_of(const Bf16Packet& p) {
 
 /// The backward of a stream by input (see ByInputKernel) on one group of tokens. Per run,
 /// X's row (for the weight gradient) and two accumulator sets (for dX, hiding the FMA
-/// latency) stay in registers while the run's dY rows are gathered from the resident tile,
-/// each once for both products; the weights' dot products are reduced eight at a time.
-template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT>
-void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, const float* x,
+/// latency) stay in registers while the run's dY rows (DyT: float, or bf16 bits) are
+/// gathered from the resident tile, each once for both products; the weights' dot
+/// products are reduced eight at a time.
+template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT, typename DyT>
+void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, const float* x,
                     std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
                     __mmask16 tail) {
   const PacketT* p = L.packets;
   auto prefetch_rows = [&](std::uint32_t k) __attribute__((always_inline)) {
-    const float* next = row_of(dy, index_of(p[k]), dys);
-    for (int v = 0; v < NV; v += 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
-    }
+    // The row's first line (a group is at most four vectors; see the top of the file).
+    _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[k]), dys)), _MM_HINT_T0);
   };
   for (std::int64_t r = 0; r < L.runs; ++r) {
     __m512 xv[NV];
@@ -235,9 +253,8 @@ void by_input_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys, c
     // One packet: its dY row gathered once, for dX (into set a or b) and for its dot.
     // The caller asks for the rows and the stream ahead.
     auto packet = [&](std::uint32_t k, __m512 acc[NV]) __attribute__((always_inline)) {
-      const float* d = row_of(dy, index_of(p[k]), dys);
       __m512 dv[NV];
-      for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+      load_row<NV, kTail>(row_of(dy, index_of(p[k]), dys), dv, tail);
       if constexpr (kData) {
         const __m512 w = _mm512_set1_ps(value_of(p[k]));
         for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(w, dv[v], acc[v]);
@@ -335,8 +352,8 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
   });
 }
 
-template <typename PacketT>
-void by_input(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
+template <typename PacketT, typename DyTile>
+void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
   with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
     for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
@@ -355,6 +372,10 @@ void by_input_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
   by_input(runs, dy, x, dx, sums, tokens);
 }
 void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                     const GradientSums& sums, std::int64_t tokens) {
+  by_input(runs, dy, x, dx, sums, tokens);
+}
+void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens) {
   by_input(runs, dy, x, dx, sums, tokens);
 }
