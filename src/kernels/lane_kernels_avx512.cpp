@@ -1,7 +1,8 @@
 // AVX-512 lane kernels. A token tile is handled in groups of up to 64 tokens (four
-// zmm registers); the accumulators stay in registers for a whole output, and two
-// independent sets of them hide the FMA latency. The last vector of a group is masked,
-// so any token count works and nothing past a row's end is touched.
+// zmm registers; 128 in the by-input backward from a bf16 dY); the accumulators stay in
+// registers for a whole output, and two independent sets of them hide the FMA latency.
+// The last vector of a group is masked, so any token count works and nothing past a
+// row's end is touched.
 //
 // Prefetching, as measured on Zen 5 with a 64-token tile filling the 1 MiB L2: each
 // packet's row is asked for kPrefetch packets ahead, its first line only (asking for
@@ -18,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/lane_kernels.hpp"
 #include "kernels/reduce8.hpp"
@@ -247,8 +249,15 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
       for (int v = 0; v < NV; ++v) xv[v] = load<NV, kTail>(row, v, tail);
       if (r + 1 < L.runs) prefetch_row<NV>(row + xs);  // read once per tile, in order
     }
-    __m512 a[NV], b[NV];
-    for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
+    // Two accumulator sets hide the FMA latency for up to four vectors; more vectors are
+    // enough chains in one set, and two would not fit the registers.
+    constexpr bool kTwoSets = NV <= 4;
+    __m512 a[NV], b_set[kTwoSets ? NV : 1];
+    __m512* b = kTwoSets ? b_set : a;
+    for (int v = 0; v < NV; ++v) a[v] = _mm512_setzero_ps();
+    if constexpr (kTwoSets) {
+      for (int v = 0; v < NV; ++v) b[v] = _mm512_setzero_ps();
+    }
     const std::uint32_t e = L.end[r];
     // One packet: its dY row gathered once, for dX (into set a or b) and for its dot.
     // The caller asks for the rows and the stream ahead.
@@ -295,18 +304,30 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
     }
     if constexpr (kData) {
       float* out = dx + r * dxs;
-      for (int v = 0; v < NV; ++v) store<NV, kTail>(out, v, _mm512_add_ps(a[v], b[v]), tail);
+      for (int v = 0; v < NV; ++v) {
+        store<NV, kTail>(out, v, kTwoSets ? _mm512_add_ps(a[v], b[v]) : a[v], tail);
+      }
     }
   }
 }
 
+/// Calls run.template operator()<nv>() for the nv in NV..kMaxNV that matches.
+template <int NV, int kMaxNV, typename Run>
+void with_vector_count(int nv, Run& run) {
+  if constexpr (NV < kMaxNV) {
+    if (nv != NV) return with_vector_count<NV + 1, kMaxNV>(nv, run);
+  }
+  run.template operator()<NV>();
+}
+
 // Runs `kernel.template operator()<NV, kTail>(t0, tail)` over the tile in groups of at
-// most 64 tokens: NV vectors per group, the last one masked only when the group is not a
-// whole number of vectors (an unmasked load can fuse into its FMA).
-template <typename Kernel>
+// most 16 * kMaxNV tokens: NV vectors per group, the last one masked only when the group
+// is not a whole number of vectors (an unmasked load can fuse into its FMA).
+template <int kMaxNV = kGroup / 16, typename Kernel>
 void for_each_group(std::int64_t tokens, Kernel&& kernel) {
-  for (std::int64_t t0 = 0; t0 < tokens; t0 += kGroup) {
-    const std::int64_t width = std::min(kGroup, tokens - t0);
+  constexpr std::int64_t kTokens = 16 * kMaxNV;
+  for (std::int64_t t0 = 0; t0 < tokens; t0 += kTokens) {
+    const std::int64_t width = std::min(kTokens, tokens - t0);
     const __mmask16 tail = tail_mask(width);
     auto run = [&]<int NV>() {
       if (width % 16 != 0) {
@@ -315,20 +336,7 @@ void for_each_group(std::int64_t tokens, Kernel&& kernel) {
         kernel.template operator()<NV, false>(t0, tail);
       }
     };
-    switch ((width + 15) / 16) {
-      case 1:
-        run.template operator()<1>();
-        break;
-      case 2:
-        run.template operator()<2>();
-        break;
-      case 3:
-        run.template operator()<3>();
-        break;
-      default:
-        run.template operator()<4>();
-        break;
-    }
+    with_vector_count<1, kMaxNV>(static_cast<int>((width + 15) / 16), run);
   }
 }
 
@@ -355,12 +363,15 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
 template <typename PacketT, typename DyTile>
 void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
+  // bf16 rows are half the bytes: groups twice as wide, so each packet's fixed work (its
+  // weight, its dot's reduction) covers twice the tokens.
+  constexpr int kMaxNV = std::is_same_v<DyTile, Bf16Tile> ? 8 : 4;
   with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
-    for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
+    for_each_group<kMaxNV>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
       by_input_group<kData, kWeight, NV, kTail>(
           L, dy.data + t0, dy.stride, kWeight ? x.data + t0 : nullptr, x.stride,
           kData ? dx.data + t0 : nullptr, dx.stride,
-          for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
+          for_group(sums, t0 == 0, t0 + 16 * kMaxNV >= tokens), tail);
     });
   });
 }
