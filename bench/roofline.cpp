@@ -237,8 +237,9 @@ void BM_roofline(benchmark::State& state, Step step) {
 /// The engine's passes, each to be set against its own probe: the forward gathers rows
 /// (gather_roofline), the data gradient scatters them (scatter_roofline), the weight
 /// gradient takes dot products with them (dot_roofline). By input, the data gradient
-/// gathers dY rows (gather_roofline), and both gradients together do twice the arithmetic
-/// on the same gathered rows (2 x gather_roofline).
+/// gathers dY rows (gather_roofline; in bf16, gather_roofline_bf16: a bf16 layer holds dY
+/// in bf16), and both gradients together do twice the arithmetic on the same gathered rows
+/// (2 x the gather probe).
 enum class Pass {
   forward,
   backward_data,
@@ -337,15 +338,17 @@ void print_fractions(const RecordingReporter& r, std::FILE* out) {
                {"sluice_backward_data_bf16/", "scatter_roofline/", 1},  // its dX work is fp32
                {"sluice_backward_weight/", "dot_roofline/", 1},
                {"sluice_backward_data_by_input/", "gather_roofline/", 1},
-               {"sluice_backward_by_input/", "gather_roofline/", 2}};
-  std::fprintf(out, "\n%-32s %10s   %-26s %10s %9s\n", "pass (90%, 4096x4096x256)", "GFLOP/s",
+               {"sluice_backward_data_by_input_bf16/", "gather_roofline_bf16/", 1},  // dY in bf16
+               {"sluice_backward_by_input/", "gather_roofline/", 2},
+               {"sluice_backward_by_input_bf16/", "gather_roofline_bf16/", 2}};
+  std::fprintf(out, "\n%-36s %10s   %-26s %10s %9s\n", "pass (90%, 4096x4096x256)", "GFLOP/s",
                "probe, 1 MiB per core", "GFLOP/s", "fraction");
   for (const auto& [pass, probe, times] : pairs) {
     const double p = r.rate(pass, "");
     const double q = times * r.rate(probe, "/1048576/");
     if (p <= 0 || q <= 0) continue;  // filtered out, or skipped
     const std::string name = (times > 1 ? "2 x " : "") + std::string(probe, std::strlen(probe) - 1);
-    std::fprintf(out, "%-32.*s %10.1f   %-26s %10.1f %8.0f%%\n",
+    std::fprintf(out, "%-36.*s %10.1f   %-26s %10.1f %8.0f%%\n",
                  static_cast<int>(std::strlen(pass) - 1), pass, p, name.c_str(), q, 100 * p / q);
   }
 }
