@@ -325,13 +325,16 @@ class RecordingReporter final : public benchmark::BenchmarkReporter {
   std::map<std::string, double> rates_;
 };
 
-/// Each engine pass against the probe of its own step with a 1 MiB block per core — a
-/// lane's tile of 64 fp32 or 128 bf16 tokens of 4096 rows — from this run.
+/// Each engine pass at 90% against the probe of its own step with a 1 MiB block per core —
+/// a lane's tile of 64 fp32 or 128 bf16 tokens of 4096 rows — from this run; and the 99.9%
+/// forward against the gather probe from L3 (8 MiB per core): its X and Y (4 MB each) no
+/// longer fit the L2s, so its rows come from there.
 void print_fractions(const RecordingReporter& r, std::FILE* out) {
   const struct {
     const char* pass;
     const char* probe;
-    double times;  ///< flops per gathered element, against the probe's
+    double times;          ///< flops per gathered element, against the probe's
+    bool from_l3 = false;  ///< the 99.9% pass against the 8 MiB probe, else 90% and 1 MiB
   } pairs[] = {{"sluice_forward/", "gather_roofline/", 1},
                {"sluice_forward_bf16/", "gather_roofline_bf16/", 1},
                {"sluice_backward_data/", "scatter_roofline/", 1},
@@ -340,16 +343,21 @@ void print_fractions(const RecordingReporter& r, std::FILE* out) {
                {"sluice_backward_data_by_input/", "gather_roofline/", 1},
                {"sluice_backward_data_by_input_bf16/", "gather_roofline_bf16/", 1},  // dY in bf16
                {"sluice_backward_by_input/", "gather_roofline/", 2},
-               {"sluice_backward_by_input_bf16/", "gather_roofline_bf16/", 2}};
-  std::fprintf(out, "\n%-36s %10s   %-26s %10s %9s\n", "pass (90%, 4096x4096x256)", "GFLOP/s",
-               "probe, 1 MiB per core", "GFLOP/s", "fraction");
-  for (const auto& [pass, probe, times] : pairs) {
-    const double p = r.rate(pass, "");
-    const double q = times * r.rate(probe, "/1048576/");
+               {"sluice_backward_by_input_bf16/", "gather_roofline_bf16/", 2},
+               {"sluice_forward/", "gather_roofline/", 1, true}};
+  std::fprintf(out, "\n%-36s %10s   %-32s %10s %9s\n", "pass (4096x4096x256)", "GFLOP/s",
+               "probe (block per core)", "GFLOP/s", "fraction");
+  for (const auto& [pass, probe, times, from_l3] : pairs) {
+    const double p = r.rate(pass, from_l3 ? "permille:999/" : "permille:900/");
+    const double q = times * r.rate(probe, from_l3 ? "/8388608/" : "/1048576/");
     if (p <= 0 || q <= 0) continue;  // filtered out, or skipped
-    const std::string name = (times > 1 ? "2 x " : "") + std::string(probe, std::strlen(probe) - 1);
-    std::fprintf(out, "%-36.*s %10.1f   %-26s %10.1f %8.0f%%\n",
-                 static_cast<int>(std::strlen(pass) - 1), pass, p, name.c_str(), q, 100 * p / q);
+    const std::string pass_name =
+        std::string(pass, std::strlen(pass) - 1) + (from_l3 ? " 99.9%" : " 90%");
+    const std::string probe_name = (times > 1 ? "2 x " : "") +
+                                   std::string(probe, std::strlen(probe) - 1) +
+                                   (from_l3 ? " (8 MiB)" : " (1 MiB)");
+    std::fprintf(out, "%-36s %10.1f   %-32s %10.1f %8.0f%%\n", pass_name.c_str(), p,
+                 probe_name.c_str(), q, 100 * p / q);
   }
 }
 
@@ -384,10 +392,14 @@ int main(int argc, char** argv) {
     for (const sluice::Precision precision : {sluice::Precision::fp32, sluice::Precision::bf16}) {
       const std::string name =
           std::string(pass_name) + (precision == sluice::Precision::bf16 ? "_bf16" : "");
-      benchmark::RegisterBenchmark(
-          name.c_str(), [precision, pass](benchmark::State& s) { BM_sluice(s, precision, pass); })
-          ->Args({4096, 4096, 256, 900})
-          ->ArgNames({"out", "in", "tokens", "sparsity_permille"})
+      auto* bench = benchmark::RegisterBenchmark(
+          name.c_str(), [precision, pass](benchmark::State& s) { BM_sluice(s, precision, pass); });
+      bench->Args({4096, 4096, 256, 900});
+      // The 99.9% forward: bound by gathering from L3, where the 150x target lies.
+      if (pass == Pass::forward && precision == sluice::Precision::fp32) {
+        bench->Args({4096, 4096, 256, 999});
+      }
+      bench->ArgNames({"out", "in", "tokens", "sparsity_permille"})
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
     }
