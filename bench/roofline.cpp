@@ -345,7 +345,7 @@ void print_fractions(const RecordingReporter& r, std::FILE* out) {
                {"sluice_backward_by_input/", "gather_roofline/", 2},
                {"sluice_backward_by_input_bf16/", "gather_roofline_bf16/", 2},
                {"sluice_forward/", "gather_roofline/", 1, true}};
-  std::fprintf(out, "\n%-36s %10s   %-32s %10s %9s\n", "pass (4096x4096x256)", "GFLOP/s",
+  std::fprintf(out, "\n%-40s %10s   %-32s %10s %9s\n", "pass (4096x4096x256)", "GFLOP/s",
                "probe (block per core)", "GFLOP/s", "fraction");
   for (const auto& [pass, probe, times, from_l3] : pairs) {
     const double p = r.rate(pass, from_l3 ? "permille:999/" : "permille:900/");
@@ -356,7 +356,7 @@ void print_fractions(const RecordingReporter& r, std::FILE* out) {
     const std::string probe_name = (times > 1 ? "2 x " : "") +
                                    std::string(probe, std::strlen(probe) - 1) +
                                    (from_l3 ? " (8 MiB)" : " (1 MiB)");
-    std::fprintf(out, "%-36s %10.1f   %-32s %10.1f %8.0f%%\n", pass_name.c_str(), p,
+    std::fprintf(out, "%-40s %10.1f   %-32s %10.1f %8.0f%%\n", pass_name.c_str(), p,
                  probe_name.c_str(), q, 100 * p / q);
   }
 }
