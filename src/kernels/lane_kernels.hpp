@@ -92,6 +92,30 @@ void with_by_input_products(Tile x, MutableTile dx, Run&& run) {
   }
 }
 
+/// The forward of a single token: y[r, 0] = sum over run r of w * x[tag, 0], a sparse dot
+/// product per output. A vector kernel would use one lane of each step and chain every
+/// packet's FMA on the one before; here four sums run at once and each packet costs two
+/// loads. The vector tables' forwards take this path for one token.
+inline void forward_one_token(const LaneRuns& L, Tile x, MutableTile y) {
+  const Packet* p = L.packets;
+  auto term = [&](std::uint32_t k) {
+    return p[k].value * x.data[static_cast<std::int64_t>(p[k].tag) * x.stride];
+  };
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    float s0 = 0.0F, s1 = 0.0F, s2 = 0.0F, s3 = 0.0F;
+    std::uint32_t k = L.begin[r];
+    const std::uint32_t e = L.end[r];
+    for (; k + 4 <= e; k += 4) {
+      s0 += term(k);
+      s1 += term(k + 1);
+      s2 += term(k + 2);
+      s3 += term(k + 3);
+    }
+    for (; k < e; ++k) s0 += term(k);
+    y.data[r * y.stride] = (s0 + s1) + (s2 + s3);
+  }
+}
+
 struct LaneKernels {
   /// y[r, :] = sum over run r of w * x[tag, :]  (overwrites y's rows 0..runs-1).
   void (*forward)(const LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);
