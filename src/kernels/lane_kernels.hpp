@@ -116,6 +116,33 @@ inline void forward_one_token(const LaneRuns& L, Tile x, MutableTile y) {
   }
 }
 
+/// The backward by input of a single token (see ByInputKernel), for the vector tables: as
+/// forward_one_token, four sums of dX at once, and each weight's one product left as
+/// `sums` says.
+template <typename PacketT>
+void by_input_one_token(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx,
+                        const GradientSums& sums) {
+  const PacketT* p = L.packets;
+  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
+    for (std::int64_t r = 0; r < L.runs; ++r) {
+      const float xr = kWeight ? x.data[r * x.stride] : 0.0F;
+      float s[4] = {0.0F, 0.0F, 0.0F, 0.0F};
+      auto packet = [&](std::uint32_t k, float& sum) {
+        const float d = dy.data[static_cast<std::int64_t>(tag_of(p[k])) * dy.stride];
+        if constexpr (kData) sum += value_of(p[k]) * d;
+        if constexpr (kWeight) leave_sum(sums, p, k, xr * d);
+      };
+      std::uint32_t k = L.begin[r];
+      const std::uint32_t e = L.end[r];
+      for (; k + 4 <= e; k += 4) {
+        for (std::uint32_t j = 0; j < 4; ++j) packet(k + j, s[j]);
+      }
+      for (; k < e; ++k) packet(k, s[0]);
+      if constexpr (kData) dx.data[r * dx.stride] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+  });
+}
+
 struct LaneKernels {
   /// y[r, :] = sum over run r of w * x[tag, :]  (overwrites y's rows 0..runs-1).
   void (*forward)(const LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);

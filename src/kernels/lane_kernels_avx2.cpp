@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/gradient_batch.hpp"
 #include "kernels/lane_kernels.hpp"
@@ -326,6 +327,9 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
 template <typename PacketT, typename DyTile>
 void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
+  if constexpr (std::is_same_v<DyTile, Tile>) {
+    if (tokens == 1) return by_input_one_token(L, dy, x, dx, sums);
+  }
   constexpr std::int64_t kGroup = 8 * 4;  // tokens per group of for_each_group<4>
   with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
     for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {

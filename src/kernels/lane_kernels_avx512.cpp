@@ -364,6 +364,9 @@ void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sum
 template <typename PacketT, typename DyTile>
 void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
+  if constexpr (std::is_same_v<DyTile, Tile>) {
+    if (tokens == 1) return by_input_one_token(L, dy, x, dx, sums);
+  }
   // bf16 rows are half the bytes: groups twice as wide, so each packet's fixed work (its
   // weight, its dot's reduction) covers twice the tokens.
   constexpr int kMaxNV = std::is_same_v<DyTile, Bf16Tile> ? 8 : 4;
