@@ -116,6 +116,28 @@ inline void forward_one_token(const LaneRuns& L, Tile x, MutableTile y) {
   }
 }
 
+/// The by-output gradients of a single token, for the vector tables, as the forward's: dX
+/// scattered one product per weight, and each weight's one product left as `sums` says.
+inline void backward_data_one_token(const LaneRuns& L, Tile dy, MutableTile dx) {
+  const Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    const float d = dy.data[r * dy.stride];
+    for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
+      dx.data[static_cast<std::int64_t>(p[k].tag) * dx.stride] += p[k].value * d;
+    }
+  }
+}
+inline void backward_weight_one_token(const LaneRuns& L, Tile dy, Tile x,
+                                      const GradientSums& sums) {
+  const Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    const float d = dy.data[r * dy.stride];
+    for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
+      leave_sum(sums, p, k, d * x.data[static_cast<std::int64_t>(p[k].tag) * x.stride]);
+    }
+  }
+}
+
 /// The backward by input of a single token (see ByInputKernel), for the vector tables: as
 /// forward_one_token, four sums of dX at once, and each weight's one product left as
 /// `sums` says.

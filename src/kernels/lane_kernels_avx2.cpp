@@ -310,6 +310,7 @@ void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
 }
 
 void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
+  if (tokens == 1) return backward_data_one_token(L, dy, dx);
   for_each_group<8>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
     backward_data_group<NV, kTail>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
   });
@@ -317,6 +318,7 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
 
 void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
                      std::int64_t tokens) {
+  if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
   constexpr std::int64_t kGroup = 8 * 8;  // tokens per group of for_each_group<8>
   for_each_group<8>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
     backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,

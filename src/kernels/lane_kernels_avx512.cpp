@@ -348,6 +348,7 @@ void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
 }
 
 void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
+  if (tokens == 1) return backward_data_one_token(L, dy, dx);
   for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
     backward_data_group<NV, kTail>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
   });
@@ -355,6 +356,7 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
 
 void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
                      std::int64_t tokens) {
+  if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
   for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
     backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
                                      for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
