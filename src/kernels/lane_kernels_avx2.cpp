@@ -30,7 +30,6 @@ inline __m256 load(const float* p, int v, __m256i tail) {
   return kTail && v == NV - 1 ? _mm256_maskload_ps(p + 8 * v, tail) : _mm256_loadu_ps(p + 8 * v);
 }
 
-// A masked store is microcoded and slow on AMD cores, so it is kept to partial vectors.
 /// A gathered dY row's NV vectors, from fp32 rows.
 template <int NV, bool kTail>
 inline void load_row(const float* row, __m256 dv[NV], __m256i tail) {
@@ -49,6 +48,7 @@ inline void load_row(const std::uint16_t* row, __m256 dv[NV], __m256i /*tail*/) 
   }
 }
 
+// A masked store is microcoded and slow on AMD cores, so it is kept to partial vectors.
 template <int NV, bool kTail>
 inline void store(float* p, int v, __m256 value, __m256i tail) {
   if (kTail && v == NV - 1) {
