@@ -78,7 +78,8 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   r.geometry = g.to_string();
   // A bf16 product is checked against float64 on the operands rounded as the engine holds
   // them (W streamed in bf16; X resident in bf16 where lanes pack their rows, else read
-  // in place), so the check still catches kernel bugs at fp32 tolerances; dY stays fp32.
+  // in place; dY likewise in the backward by input), so the check still catches kernel
+  // bugs at fp32 tolerances.
   const bool bf16 = precision == Precision::bf16;
   const bool x_in_bf16 = bf16 && CpuEngine::packs_tiles(g.lanes, w.nnz(), w.cols());
   const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();

@@ -177,7 +177,8 @@ struct LaneKernels {
 };
 
 /// The same products for a bf16 stream: weights widened from bf16, activations held as
-/// bf16 in the resident tile, every sum in fp32. dY and dX stay fp32 (dX accumulates).
+/// bf16 in the resident tile, every sum in fp32. dX stays fp32 (it accumulates); dY is
+/// fp32 by output and, by input, held in bf16 where the lane packs it.
 struct Bf16LaneKernels {
   void (*forward)(const Bf16LaneRuns& runs, Bf16Tile x, MutableTile y, std::int64_t tokens);
   void (*backward_data)(const Bf16LaneRuns& runs, Tile dy, MutableTile dx, std::int64_t tokens);
