@@ -6,13 +6,6 @@
 namespace sluice::detail {
 namespace {
 
-inline float widen(float v) {
-  return v;
-}
-inline float widen(std::uint16_t v) {
-  return from_bf16(v);
-}
-
 template <typename PacketT, typename DyTile>
 void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {

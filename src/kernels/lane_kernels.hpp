@@ -3,10 +3,20 @@
 // token tile. Internal; one implementation per ISA, chosen once at run time.
 #include <cstdint>
 
+#include "sluice/bf16.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/stream.hpp"
 
 namespace sluice::detail {
+
+/// An element of a tile row as fp32: as it is, or widened exactly from bf16 (the scalar
+/// kernels, whose bf16 rows are in token order).
+inline float widen(float v) {
+  return v;
+}
+inline float widen(std::uint16_t v) {
+  return from_bf16(v);
+}
 
 /// One lane's packets for a run of outputs: output r's weights are
 /// packets[begin[r]], ..., packets[end[r] - 1] (tags = input feature indices).

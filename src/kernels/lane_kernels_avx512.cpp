@@ -239,7 +239,7 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
                     __mmask16 tail) {
   const PacketT* p = L.packets;
   auto prefetch_rows = [&](std::uint32_t k) __attribute__((always_inline)) {
-    // The row's first line (a group is at most four vectors; see the top of the file).
+    // The row's first line only (see the top of the file).
     _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[k]), dys)), _MM_HINT_T0);
   };
   for (std::int64_t r = 0; r < L.runs; ++r) {

@@ -6,12 +6,6 @@
 namespace sluice::detail {
 namespace {
 
-inline float widen(float v) {
-  return v;
-}
-inline float widen(std::uint16_t v) {
-  return from_bf16(v);
-}
 inline std::int64_t index_of(const Packet& p) {
   return p.tag;
 }
