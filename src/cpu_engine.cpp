@@ -94,6 +94,32 @@ struct TakenChunk {
   }
 };
 
+/// The lanes' shares of a product's chunks, kept between products (per chunk position):
+/// routing into fresh vectors cost a page fault per 4 KiB of routed packets (4096 x 32768
+/// at 90%, two lanes: the intake took 120 ms a product, 18-19 ms with these kept). Holds
+/// at most the largest stream's routed packets; a product's shares come back when it
+/// ends, or are dropped if it throws.
+using SpareShares = std::vector<std::vector<LaneShare>>;
+
+/// A product's chunks as the intake took them; gives their lanes' vectors back to the
+/// spares when the product is done with them.
+class TakenChunks {
+ public:
+  explicit TakenChunks(SpareShares& spares) : spares_(spares) {}
+  TakenChunks(const TakenChunks&) = delete;
+  TakenChunks& operator=(const TakenChunks&) = delete;
+  ~TakenChunks() {
+    if (spares_.size() < chunks.size()) spares_.resize(chunks.size());
+    for (std::size_t c = 0; c < chunks.size(); ++c) spares_[c] = std::move(chunks[c].lanes);
+  }
+  SpareShares& spares() { return spares_; }
+
+  std::vector<TakenChunk> chunks;
+
+ private:
+  SpareShares& spares_;
+};
+
 /// Which activation rows each lane keeps resident, and where: lane p packs its rows
 /// (in increasing feature order) into a buffer of its own, so its tile is contiguous and
 /// stays in its core's cache without set conflicts from the matrix's row stride.
@@ -262,11 +288,12 @@ void route(const StreamChunk& chunk, std::vector<LaneShare>& shares, std::uint64
 /// Pulls every chunk from the source, checks it and routes it to the lanes (with several
 /// lanes, routed packets carry the row's index in its lane's resident buffer). `widen`
 /// (one lane, bf16 stream): the lane gets fp32 packets, for the fp32 kernels.
-std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement,
-                                const LaneLayout& layout, bool keep_origin, bool widen = false) {
+void take_in(TakenChunks& into, StreamSource& source, const Placement& placement,
+             const LaneLayout& layout, bool keep_origin, bool widen = false) {
   const StreamHeader& header = source.header();
   detail::check_header(header);
-  std::vector<TakenChunk> taken;
+  std::vector<TakenChunk>& taken = into.chunks;
+  SpareShares& spares = into.spares();
   std::uint64_t outputs = 0;
   while (ChunkPtr chunk = source.next()) {
     detail::check_sequence(header, *chunk, taken.size(), outputs, false);
@@ -279,8 +306,12 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
   detail::parallel_for(std::size_t{0}, taken.size(), [&](std::size_t c) {
     const StreamChunk& chunk = *taken[c].chunk;
     auto& shares = taken[c].lanes;
+    if (c < spares.size()) shares = std::move(spares[c]);
     shares.resize(lanes);
     for (auto& s : shares) {
+      s.packets.clear();
+      s.packets_bf16.clear();
+      s.origin.clear();
       s.begin.resize(chunk.outputs);
       s.end.resize(chunk.outputs);
     }
@@ -313,7 +344,6 @@ std::vector<TakenChunk> take_in(StreamSource& source, const Placement& placement
     total += weights[c];
   }
   detail::check_finished(header, outputs, total, !taken.empty() && ends.back());
-  return taken;
 }
 
 /// How a product's tasks divide the work: the token tiles of a layer, dealt to Q blocks
@@ -389,7 +419,7 @@ struct CpuEngine::Impl {
   EngineOptions options;
   Isa isa = Isa::scalar;
   std::int32_t threads = 1;
-  std::int64_t l2_bytes = 0;
+  std::int64_t tile_cache_bytes = 0;
   const detail::LaneKernels* kernels = nullptr;
   const detail::Bf16LaneKernels* bf16_kernels = nullptr;
   tbb::task_arena arena;
@@ -398,20 +428,22 @@ struct CpuEngine::Impl {
   // calls: faulting in fresh pages for them every backward cost more than the sums.
   std::vector<float> gradient_scratch;
   std::shared_ptr<detail::ChunkPool> gradient_chunks = std::make_shared<detail::ChunkPool>();
-  // Stream shares' parts of dX (every share but the first), kept for the same reason.
+  // Stream shares' parts of dX (every share but the first), and with several lanes each
+  // lane's partial sums of Y, kept for the same reason (4096 x 65536 at 99%, two lanes:
+  // 31-47 ms a forward, 56-65 with partial sums in fresh pages).
   std::vector<float> dx_share_scratch;
+  std::vector<float> lane_partial_scratch;
+  SpareShares spare_shares;
 
-  // A lane keeps one activation tile resident per pass. Its budget is the whole L2:
-  // measured here, every pass over the stream costs more than the few tile rows that
-  // spill to L3 (each packet's work is fixed, so wider tiles amortise it).
-  // A bf16 tile holds twice the tokens in the same bytes; its kernels work on up to 128.
-  Geometry resolve(std::int64_t inputs, std::int64_t tokens, std::int32_t lanes,
-                   Precision precision = Precision::fp32,
+  // A lane keeps one activation tile resident per pass, as wide as its kernels go: 64
+  // tokens in fp32, 128 in bf16 (256 bytes a row either way). Every pass over the stream
+  // costs more than the tile rows that spill from L2 to L3 (each packet's work is fixed,
+  // so wider tiles amortise it): 4096 x 8192 / x 16384 at 90%, one lane, tiles of 16, 32,
+  // 64 tokens: 30.7, 21.6, 18.0 ms / 85.5, 65.0, 48.8 ms. How many rows a lane holds is
+  // geometry_for's choice of lanes.
+  Geometry resolve(std::int64_t tokens, std::int32_t lanes, Precision precision = Precision::fp32,
                    std::uint64_t nnz = std::numeric_limits<std::uint64_t>::max()) const {
-    const bool bf16 = precision == Precision::bf16;
-    const std::int64_t element = bf16 ? 2 : static_cast<std::int64_t>(sizeof(float));
     Geometry g = options.geometry;
-    const std::int64_t budget = std::max<std::int64_t>(16 << 10, l2_bytes);
     if (g.blocks <= 0 &&
         nnz < kSerialFlops / 2 / static_cast<std::uint64_t>(std::max<std::int64_t>(tokens, 1))) {
       // Too little work to wake another thread for: one block does it all.
@@ -428,12 +460,9 @@ struct CpuEngine::Impl {
     if (g.shares <= 0) g.shares = 1;
     g.lanes = lanes;
     if (g.tile_tokens <= 0) {
-      const std::int64_t features = std::max<std::int64_t>(1, (inputs + lanes - 1) / lanes);
-      std::int64_t tile = budget / (features * element);
-      tile = std::clamp<std::int64_t>(tile / 16 * 16, 16, bf16 ? 128 : 64);
+      const std::int64_t widest = precision == Precision::bf16 ? 128 : 64;
       const std::int64_t per_block = (tokens + g.blocks - 1) / g.blocks;
-      g.tile_tokens =
-          static_cast<std::int32_t>(std::max<std::int64_t>(1, std::min(tile, per_block)));
+      g.tile_tokens = static_cast<std::int32_t>(std::clamp<std::int64_t>(per_block, 1, widest));
     }
     return g;
   }
@@ -451,7 +480,8 @@ CpuEngine::CpuEngine(EngineOptions options) : impl_(std::make_unique<Impl>()) {
   const std::int32_t available = tbb::this_task_arena::max_concurrency();
   if (options.threads < 0) throw ShapeError("engine threads must be >= 0");
   m.threads = options.threads > 0 ? options.threads : available;
-  m.l2_bytes = options.l2_bytes > 0 ? options.l2_bytes : topology().l2_bytes;
+  m.tile_cache_bytes =
+      options.tile_cache_bytes > 0 ? options.tile_cache_bytes : topology().cache_share_bytes();
   const Geometry& g = options.geometry;
   if (g.lanes < 0 || g.blocks < 0 || g.tile_tokens < 0 || g.shares < 0) {
     throw ShapeError("engine geometry must not be negative: " + g.to_string());
@@ -482,23 +512,28 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
                                  Precision precision, std::uint64_t nnz) const {
   (void)outputs;
   const Impl& m = *impl_;
-  std::int32_t lanes = m.options.geometry.lanes;
-  if (lanes <= 0) {
-    // Input features are split over lanes only when even a 16-token tile of all inputs
-    // would not stay in L2. Not to feed idle threads with a small batch: routing each
-    // packet to its lane and adding up the partial sums cost more than the product then
-    // (4096 x 4096 at 90%, 1-16 tokens: 2 lanes took 2-3x one lane's time, forward and
-    // backward; a batch that small is bound by reading the stream, not by arithmetic).
-    lanes = 1;
-    const std::int64_t budget = std::max<std::int64_t>(16 << 10, m.l2_bytes);
-    while (lanes < 256 && inputs / lanes * 16 * static_cast<std::int64_t>(sizeof(float)) > budget) {
-      lanes *= 2;
-    }
+  // As the products decide: how the lanes hold X (its precision), and resolve's serial case.
+  auto resolved = [&](std::int32_t lanes) {
+    if (nnz == 0) return std::pair{m.resolve(tokens, lanes, precision), precision};
+    const Precision held = holding_for(lanes, nnz, inputs, precision).precision();
+    return std::pair{m.resolve(tokens, lanes, held, nnz), held};
+  };
+  if (m.options.geometry.lanes > 0) return resolved(m.options.geometry.lanes).first;
+  // Input features are split over lanes only when a lane's tile of all of them would not
+  // fit its core's share of the caches: routing each packet to its lane and adding up the
+  // partial sums cost more than tile rows read from L3 (4096 x 32768 at 90%, one lane
+  // 118-122 ms, two 132-134; 4096 x 65536 at 99%, one lane 46-66 ms, two 31-32), and a small
+  // batch is bound by reading the stream, not by arithmetic (4096 x 4096 at 90%, 1-16
+  // tokens: 2 lanes took 2-3x one lane's time).
+  for (std::int32_t lanes = 1;; lanes *= 2) {
+    const auto [g, held] = resolved(lanes);
+    const std::int64_t features = (inputs + lanes - 1) / lanes;
+    const std::int64_t row_bytes = held == Precision::bf16
+                                       ? 2 * ((g.tile_tokens + detail::kBf16RowAlign - 1) /
+                                              detail::kBf16RowAlign * detail::kBf16RowAlign)
+                                       : 4 * std::int64_t{g.tile_tokens};
+    if (lanes >= 256 || features * row_bytes <= m.tile_cache_bytes) return g;
   }
-  if (nnz == 0) return m.resolve(inputs, tokens, lanes, precision);
-  // As the products decide: how the lanes hold X, and resolve's serial case.
-  return m.resolve(inputs, tokens, lanes, holding_for(lanes, nnz, inputs, precision).precision(),
-                   nnz);
 }
 
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
@@ -509,26 +544,33 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   // the sanitizer and fuzz builds' compiler, cannot do with bindings.)
   const Holding holding = holding_for(P, weights.header());
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
-  const Geometry g = m.resolve(x.rows, x.cols, P, holding.precision(), weights.header().nnz);
+  const Geometry g = m.resolve(x.cols, P, holding.precision(), weights.header().nnz);
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
   const LaneLayout layout(placement);
-  std::vector<TakenChunk> chunks;
-  m.arena.execute([&] { chunks = take_in(weights, placement, layout, false, widen); });
+  TakenChunks taken(m.spare_shares);
+  m.arena.execute([&] { take_in(taken, weights, placement, layout, false, widen); });
+  const std::vector<TakenChunk>& chunks = taken.chunks;
   counters_.intake_seconds += seconds_since(t_intake);
   const std::int64_t tokens = x.cols;
   const std::int64_t outputs = y.rows;
   if (tokens == 0 || outputs == 0) return;
 
   // With several lanes, each keeps its partial sums for every output and token until the
-  // ring has taken them; tiles of all blocks share the buffer by column.
-  std::vector<DenseMatrix> partial;
+  // ring has taken them; tiles of all blocks share the buffer by column. Every run ends in
+  // a carriage return, so a lane writes each output of its chunks: no zeroing needed.
+  const std::int64_t partial_stride = (tokens + 15) / 16 * 16;
+  const auto partial_size = static_cast<std::size_t>(outputs * partial_stride);
   std::vector<std::atomic<std::int32_t>> arrivals;
   if (P > 1) {
-    partial.reserve(P);
-    for (std::int32_t p = 0; p < P; ++p) partial.emplace_back(outputs, tokens);
+    if (m.lane_partial_scratch.size() < P * partial_size) {
+      m.lane_partial_scratch.resize(P * partial_size);
+    }
     arrivals = std::vector<std::atomic<std::int32_t>>(tiling.count * chunks.size());
   }
+  auto partial_row = [&](std::int32_t lane, std::int64_t o) {
+    return m.lane_partial_scratch.data() + lane * partial_size + o * partial_stride;
+  };
   auto ring_reduce = [&](std::int64_t t, std::size_t c) {
     const StreamChunk& chunk = *chunks[c].chunk;
     const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
@@ -537,10 +579,10 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
           next_placement != nullptr ? next_placement->lane_of[o] % P : default_output_lane(o, P);
       float* out = y.row(o) + t0;
       std::int32_t lane = (home + 1) % P;
-      std::memcpy(out, partial[lane].row(o) + t0, sizeof(float) * width);
+      std::memcpy(out, partial_row(lane, o) + t0, sizeof(float) * width);
       for (std::int32_t s = 1; s < P; ++s) {
         lane = (lane + 1) % P;
-        const float* in = partial[lane].row(o) + t0;
+        const float* in = partial_row(lane, o) + t0;
         for (std::int64_t i = 0; i < width; ++i) out[i] += in[i];
       }
     }
@@ -580,7 +622,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
                 product(c, 0, {y.row(chunk.first_output) + t0, y.stride});
                 continue;
               }
-              product(c, p, {partial[p].row(chunk.first_output) + t0, partial[p].stride()});
+              product(c, p, {partial_row(p, chunk.first_output) + t0, partial_stride});
               auto& arrived = arrivals[t * chunks.size() + c];
               if (arrived.fetch_add(1, std::memory_order_acq_rel) == P - 1) ring_reduce(t, c);
             }
@@ -618,13 +660,14 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
   // dX accumulates in an fp32 tile; X is held as holding_for says for dW.
   const TokenTiling data_tiling =
-      make_tiling(dy.cols, m.resolve(tags, dy.cols, P, Precision::fp32, header.nnz));
+      make_tiling(dy.cols, m.resolve(dy.cols, P, Precision::fp32, header.nnz));
   TokenTiling weight_tiling =
-      make_tiling(dy.cols, m.resolve(tags, dy.cols, P, holding.precision(), header.nnz));
+      make_tiling(dy.cols, m.resolve(dy.cols, P, holding.precision(), header.nnz));
   const auto t_intake = Clock::now();
   const LaneLayout layout(lanes_of);
-  std::vector<TakenChunk> chunks;
-  m.arena.execute([&] { chunks = take_in(weights, lanes_of, layout, P > 1, widen); });
+  TakenChunks taken(m.spare_shares);
+  m.arena.execute([&] { take_in(taken, weights, lanes_of, layout, P > 1, widen); });
+  const std::vector<TakenChunk>& chunks = taken.chunks;
   counters_.intake_seconds += seconds_since(t_intake);
   // By input each run's dX row has one writer either way; shares give each weight one too.
   if (want_grad || by_input) prefer_shares(weight_tiling, m.options.geometry, P, chunks.size());

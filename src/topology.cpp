@@ -2,6 +2,7 @@
 
 #include <hwloc.h>
 
+#include <algorithm>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -39,11 +40,21 @@ std::int64_t cache_size(hwloc_topology_t t, hwloc_obj_type_t type) {
 
 }  // namespace
 
+std::int64_t Topology::cache_share_bytes() const {
+  // No core has more than 12 MiB of L3 to itself (the most shipping so far: 96 MiB over 8
+  // cores). A VM may claim more: it sees its few cores, not the host's that share the
+  // cache (one here claims two L3s of 508 MiB for its 2 cores).
+  constexpr std::int64_t kMostL3PerCore = std::int64_t{12} << 20;
+  const std::int64_t l3_total = l3_bytes * std::max(1, l3_caches);
+  return std::max(l2_bytes, std::min(kMostL3PerCore, l3_total / std::max(1, cores)));
+}
+
 std::string Topology::to_string() const {
   std::ostringstream s;
   s << packages << " package(s), " << cores << " core(s), " << hardware_threads
     << " hardware thread(s), " << numa_nodes << " NUMA node(s); L1d " << l1d_bytes / 1024
-    << " KiB, L2 " << l2_bytes / 1024 << " KiB per core, L3 " << l3_bytes / 1024 << " KiB";
+    << " KiB, L2 " << l2_bytes / 1024 << " KiB per core, L3 " << l3_bytes / 1024 << " KiB x "
+    << l3_caches;
   return s.str();
 }
 
@@ -59,6 +70,7 @@ const Topology& topology() {
       t.l1d_bytes = cache_size(h, HWLOC_OBJ_L1CACHE);
       t.l2_bytes = cache_size(h, HWLOC_OBJ_L2CACHE);
       t.l3_bytes = cache_size(h, HWLOC_OBJ_L3CACHE);
+      t.l3_caches = hwloc_get_nbobjs_by_type(h, HWLOC_OBJ_L3CACHE);
     }
     // Conservative defaults where hwloc saw nothing.
     const auto hw = static_cast<std::int32_t>(std::max(1U, std::thread::hardware_concurrency()));
@@ -69,6 +81,7 @@ const Topology& topology() {
     if (t.l1d_bytes <= 0) t.l1d_bytes = 32 << 10;
     if (t.l2_bytes <= 0) t.l2_bytes = 512 << 10;
     if (t.l3_bytes <= 0) t.l3_bytes = 8 << 20;
+    if (t.l3_caches <= 0) t.l3_caches = t.packages;
     return t;
   }();
   return detected;

@@ -305,6 +305,29 @@ TEST_P(EngineByIsa, Bf16HoldsActivationsRoundedToNearestEven) {
 INSTANTIATE_TEST_SUITE_P(AllIsas, EngineByIsa, ::testing::ValuesIn(supported_isas()),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
+// The engine keeps the lanes' routed packets between products; layers of other shapes,
+// lane counts, chunk counts and precisions on one engine must not see each other's.
+TEST(Engine, LayersAfterOneAnotherGetTheirOwnRouting) {
+  EngineOptions options;
+  options.threads = 2;
+  CpuEngine engine(options);
+  struct Layer {
+    Case shape;
+    std::int32_t lanes;
+    std::size_t chunk;
+    Precision precision;
+  };
+  const Layer layers[] = {
+      {{90, 70, 33, 0.6}, 3, 7, Precision::fp32},   {{40, 30, 9, 0.5}, 2, 5, Precision::bf16},
+      {{90, 70, 33, 0.6}, 4, 64, Precision::fp32},  {{20, 50, 17, 0.2}, 1, 3, Precision::bf16},
+      {{60, 80, 65, 0.95}, 2, 11, Precision::fp32}, {{90, 70, 33, 0.6}, 1, 7, Precision::fp32},
+      {{90, 70, 33, 0.6}, 3, 7, Precision::bf16},
+  };
+  std::uint64_t seed = 1500;
+  for (const Layer& l : layers)
+    check_engine(engine, l.shape, l.lanes, l.chunk, ++seed, l.precision);
+}
+
 TEST(Engine, EmptyRowsAndColumnsAndAllZero) {
   // Rows 0 and 2 empty, column 1 empty.
   const CsrMatrix w(3, 3, {0, 0, 2, 2}, {0, 2}, {2.0F, -1.0F});
@@ -416,7 +439,7 @@ TEST(Engine, StreamSharesAreBitwiseReproducible) {
 TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
   EngineOptions options;
   options.threads = 2;
-  options.l2_bytes = 1 << 20;
+  options.tile_cache_bytes = 1 << 20;
   CpuEngine engine(options);
   const std::uint64_t tenth = 512 * 512 / 10;
   // Tokens split over both threads, unless there is too little work to wake one for.
@@ -427,12 +450,21 @@ TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::fp32, tenth).tile_tokens, 64);
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, tenth).tile_tokens, 128);
   EXPECT_EQ(engine.geometry_for(512, 512, 256, Precision::bf16, 2000).tile_tokens, 64);
+  // Tiles are as wide as the kernels go, however many inputs; input features are split
+  // over lanes only where a lane's tile would not fit the cache budget (1 MiB here).
+  EXPECT_EQ(engine.geometry_for(512, 1 << 12, 256).to_string(), "1x2/64");  // 1 MiB
+  EXPECT_EQ(engine.geometry_for(512, 1 << 14, 256).to_string(), "4x1/64");
+  EXPECT_EQ(engine.geometry_for(512, 1 << 14, 256, Precision::bf16, 1 << 20).to_string(),
+            "4x1/128");
+  EXPECT_EQ(engine.geometry_for(512, (1 << 14) + 1, 256).lanes, 8);  // a lane's rows round up
   // A small batch runs on one lane (routing packets to lanes would cost more than the
-  // product), unless a 16-token tile of all inputs would not fit the L2 budget; the
-  // threads its blocks leave idle take a share of the stream each.
+  // product), unless even its narrow tile of all inputs would not fit; the threads its
+  // blocks leave idle take a share of the stream each.
   EXPECT_EQ(engine.geometry_for(512, 512, 16).lanes, 1);
   EXPECT_EQ(engine.geometry_for(512, 512, 1).lanes, 1);
+  EXPECT_EQ(engine.geometry_for(512, 1 << 14, 16).lanes, 1);  // 1 MiB of X
   EXPECT_EQ(engine.geometry_for(512, 1 << 16, 16).lanes, 4);  // 4 MiB of X: a quarter each
+  EXPECT_EQ(engine.geometry_for(512, 1 << 16, 1).lanes, 1);   // 256 KiB
   EXPECT_EQ(engine.geometry_for(512, 512, 16, Precision::fp32, 512 * 512).to_string(), "1x1x2/16");
   EXPECT_EQ(engine.geometry_for(2048, 2048, 1, Precision::fp32, 2048 * 1024).to_string(),
             "1x1x2/1");

@@ -176,7 +176,7 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     // As the product will run (a very sparse point may be too little work to share).
     run.work.geometry = engine.geometry_for(outputs, inputs, o.tokens, Precision::fp32, w.nnz());
     run.work.max_lane_nnz = static_cast<double>(layer.placement.max_lane_nnz());
-    run.work.cache_bytes = static_cast<double>(topology().l3_bytes);
+    run.work.cache_bytes = static_cast<double>(topology().cache_share_bytes() * engine.threads());
     run.work.packed_tiles = CpuEngine::packs_tiles(s.geometry.lanes, w.nnz(), inputs);
     runs.push_back(run);
     layers.push_back(std::move(layer));

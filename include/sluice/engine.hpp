@@ -46,8 +46,10 @@ struct EngineOptions {
   std::int32_t threads = 0;  ///< worker threads; 0 = every core of this process
   std::optional<Isa> isa;    ///< kernel ISA; default: default_isa()
   bool pin_threads = false;  ///< pin workers to cores with hwloc
-  std::int64_t l2_bytes =
-      0;  ///< per-core cache budget for a lane's activation tile; 0 = from hwloc
+  /// The cache a lane's activation tile may fill, per core: beyond it, input features are
+  /// split over more lanes. 0 = the core's share of the caches (hwloc: its L3 instance's
+  /// bytes over the cores sharing it, at least its L2).
+  std::int64_t tile_cache_bytes = 0;
 };
 
 /// Time spent by the engine's lanes, for metrics (seconds, summed over lanes).

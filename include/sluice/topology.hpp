@@ -13,6 +13,10 @@ struct Topology {
   std::int64_t l1d_bytes = 0;  ///< per core
   std::int64_t l2_bytes = 0;   ///< per core (or per L2 instance)
   std::int64_t l3_bytes = 0;   ///< per L3 instance
+  std::int32_t l3_caches = 0;  ///< L3 instances
+  /// A core's share of the caches: the L3 over the cores sharing it (at most 12 MiB), at
+  /// least the core's own L2.
+  std::int64_t cache_share_bytes() const;
   std::string to_string() const;
 };
 

@@ -176,7 +176,7 @@ struct Reply {
 struct WireEngine {
   std::int32_t lanes = 0, blocks = 0, tile_tokens = 0, threads = 0;
   std::int32_t isa = -1, pin = 0, shares = 0, unused = 0;
-  std::int64_t l2_bytes = 0;
+  std::int64_t tile_cache_bytes = 0;
 };
 
 void mpi_check(int rc, const char* what);
@@ -1272,7 +1272,7 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
   wire.threads = eo.threads;
   wire.isa = eo.isa ? static_cast<std::int32_t>(*eo.isa) : -1;
   wire.pin = eo.pin_threads ? 1 : 0;
-  wire.l2_bytes = eo.l2_bytes;
+  wire.tile_cache_bytes = eo.tile_cache_bytes;
   mpi_check(MPI_Bcast(&wire, sizeof wire, MPI_BYTE, 0, m.comm), "options broadcast");
   MPI_Comm node = MPI_COMM_NULL;
   mpi_check(MPI_Comm_split_type(m.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
@@ -1349,7 +1349,7 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
     o.threads = w.threads;
     if (w.isa >= 0) o.isa = static_cast<Isa>(w.isa);
     o.pin_threads = w.pin != 0;
-    o.l2_bytes = w.l2_bytes;
+    o.tile_cache_bytes = w.tile_cache_bytes;
     return o;
   };
   WireEngine resolved = wire;
@@ -1358,7 +1358,9 @@ MpiFabric::MpiFabric(MpiFabricOptions options) : impl_(std::make_unique<Impl>())
       const int cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
       resolved.threads = std::max(1, cores / node_ranks);
     }
-    if (resolved.l2_bytes <= 0) resolved.l2_bytes = topology().l2_bytes;
+    if (resolved.tile_cache_bytes <= 0) {
+      resolved.tile_cache_bytes = topology().cache_share_bytes();
+    }
     m.engine = std::make_unique<CpuEngine>(options_from(resolved));
     resolved.isa = static_cast<std::int32_t>(m.engine->isa());
     m.worker = std::make_unique<Worker>();
