@@ -41,7 +41,7 @@ struct Layer {
   CsrMatrix w;
   DenseMatrix w_dense, x, dy;
   WeightStream stream, mask;
-  WeightStream stream_bf16;  ///< the same weights streamed in bf16
+  WeightStream stream_bf16;              ///< the same weights streamed in bf16
   WeightStream by_input, by_input_bf16;  ///< the layer's transpose, for the backward
 
   const WeightStream& weights(Precision precision) const {

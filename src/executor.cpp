@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <functional>
 #include <future>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -286,9 +286,9 @@ struct LayerStreamingExecutor::Impl {
 
   std::unique_ptr<LayerStream> open(std::int32_t layer, StreamKind kind,
                                     StreamOrder order = StreamOrder::by_output) {
-    return std::make_unique<LayerStream>(memory, layer, kind, options.prefetch_depth,
-                                         options.chunk_packets,
-                                         options.precisions[static_cast<std::size_t>(layer)], order);
+    return std::make_unique<LayerStream>(
+        memory, layer, kind, options.prefetch_depth, options.chunk_packets,
+        options.precisions[static_cast<std::size_t>(layer)], order);
   }
 
   // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by

@@ -108,8 +108,7 @@ ChunkScan scan_gradient_chunk(std::int32_t layer, const GradientOrder& mask,
       return fail(
           std::string(mask.run) + " " + std::to_string(o) + ", position " +
           std::to_string(end - begin) + ": expected the carriage return after its " +
-          std::to_string(end - begin) +
-          " gradients, found " +
+          std::to_string(end - begin) + " gradients, found " +
           (pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos])));
     }
     ++pos;
@@ -191,8 +190,8 @@ StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind, Pre
   check_layer(layer);
   if (kind == StreamKind::gradient) {
     // What the engines send back: fp32 whatever the weights streamed in.
-    StreamHeader h = stream_header_for(weights_impl(layer), StreamKind::weights,
-                                       Precision::fp32, order);
+    StreamHeader h =
+        stream_header_for(weights_impl(layer), StreamKind::weights, Precision::fp32, order);
     h.kind = kind;
     return h;
   }
@@ -284,8 +283,8 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
       h.nnz != static_cast<std::uint64_t>(w.nnz())) {
     throw FormatError("submit_gradient: " + layer_name(layer) + ": gradient stream is for a " +
                       std::to_string(h.layer_outputs()) + "x" + std::to_string(h.layer_inputs()) +
-                      " layer with " + std::to_string(h.nnz) + " non-zeros (" +
-                      to_string(h.order) + "), the layer is " + std::to_string(w.rows()) + "x" +
+                      " layer with " + std::to_string(h.nnz) + " non-zeros (" + to_string(h.order) +
+                      "), the layer is " + std::to_string(w.rows()) + "x" +
                       std::to_string(w.cols()) + " with " + std::to_string(w.nnz()));
   }
   const std::size_t bias_size = bias_impl(layer).size();
@@ -509,8 +508,8 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
       by_input ? GradientOrder::of(transposed_impl(layer)) : GradientOrder::of(l.weights);
   std::vector<ChunkScan> scans(chunks.size());
   auto scan = [&](std::size_t c) {
-    scans[c] = scan_gradient_chunk(layer, order, *chunks[c], c, c + 1 == chunks.size(),
-                                   p.gradient.data());
+    scans[c] =
+        scan_gradient_chunk(layer, order, *chunks[c], c, c + 1 == chunks.size(), p.gradient.data());
   };
   if (chunks.size() == 1) {
     scan(0);

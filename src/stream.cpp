@@ -407,8 +407,7 @@ ChunkPtr encode_chunk(const CsrMatrix& matrix, StreamKind kind, std::int64_t fir
 }
 
 ChunkPtr encode_chunk(const TransposedPattern& transposed, std::span<const float> values,
-                      StreamKind kind, std::int64_t first, std::int64_t last,
-                      Precision precision) {
+                      StreamKind kind, std::int64_t first, std::int64_t last, Precision precision) {
   if (values.size() != transposed.source.size()) {
     throw ShapeError("encode_chunk: " + std::to_string(values.size()) + " values for a layer of " +
                      std::to_string(transposed.source.size()) + " non-zeros");
@@ -460,8 +459,8 @@ CsrMatrix decode_stream(const WeightStream& stream) {
     take(chunk->packets);
     take(chunk->packets_bf16);
   }
-  CsrMatrix carried(stream.header.outputs, stream.header.inputs, std::move(offsets),
-                    std::move(idx), std::move(val));
+  CsrMatrix carried(stream.header.outputs, stream.header.inputs, std::move(offsets), std::move(idx),
+                    std::move(val));
   return stream.header.by_input() ? transpose(carried) : carried;
 }
 

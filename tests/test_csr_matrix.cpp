@@ -330,8 +330,9 @@ TEST(CsrMatrixRandom, BadArgumentsRefused) {
 
 TEST(CsrMatrix, TransposeAndItsPositions) {
   for (const CsrMatrix& w :
-       {CsrMatrix::random(37, 23, 0.7, 5, RowDistribution::powerlaw), CsrMatrix(3, 4, {0, 0, 0, 0}, {}, {}),
-        CsrMatrix(1, 1, {0, 1}, {0}, {2.5F}), CsrMatrix::random(5, 40, 0.0, 2)}) {
+       {CsrMatrix::random(37, 23, 0.7, 5, RowDistribution::powerlaw),
+        CsrMatrix(3, 4, {0, 0, 0, 0}, {}, {}), CsrMatrix(1, 1, {0, 1}, {0}, {2.5F}),
+        CsrMatrix::random(5, 40, 0.0, 2)}) {
     const TransposedPattern t = transposed_pattern(w);
     ASSERT_EQ(t.rows, w.cols());
     ASSERT_EQ(t.cols, w.rows());

@@ -172,8 +172,8 @@ TEST_F(Layers, StreamsByInputAreTheTransposeEncoded) {
         StreamChannel channel(1000);
         mm.stream_to(l, StreamKind::weights, channel, chunk_packets, precision,
                      StreamOrder::by_input);
-        const WeightStream expected = encode_stream(transpose(mm.weights(l)), StreamKind::weights,
-                                                    chunk_packets, precision);
+        const WeightStream expected =
+            encode_stream(transpose(mm.weights(l)), StreamKind::weights, chunk_packets, precision);
         std::size_t c = 0;
         while (ChunkPtr chunk = channel.pop()) {
           ASSERT_LT(c, expected.chunks.size());
@@ -190,15 +190,16 @@ TEST_F(Layers, StreamsByInputAreTheTransposeEncoded) {
         EXPECT_EQ(c, expected.chunks.size());
         StreamHeader h = expected.header;
         h.order = StreamOrder::by_input;
-        const StreamHeader got = mm.stream_header(l, StreamKind::weights, precision,
-                                                  StreamOrder::by_input);
+        const StreamHeader got =
+            mm.stream_header(l, StreamKind::weights, precision, StreamOrder::by_input);
         EXPECT_EQ(got.outputs, h.outputs);
         EXPECT_EQ(got.inputs, h.inputs);
         EXPECT_EQ(got.nnz, h.nnz);
         EXPECT_EQ(got.order, StreamOrder::by_input);
       }
     }
-    const WeightStream whole = mm.stream(l, StreamKind::mask, Precision::fp32, StreamOrder::by_input);
+    const WeightStream whole =
+        mm.stream(l, StreamKind::mask, Precision::fp32, StreamOrder::by_input);
     EXPECT_EQ(whole.header.order, StreamOrder::by_input);
     EXPECT_EQ(decode_stream(whole).col_indices(), mm.weights(l).col_indices());
   }

@@ -13,11 +13,11 @@
 
 #include "crc32.hpp"
 #include "kernels/stream_scan.hpp"
+#include "reference.hpp"
 #include "sluice/bf16.hpp"
 #include "sluice/error.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/stream.hpp"
-#include "reference.hpp"
 #include "test_support.hpp"
 
 namespace sluice {
