@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "kernels/bf16_block_avx2.hpp"
 #include "kernels/gradient_batch.hpp"
 #include "kernels/lane_kernels.hpp"
 
@@ -35,16 +36,14 @@ template <int NV, bool kTail>
 inline void load_row(const float* row, __m256 dv[NV], __m256i tail) {
   for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
 }
-/// ... from bf16 rows in the bf16 kernels' order (lane_kernels_bf16_avx2.cpp: word j of a
-/// 16-token block holds token j in its high half, token 8 + j in its low half), widened
-/// exactly. Rows are padded with zeros to whole blocks, so no load is masked.
+/// ... from bf16 rows in the bf16 kernels' order (bf16_block_avx2.hpp), widened exactly.
+/// Rows are padded with zeros to whole blocks, so no load is masked.
 template <int NV, bool kTail>
 inline void load_row(const std::uint16_t* row, __m256 dv[NV], __m256i /*tail*/) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000U));
   for (int v = 0; v < NV; v += 2) {
     const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8 * v));
-    dv[v] = _mm256_castsi256_ps(_mm256_and_si256(block, high));
-    if (v + 1 < NV) dv[v + 1] = _mm256_castsi256_ps(_mm256_slli_epi32(block, 16));
+    dv[v] = first_half(block);
+    if (v + 1 < NV) dv[v + 1] = second_half(block);
   }
 }
 

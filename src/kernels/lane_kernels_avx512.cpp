@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "kernels/bf16_block_avx512.hpp"
 #include "kernels/lane_kernels.hpp"
 #include "kernels/reduce8.hpp"
 
@@ -66,16 +67,14 @@ template <int NV, bool kTail>
 inline void load_row(const float* row, __m512 dv[NV], __mmask16 tail) {
   for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
 }
-/// ... from bf16 rows in the bf16 kernels' order (lane_kernels_bf16_avx512.cpp: word j of
-/// a 32-token block holds token j in its high half, token 16 + j in its low half), widened
-/// exactly. Rows are padded with zeros to whole blocks, so no load is masked.
+/// ... from bf16 rows in the bf16 kernels' order (bf16_block_avx512.hpp), widened exactly.
+/// Rows are padded with zeros to whole blocks, so no load is masked.
 template <int NV, bool kTail>
 inline void load_row(const std::uint16_t* row, __m512 dv[NV], __mmask16 /*tail*/) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
   for (int v = 0; v < NV; v += 2) {
     const __m512i block = _mm512_loadu_si512(row + 16 * v);
-    dv[v] = _mm512_castsi512_ps(_mm512_and_si512(block, high));
-    if (v + 1 < NV) dv[v + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(block, 16));
+    dv[v] = first_half(block);
+    if (v + 1 < NV) dv[v + 1] = second_half(block);
   }
 }
 

@@ -1,8 +1,6 @@
 // AVX2 + FMA lane kernels for bf16 streams: the AVX-512 scheme with 8-wide registers.
-// These kernels keep a resident bf16 row in their own order: each 16-token block is eight
-// 32-bit words, word j holding token j in its high half and token 8 + j in its low half. A
-// 32-byte load then gives tokens 0-7 as fp32 by masking off the low halves and tokens 8-15
-// by shifting them up, exactly and in order, so products and sums are fp32 FMAs and
+// These kernels keep a resident bf16 row in their own order (bf16_block_avx2.hpp), which
+// a load widens to fp32 exactly and in order, so products and sums are fp32 FMAs and
 // results are stored without shuffles. Groups of up to 64 tokens (four blocks); only the
 // last vector of a group is masked, and masked stores are avoided where a vector is whole
 // (they are slow on AMD cores).
@@ -11,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/bf16_block_avx2.hpp"
 #include "kernels/gradient_batch.hpp"
 #include "kernels/lane_kernels.hpp"
 #include "kernels/token_groups.hpp"
@@ -21,9 +20,6 @@ namespace {
 constexpr std::int64_t kGroup = 64;      // tokens per group: four 16-token vectors
 constexpr std::uint32_t kPrefetch = 16;  // packets ahead
 
-inline __m256i high_halves() {
-  return _mm256_set1_epi32(static_cast<int>(0xFFFF0000U));
-}
 /// A packet's weight in every lane: its 32-bit word (value << 16 | index) without the index.
 inline __m256 broadcast_weight(const Bf16Packet& p) {
   std::uint32_t word;
@@ -36,13 +32,6 @@ inline const std::uint16_t* row_of(const std::uint16_t* x, const Bf16Packet& p, 
 }
 inline __m256i load_bf16x16(const std::uint16_t* in) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
-}
-/// Tokens 0-7 and 8-15 of a 16-token block, as fp32.
-inline __m256 first_half(__m256i block) {
-  return _mm256_castsi256_ps(_mm256_and_si256(block, high_halves()));
-}
-inline __m256 second_half(__m256i block) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(block, 16));
 }
 inline void prefetch_lines(const void* row, std::int64_t bytes) {
   const char* p = static_cast<const char*>(row);

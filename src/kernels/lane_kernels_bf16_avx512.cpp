@@ -1,8 +1,6 @@
 // AVX-512 lane kernels for bf16 streams. These kernels keep a resident bf16 row in their
-// own order: each 32-token block is sixteen 32-bit words, word j holding token j in its
-// high half and token 16 + j in its low half. A 64-byte load then gives tokens 0-15 as
-// fp32 by masking off the low halves and tokens 16-31 by shifting them up, exactly and
-// in order, so products and sums are fp32 FMAs and results are stored without shuffles.
+// own order (bf16_block_avx512.hpp), which a load widens to fp32 exactly and in order, so
+// products and sums are fp32 FMAs and results are stored without shuffles.
 // (The AVX512-BF16 dot product would pair neighbouring tokens, letting a NaN in one poison
 // the other, and needs a newer CPU than AVX-512F; it measured no faster here.)
 #include <immintrin.h>
@@ -15,6 +13,7 @@
 #include <bit>
 #include <cstring>
 
+#include "kernels/bf16_block_avx512.hpp"
 #include "kernels/gradient_batch.hpp"
 #include "kernels/lane_kernels.hpp"
 #include "kernels/reduce8.hpp"
@@ -40,9 +39,6 @@ constexpr std::uint32_t kStreamAhead = 256;  // packets ahead, for the stream it
   }
 }
 
-inline __m512i high_halves() {
-  return _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
-}
 /// A packet's weight in every lane: its 32-bit word (value << 16 | index) without the index.
 inline __m512 broadcast_weight(const Bf16Packet& p) {
   std::uint32_t word;
@@ -52,13 +48,6 @@ inline __m512 broadcast_weight(const Bf16Packet& p) {
 }
 inline const std::uint16_t* row_of(const std::uint16_t* x, const Bf16Packet& p, std::int64_t xs) {
   return x + static_cast<std::int64_t>(p.index) * xs;
-}
-/// Tokens 0-15 and 16-31 of a 32-token block, as fp32.
-inline __m512 first_half(__m512i block) {
-  return _mm512_castsi512_ps(_mm512_and_si512(block, high_halves()));
-}
-inline __m512 second_half(__m512i block) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(block, 16));
 }
 /// Mask of the fp32 lanes in [0, 16) that are < n.
 inline __mmask16 first(std::int64_t n) {
