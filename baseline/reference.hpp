@@ -52,6 +52,12 @@ inline double relative_error(double err, double scale, std::int64_t terms) {
   return err / std::max(scale, underflow);
 }
 
+/// The larger of two errors. A NaN error — an element never written (tests fill outputs
+/// with NaN first) or a NaN computed — is infinite: std::max would drop it.
+inline double worse(double worst, double err) {
+  return std::isnan(err) ? std::numeric_limits<double>::infinity() : std::max(worst, err);
+}
+
 /// Largest relative error of `got` against W*X (W as CSR), in float64.
 inline double forward_error(const CsrMatrix& w, ConstMatrixView x, ConstMatrixView got) {
   double worst = 0;
@@ -64,8 +70,7 @@ inline double forward_error(const CsrMatrix& w, ConstMatrixView x, ConstMatrixVi
         sum += p;
         scale += std::abs(p);
       }
-      worst =
-          std::max(worst, relative_error(std::abs(got(o, t) - sum), scale, off[o + 1] - off[o]));
+      worst = worse(worst, relative_error(std::abs(got(o, t) - sum), scale, off[o + 1] - off[o]));
     }
   }
   return worst;
@@ -90,7 +95,7 @@ inline double backward_data_error(const CsrMatrix& w, ConstMatrixView dy, ConstM
   for (std::int64_t i = 0; i < w.cols(); ++i) {
     for (std::int64_t t = 0; t < dy.cols; ++t) {
       const double err = std::abs(got(i, t) - sum[i * dy.cols + t]);
-      worst = std::max(worst, relative_error(err, scale[i * dy.cols + t], terms[i]));
+      worst = worse(worst, relative_error(err, scale[i * dy.cols + t], terms[i]));
     }
   }
   return worst;
@@ -117,7 +122,7 @@ inline double backward_weight_error(const CsrMatrix& mask, ConstMatrixView dy, C
         sum += p;
         scale += std::abs(p);
       }
-      worst = std::max(worst, relative_error(std::abs(got[k] - sum), scale, x.cols));
+      worst = worse(worst, relative_error(std::abs(got[k] - sum), scale, x.cols));
     }
   }
   return worst;
