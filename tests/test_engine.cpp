@@ -223,6 +223,27 @@ TEST_P(EngineByIsa, SmallTileWidthsCoverEveryTail) {
   }
 }
 
+// A one-lane forward hands out pieces of chunks (runs of up to 256 outputs) tile by tile
+// to whichever task is free: chunks of many outputs, on every block and share count.
+TEST_P(EngineByIsa, PiecesOfChunksMatchReference) {
+  const Case cases[] = {{700, 50, 70, 0.9}, {1000, 33, 17, 0.99, RowDistribution::powerlaw}};
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    for (const std::int32_t blocks : {1, 2, 3}) {
+      EngineOptions options;
+      options.isa = GetParam();
+      options.threads = 2;
+      options.geometry.blocks = blocks;
+      options.geometry.shares = 4 - blocks;
+      options.geometry.tile_tokens = 16;
+      CpuEngine engine(options);
+      for (const Case& c : cases) {
+        check_engine(engine, c, 1, kDefaultChunkPackets, 70 + blocks, precision);
+        check_engine(engine, c, 1, 300, 80 + blocks, precision);
+      }
+    }
+  }
+}
+
 // The engine's own geometry on a layer with work and chunks enough for the weight pass
 // to take the stream in shares (one writer per weight, sums sent out on the last of
 // several tiles), and on one too small for that.
