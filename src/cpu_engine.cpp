@@ -909,18 +909,28 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
         },
         /*one_task_each=*/true);
   };
-  // By input: one pass, dY resident, both gradients per run (see ByInputKernel).
+  // By input: one pass, dY resident, both gradients per run (see ByInputKernel). With the
+  // stream in shares, the tasks claim its chunks as the first tile goes, so a faster core
+  // takes more of them (this VM's two vCPUs differ by 1.5x), and each keeps its chunks
+  // for the later tiles: a weight's sums then run tile after tile on one thread.
   auto by_input_pass = [&] {
     const TokenTiling& tiling = weight_tiling;
+    const bool claim_chunks = tiling.blocks == 1 && tiling.shares > 1;
+    std::atomic<std::size_t> next_chunk{0};
     detail::parallel_for(
         std::int64_t{0}, tiling.tasks(1),
         [&](std::int64_t task) {
           const TokenTiling::Task here = tiling.task(task, 1);
           const std::int32_t q = here.block, share = here.share;
-          const std::size_t c_begin = tiling.first_chunk(share, chunks.size());
-          const std::size_t c_end = tiling.first_chunk(share + 1, chunks.size());
           const auto t_start = Clock::now();
-          for (std::size_t c = c_begin; c < c_end && direct && want_grad; ++c) write_controls(c);
+          std::vector<std::size_t> mine;
+          if (!claim_chunks) {
+            for (std::size_t c = tiling.first_chunk(share, chunks.size());
+                 c < tiling.first_chunk(share + 1, chunks.size()); ++c) {
+              if (direct && want_grad) write_controls(c);
+              mine.push_back(c);
+            }
+          }
           ResidentTile resident;
           if (pack) resident.resize(layout.rows[0].size(), tiling.tile, holding.precision());
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
@@ -931,7 +941,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
               resident.load(layout.rows[0], dy.data, dy.stride, t0, width);
             }
             const Tile dy_tile = pack ? resident.tile() : Tile{dy.data + t0, dy.stride};
-            for (std::size_t c = c_begin; c < c_end; ++c) {
+            auto run = [&](std::size_t c) {
               const std::int64_t first = chunks[c].chunk->first_output;  // an input feature
               const Tile x_rows =
                   want_grad ? Tile{x->row(first) + t0, x->stride} : Tile{nullptr, 0};
@@ -949,6 +959,16 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                 m.kernels->backward_by_input(chunks[c].runs<Packet>(0), dy_tile, x_rows, dx_rows,
                                              sums, width);
               }
+            };
+            if (claim_chunks && t == tiling.first_tile(q)) {
+              for (std::size_t c = next_chunk.fetch_add(1, std::memory_order_relaxed);
+                   c < chunks.size(); c = next_chunk.fetch_add(1, std::memory_order_relaxed)) {
+                if (direct && want_grad) write_controls(c);
+                mine.push_back(c);
+                run(c);
+              }
+            } else {
+              for (const std::size_t c : mine) run(c);
             }
           }
           busy[task] += seconds_since(t_start);
