@@ -47,8 +47,8 @@ struct EngineOptions {
   std::optional<Isa> isa;    ///< kernel ISA; default: default_isa()
   bool pin_threads = false;  ///< pin workers to cores with hwloc
   /// The cache a lane's activation tile may fill, per core: beyond it, input features are
-  /// split over more lanes. 0 = the core's share of the caches (hwloc: its L3 instance's
-  /// bytes over the cores sharing it, at least its L2).
+  /// split over more lanes. 0 = the core's share of the caches (Topology::cache_share_bytes:
+  /// the L3 over the cores sharing it, at most 12 MiB, at least the core's L2).
   std::int64_t tile_cache_bytes = 0;
 };
 
