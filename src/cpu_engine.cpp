@@ -419,6 +419,42 @@ void prefer_shares(TokenTiling& tiling, const Geometry& fixed, std::int32_t lane
   tiling.shares = shares;
 }
 
+/// The chunks one task of a pass takes, tile after tile: its share's, or (`claims` given:
+/// one lane and one block, the stream in shares) those it claims while the first tile
+/// goes, kept for the later tiles. A faster core then takes more of the stream (this VM's
+/// two vCPUs differ by 1.5x), and each weight's sums still run tile after tile on one
+/// thread.
+class TaskChunks {
+ public:
+  TaskChunks(const TokenTiling& tiling, std::int32_t share, std::size_t chunks,
+             std::atomic<std::size_t>* claims)
+      : chunks_(chunks), claims_(claims) {
+    if (claims != nullptr) return;
+    for (std::size_t c = tiling.first_chunk(share, chunks);
+         c < tiling.first_chunk(share + 1, chunks); ++c) {
+      mine_.push_back(c);
+    }
+  }
+  /// fn(c, first_visit) for each of the task's chunks on a tile.
+  template <typename Fn>
+  void on_tile(bool first_tile, Fn&& fn) {
+    if (first_tile && claims_ != nullptr) {
+      for (std::size_t c = claims_->fetch_add(1, std::memory_order_relaxed); c < chunks_;
+           c = claims_->fetch_add(1, std::memory_order_relaxed)) {
+        mine_.push_back(c);
+        fn(c, true);
+      }
+      return;
+    }
+    for (const std::size_t c : mine_) fn(c, first_tile);
+  }
+
+ private:
+  std::size_t chunks_;
+  std::atomic<std::size_t>* claims_;
+  std::vector<std::size_t> mine_;
+};
+
 /// Pins each thread that joins the engine's arena to a core of its own.
 class PinningObserver final : public tbb::task_scheduler_observer {
  public:
@@ -848,22 +884,22 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   auto lane_pass = [&](bool data_pass) {
     const TokenTiling& tiling = data_pass ? data_tiling : weight_tiling;
     const Precision tile_precision = !data_pass && bf16 ? Precision::bf16 : Precision::fp32;
+    // The data pass keeps its shares' chunks: each share adds into a dX of its own, and
+    // those are summed in share order, so which chunks a share has fixes the sums.
+    std::atomic<std::size_t> claims{0};
+    const bool claim = !data_pass && P == 1 && tiling.blocks == 1 && tiling.shares > 1;
     detail::parallel_for(
         std::int64_t{0}, tiling.tasks(P),
         [&](std::int64_t task) {
           const TokenTiling::Task here = tiling.task(task, P);
           const std::int32_t p = here.lane, q = here.block, share = here.share;
-          const std::size_t c_begin = tiling.first_chunk(share, chunks.size());
-          const std::size_t c_end = tiling.first_chunk(share + 1, chunks.size());
+          TaskChunks mine(tiling, share, chunks.size(), claim ? &claims : nullptr);
           const auto t_start = Clock::now();
           const auto& rows = layout.rows[p];
           const MutableMatrixView target = !data_pass ? MutableMatrixView{}
                                            : share == 0
                                                ? *dx
                                                : dx_shares[static_cast<std::size_t>(share) - 1];
-          for (std::size_t c = c_begin; c < c_end && direct && !data_pass; ++c) {
-            write_controls(c);
-          }
           ResidentTile resident;
           if (pack) resident.resize(rows.size(), tiling.tile, tile_precision);
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
@@ -886,7 +922,8 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
             const Tile x_tile =
                 pack ? resident.tile()
                      : Tile{x != nullptr ? x->data + t0 : nullptr, x != nullptr ? x->stride : 0};
-            for (std::size_t c = c_begin; c < c_end; ++c) {
+            mine.on_tile(t == tiling.first_tile(q), [&](std::size_t c, bool first_visit) {
+              if (first_visit && direct && !data_pass) write_controls(c);
               const StreamChunk& chunk = *chunks[c].chunk;
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
               if (bf16 && data_pass) {
@@ -902,35 +939,26 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                 m.kernels->backward_weight(chunks[c].runs<Packet>(p), dy_tile, x_tile,
                                            sums_of(tiling, p, q, c, t), width);
               }
-            }
+            });
             if (data_pass && pack) resident.store(rows, target.data, target.stride, t0, width);
           }
           busy[task] += seconds_since(t_start);
         },
         /*one_task_each=*/true);
   };
-  // By input: one pass, dY resident, both gradients per run (see ByInputKernel). With the
-  // stream in shares, the tasks claim its chunks as the first tile goes, so a faster core
-  // takes more of them (this VM's two vCPUs differ by 1.5x), and each keeps its chunks
-  // for the later tiles: a weight's sums then run tile after tile on one thread.
+  // By input: one pass, dY resident, both gradients per run (see ByInputKernel). Each run
+  // writes its own dX row, so the stream's chunks can be claimed (TaskChunks).
   auto by_input_pass = [&] {
     const TokenTiling& tiling = weight_tiling;
     const bool claim_chunks = tiling.blocks == 1 && tiling.shares > 1;
-    std::atomic<std::size_t> next_chunk{0};
+    std::atomic<std::size_t> claims{0};
     detail::parallel_for(
         std::int64_t{0}, tiling.tasks(1),
         [&](std::int64_t task) {
           const TokenTiling::Task here = tiling.task(task, 1);
           const std::int32_t q = here.block, share = here.share;
           const auto t_start = Clock::now();
-          std::vector<std::size_t> mine;
-          if (!claim_chunks) {
-            for (std::size_t c = tiling.first_chunk(share, chunks.size());
-                 c < tiling.first_chunk(share + 1, chunks.size()); ++c) {
-              if (direct && want_grad) write_controls(c);
-              mine.push_back(c);
-            }
-          }
+          TaskChunks mine(tiling, share, chunks.size(), claim_chunks ? &claims : nullptr);
           ResidentTile resident;
           if (pack) resident.resize(layout.rows[0].size(), tiling.tile, holding.precision());
           for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
@@ -960,16 +988,10 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                              sums, width);
               }
             };
-            if (claim_chunks && t == tiling.first_tile(q)) {
-              for (std::size_t c = next_chunk.fetch_add(1, std::memory_order_relaxed);
-                   c < chunks.size(); c = next_chunk.fetch_add(1, std::memory_order_relaxed)) {
-                if (direct && want_grad) write_controls(c);
-                mine.push_back(c);
-                run(c);
-              }
-            } else {
-              for (const std::size_t c : mine) run(c);
-            }
+            mine.on_tile(t == tiling.first_tile(q), [&](std::size_t c, bool first_visit) {
+              if (first_visit && direct && want_grad) write_controls(c);
+              run(c);
+            });
           }
           busy[task] += seconds_since(t_start);
         },
