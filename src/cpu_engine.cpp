@@ -348,7 +348,8 @@ void take_in(TakenChunks& into, StreamSource& source, const Placement& placement
 
 /// How a product's tasks divide the work: the token tiles of a layer, dealt to Q blocks
 /// in contiguous runs, and the stream's chunks, dealt to S shares in contiguous runs.
-/// Task (p, q, s) is lane p's work on block q's tiles and share s's chunks.
+/// Task (p, q, s) is lane p's work on block q's tiles and share s's chunks — where it
+/// starts: one-lane passes hand the rest out as they go (StreamPiece, TaskChunks).
 struct TokenTiling {
   std::int64_t tokens = 0, tile = 1, count = 0;
   std::int32_t blocks = 1, shares = 1;
