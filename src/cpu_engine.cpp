@@ -427,6 +427,10 @@ void prefer_shares(TokenTiling& tiling, const Geometry& fixed, std::int32_t lane
 /// thread.
 class TaskChunks {
  public:
+  /// Whether a pass on `lanes` lanes claims its chunks: one lane, one block, shares.
+  static bool claimed(const TokenTiling& tiling, std::int32_t lanes) {
+    return lanes == 1 && tiling.blocks == 1 && tiling.shares > 1;
+  }
   TaskChunks(const TokenTiling& tiling, std::int32_t share, std::size_t chunks,
              std::atomic<std::size_t>* claims)
       : chunks_(chunks), claims_(claims) {
@@ -888,7 +892,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
     // The data pass keeps its shares' chunks: each share adds into a dX of its own, and
     // those are summed in share order, so which chunks a share has fixes the sums.
     std::atomic<std::size_t> claims{0};
-    const bool claim = !data_pass && P == 1 && tiling.blocks == 1 && tiling.shares > 1;
+    const bool claim = !data_pass && TaskChunks::claimed(tiling, P);
     detail::parallel_for(
         std::int64_t{0}, tiling.tasks(P),
         [&](std::int64_t task) {
@@ -951,7 +955,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   // writes its own dX row, so the stream's chunks can be claimed (TaskChunks).
   auto by_input_pass = [&] {
     const TokenTiling& tiling = weight_tiling;
-    const bool claim_chunks = tiling.blocks == 1 && tiling.shares > 1;
+    const bool claim_chunks = TaskChunks::claimed(tiling, 1);
     std::atomic<std::size_t> claims{0};
     detail::parallel_for(
         std::int64_t{0}, tiling.tasks(1),
