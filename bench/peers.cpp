@@ -99,7 +99,7 @@ struct SluiceBf16Peer {
   /// lanes pack their rows): fp32 tolerances apply.
   double reference_error(const DenseMatrix& got) const {
     const DenseMatrix x = testing::rounded_to_bf16(l.x.view());
-    const bool held = CpuEngine::packs_tiles(placement.lanes, l.w.nnz(), l.w.cols());
+    const bool held = CpuEngine::holds_bf16(placement.lanes, l.w.nnz(), l.w.cols(), l.x.cols());
     return testing::forward_error(testing::rounded_to_bf16(l.w), held ? x.view() : l.x.view(),
                                   got.view());
   }

@@ -174,7 +174,9 @@ class ResidentTile {
 
   void resize(std::size_t rows, std::int64_t tile, Precision precision = Precision::fp32) {
     const bool bf16 = precision == Precision::bf16;
-    const std::int64_t align = bf16 ? detail::kBf16RowAlign : 16;
+    // A one-token tile is one contiguous column (16 KiB for 4096 rows, in L1), not a
+    // 64-byte line per element.
+    const std::int64_t align = bf16 ? detail::kBf16RowAlign : tile == 1 ? 1 : 16;
     stride_ = static_cast<std::size_t>((tile + align - 1) / align * align);
     data_.reserve(bf16 ? (rows * stride_ + 1) / 2 : rows * stride_);
     rows_ = rows;
@@ -234,17 +236,23 @@ struct Holding {
   bool pack;   ///< rows copied into a resident tile
   bool bf16;   ///< ... and held there in bf16
   bool widen;  ///< a bf16 stream read with the fp32 kernels
+  /// A bf16 stream's single token: its packets read as they are by the one-token kernels,
+  /// X held in fp32 (one token is bound by reading the stream, which bf16 halves; widening
+  /// it would write it out again as fp32, and a bf16 row holds 32 tokens).
+  bool one_token_bf16;
   Precision precision() const { return bf16 ? Precision::bf16 : Precision::fp32; }
 };
 
-Holding holding_for(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs,
+Holding holding_for(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs, std::int64_t tokens,
                     Precision precision) {
   const bool pack = CpuEngine::packs_tiles(lanes, nnz, inputs);
   const bool bf16_stream = precision == Precision::bf16;
-  return {pack, bf16_stream && pack, bf16_stream && !pack};
+  const bool one_token = bf16_stream && tokens == 1;
+  return {pack, CpuEngine::holds_bf16(lanes, nnz, inputs, tokens) && bf16_stream,
+          bf16_stream && !pack && !one_token, one_token};
 }
-Holding holding_for(std::int32_t lanes, const StreamHeader& header) {
-  return holding_for(lanes, header.nnz, header.inputs, header.precision);
+Holding holding_for(std::int32_t lanes, const StreamHeader& header, std::int64_t tokens) {
+  return holding_for(lanes, header.nnz, header.inputs, tokens, header.precision);
 }
 
 /// Sends each weight packet of a chunk to the lane that owns its input feature, with the
@@ -564,6 +572,11 @@ bool CpuEngine::packs_tiles(std::int32_t lanes, std::uint64_t nnz, std::int64_t 
          nnz >= kReadsPerRow * static_cast<std::uint64_t>(std::max<std::int64_t>(inputs, 0));
 }
 
+bool CpuEngine::holds_bf16(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs,
+                           std::int64_t tokens) {
+  return tokens != 1 && packs_tiles(lanes, nnz, inputs);
+}
+
 Isa CpuEngine::isa() const {
   return impl_->isa;
 }
@@ -578,7 +591,7 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
   // As the products decide: how the lanes hold X (its precision), and resolve's serial case.
   auto resolved = [&](std::int32_t lanes) {
     if (nnz == 0) return std::pair{m.resolve(tokens, lanes, precision), precision};
-    const Precision held = holding_for(lanes, nnz, inputs, precision).precision();
+    const Precision held = holding_for(lanes, nnz, inputs, tokens, precision).precision();
     return std::pair{m.resolve(tokens, lanes, held, nnz), held};
   };
   if (m.options.geometry.lanes > 0) return resolved(m.options.geometry.lanes).first;
@@ -605,8 +618,9 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   const std::int32_t P = placement.lanes;
   // (Plain bools, not a structured binding: lambdas below capture them, which Clang 14,
   // the sanitizer and fuzz builds' compiler, cannot do with bindings.)
-  const Holding holding = holding_for(P, weights.header());
+  const Holding holding = holding_for(P, weights.header(), x.cols);
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
+  const bool one_token_bf16 = holding.one_token_bf16;
   const Geometry g = m.resolve(x.cols, P, holding.precision(), weights.header().nnz);
   const TokenTiling tiling = make_tiling(x.cols, g);
   const auto t_intake = Clock::now();
@@ -676,7 +690,11 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
                               width);
     } else {
       const Tile x_tile = pack ? resident.tile() : Tile{x.data + tiling.begin(t), x.stride};
-      m.kernels->forward(part(chunks[c].runs<Packet>(p)), x_tile, out, width);
+      if (one_token_bf16) {
+        m.bf16_kernels->forward_one_token(part(chunks[c].runs<Bf16Packet>(p)), x_tile, out);
+      } else {
+        m.kernels->forward(part(chunks[c].runs<Packet>(p)), x_tile, out, width);
+      }
     }
   };
 
@@ -780,10 +798,12 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const Placement& lanes_of = by_input ? one_lane : placement;
   const std::int32_t P = lanes_of.lanes;
   const bool packs_dy = by_input && packs_tiles(1, header.nnz, tags);
+  const bool dy_in_bf16 =
+      header.precision == Precision::bf16 && holds_bf16(1, header.nnz, tags, dy.cols);
   const Holding holding =
-      by_input ? Holding{packs_dy, packs_dy && header.precision == Precision::bf16, false}
-               : holding_for(P, header);
+      by_input ? Holding{packs_dy, dy_in_bf16, false, false} : holding_for(P, header, dy.cols);
   const bool pack = holding.pack, bf16 = holding.bf16, widen = holding.widen;
+  const bool one_token_bf16 = holding.one_token_bf16;
   // dX accumulates in an fp32 tile; X is held as holding_for says for dW.
   const TokenTiling data_tiling =
       make_tiling(dy.cols, m.resolve(dy.cols, P, Precision::fp32, header.nnz));
@@ -931,7 +951,12 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
               if (first_visit && direct && !data_pass) write_controls(c);
               const StreamChunk& chunk = *chunks[c].chunk;
               const Tile dy_tile{dy.row(chunk.first_output) + t0, dy.stride};
-              if (bf16 && data_pass) {
+              if (one_token_bf16 && data_pass) {
+                detail::backward_data_one_token(chunks[c].runs<Bf16Packet>(p), dy_tile, dx_tile);
+              } else if (one_token_bf16) {
+                detail::backward_weight_one_token(chunks[c].runs<Bf16Packet>(p), dy_tile, x_tile,
+                                                  sums_of(tiling, p, q, c, t));
+              } else if (bf16 && data_pass) {
                 m.bf16_kernels->backward_data(chunks[c].runs<Bf16Packet>(p), dy_tile, dx_tile,
                                               width);
               } else if (bf16) {

@@ -1,6 +1,7 @@
 // The engine against a float64 dense reference: forward, backward-data and
 // backward-weight, on odd shapes, every ISA this CPU runs and many geometries.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <bit>
@@ -86,7 +87,8 @@ void check_backward_by_input(CpuEngine& engine, const Case& c, const CsrMatrix& 
   const CsrMatrix w_ref = bf16 ? testing::rounded_to_bf16(w) : w;
   // The engine gets dY as given; the reference takes it as held.
   const DenseMatrix dy_held = testing::rounded_to_bf16(dy_given.view());
-  const DenseMatrix& dy = bf16 && CpuEngine::packs_tiles(1, w.nnz(), c.out) ? dy_held : dy_given;
+  const DenseMatrix& dy =
+      bf16 && CpuEngine::holds_bf16(1, w.nnz(), c.out, c.tokens) ? dy_held : dy_given;
   const WeightStream stream =
       encode_stream(w, StreamKind::weights, chunk, precision, StreamOrder::by_input);
   DenseMatrix dx(c.in, c.tokens);
@@ -115,7 +117,7 @@ void check_backward_by_input(CpuEngine& engine, const Case& c, const CsrMatrix& 
 
 // Runs forward and both backward products on one engine and checks them. In bf16 the
 // engine streams W rounded to bf16, holds X in bf16 where its lanes pack their rows
-// (CpuEngine::packs_tiles; a sparser layer reads X in place, in fp32) and sums in fp32,
+// (CpuEngine::holds_bf16; a sparser layer or one token holds X in fp32) and sums in fp32,
 // so it is checked against the float64 product of those operands at fp32 tolerance.
 void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::size_t chunk,
                   std::uint64_t seed, Precision precision = Precision::fp32) {
@@ -129,7 +131,7 @@ void check_engine(CpuEngine& engine, const Case& c, std::int32_t lanes, std::siz
   const bool bf16 = precision == Precision::bf16;
   const CsrMatrix w_ref = bf16 ? testing::rounded_to_bf16(w) : w;
   const DenseMatrix x_held = testing::rounded_to_bf16(x.view());
-  const bool held = bf16 && CpuEngine::packs_tiles(lanes, w.nnz(), c.in);
+  const bool held = bf16 && CpuEngine::holds_bf16(lanes, w.nnz(), c.in, c.tokens);
   const ConstMatrixView x_ref = held ? x_held.view() : x.view();
 
   DenseMatrix y(c.out, c.tokens);
@@ -277,6 +279,30 @@ TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
   }
 }
 
+// One token: runs long enough for the AVX-512 gathers (from 128 packets) and shorter ones,
+// X packed into one contiguous column or read in place (a DenseMatrix's rows lie 16 floats
+// apart), outputs without weights; a bf16 stream's packets are read as they are, X held
+// in fp32. Two lanes pack their rows and route the packets.
+TEST_P(EngineByIsa, OneTokenMatchesReference) {
+  const Case cases[] = {
+      {1, 3000, 1, 0.0},                                // one output of 3000 weights, in place
+      {90, 1000, 1, 0.6},                               // ~400 a run, packed
+      {70, 5000, 1, 0.95},                              // ~250 a run, in place
+      {300, 2000, 1, 0.97, RowDistribution::powerlaw},  // long, short and empty runs
+  };
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    for (std::int32_t lanes : {1, 2}) {
+      EngineOptions options;
+      options.isa = GetParam();
+      options.threads = 2;
+      options.geometry.lanes = lanes;
+      CpuEngine engine(options);
+      std::uint64_t seed = 40;
+      for (const Case& c : cases) check_engine(engine, c, lanes, 700, ++seed, precision);
+    }
+  }
+}
+
 TEST_P(EngineByIsa, Bf16HoldsActivationsRoundedToNearestEven) {
   // W = I on two lanes (which always pack, so X is held in bf16): Y is X as held.
   const std::int64_t n = 24, tokens = 45;
@@ -325,6 +351,37 @@ TEST_P(EngineByIsa, Bf16HoldsActivationsRoundedToNearestEven) {
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, EngineByIsa, ::testing::ValuesIn(supported_isas()),
                          [](const auto& info) { return std::string(to_string(info.param)); });
+
+// The one-token gathers take 32-bit offsets: from a column whose rows lie 2^23 floats
+// apart, inputs past 255 are out of their reach, and those steps are taken packet by
+// packet (the matrix spans 9.4 GiB of address space, of which 300 pages are touched).
+TEST(Engine, OneTokenFromRowsTooFarApartForGathers) {
+  constexpr std::int64_t kInputs = 300, kStride = std::int64_t{1} << 23;
+  const auto bytes = static_cast<std::size_t>(kInputs * kStride) * sizeof(float);
+  void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (memory == MAP_FAILED) GTEST_SKIP() << "no address space for a 9.4 GiB mapping";
+  auto* column = static_cast<float*>(memory);
+  const DenseMatrix x = random_dense(kInputs, 1, 12);
+  for (std::int64_t i = 0; i < kInputs; ++i) column[i * kStride] = x(i, 0);
+  const ConstMatrixView far{column, kInputs, 1, kStride};
+  const CsrMatrix w = CsrMatrix::random(5, kInputs, 0.0, 13);  // too sparse to pack: in place
+  for (const Isa isa : supported_isas()) {
+    for (const Precision precision : {Precision::fp32, Precision::bf16}) {
+      SCOPED_TRACE(std::string(to_string(isa)) + " " + to_string(precision));
+      EngineOptions options;
+      options.isa = isa;
+      CpuEngine engine(options);
+      DenseMatrix y(5, 1);
+      y.fill(NAN);
+      engine.forward(encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision),
+                     round_robin_placement(w, 1), far, y.view());
+      const CsrMatrix w_ref = precision == Precision::bf16 ? testing::rounded_to_bf16(w) : w;
+      EXPECT_LE(forward_error(w_ref, x.view(), y.view()), kTolerance);
+    }
+  }
+  munmap(memory, bytes);
+}
 
 // The engine keeps the lanes' routed packets between products; layers of other shapes,
 // lane counts, chunk counts and precisions on one engine must not see each other's.
@@ -516,7 +573,7 @@ TEST(Engine, Bf16KeepsTokensApart) {
   // A non-finite activation in one token must not leak into its neighbours, which share
   // the same 32-bit word of a bf16 row.
   const CsrMatrix w = CsrMatrix::random(64, 12, 0.0, 21);  // dense enough to be held in bf16
-  ASSERT_TRUE(CpuEngine::packs_tiles(1, w.nnz(), 12));
+  ASSERT_TRUE(CpuEngine::holds_bf16(1, w.nnz(), 12, 37));
   DenseMatrix x = random_dense(12, 37, 22);
   x(3, 10) = INFINITY;
   x(5, 20) = NAN;
@@ -544,7 +601,7 @@ TEST(Engine, Bf16StreamsAddressUpToTheirLastIndex) {
         encode_stream(*w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
     DenseMatrix y(w->rows(), 3);
     engine.forward(s, round_robin_placement(*w, 1), x.view(), y.view());
-    const bool packed = CpuEngine::packs_tiles(1, w->nnz(), w->cols());
+    const bool packed = CpuEngine::holds_bf16(1, w->nnz(), w->cols(), 3);
     EXPECT_EQ(packed, w == &dense);
     const DenseMatrix rounded = testing::rounded_to_bf16(x.view());
     const ConstMatrixView held = packed ? rounded.view() : x.view();

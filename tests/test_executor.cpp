@@ -74,7 +74,7 @@ struct Reference {
   std::int64_t step = 0;
   /// Layers run in bf16: their weights are rounded to bf16 where the engines use them
   /// (the products), and their input activations too where the engines hold them in bf16
-  /// (see CpuEngine::packs_tiles); everything else stays exact.
+  /// (see CpuEngine::holds_bf16); everything else stays exact.
   std::vector<bool> bf16_weights, bf16_inputs;
   std::vector<std::vector<double>> last_gw, last_gb;  // the last step's gradients
 
@@ -364,8 +364,8 @@ TEST(Executor, Bf16LayersMatchTheReferenceOnRoundedOperands) {
   m.add_layer(CsrMatrix::random(kSizes[1], kSizes[0], 0.0, 1), std::vector<float>(kSizes[1], 0.1F));
   m.add_layer(CsrMatrix::random(kSizes[2], kSizes[1], 0.5, 2), std::vector<float>(kSizes[2], 0.0F));
   m.add_layer(CsrMatrix::random(kSizes[3], kSizes[2], 0.5, 3), {});
-  ASSERT_TRUE(CpuEngine::packs_tiles(1, m.weights(0).nnz(), kSizes[0]));
-  ASSERT_FALSE(CpuEngine::packs_tiles(1, m.weights(2).nnz(), kSizes[2]));
+  ASSERT_TRUE(CpuEngine::holds_bf16(1, m.weights(0).nnz(), kSizes[0], data.x[0].cols()));
+  ASSERT_FALSE(CpuEngine::holds_bf16(1, m.weights(2).nnz(), kSizes[2], data.x[0].cols()));
   Reference ref(m, kRelu, sgd_momentum());
   ref.bf16_weights = {true, false, true};
   ref.bf16_inputs = {true, false, false};

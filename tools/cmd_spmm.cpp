@@ -77,11 +77,12 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   const Geometry g = engine.geometry_for(w.rows(), w.cols(), o.tokens, precision, w.nnz());
   r.geometry = g.to_string();
   // A bf16 product is checked against float64 on the operands rounded as the engine holds
-  // them (W streamed in bf16; X resident in bf16 where lanes pack their rows, else read
-  // in place; dY likewise in the backward by input), so the check still catches kernel
+  // them (W streamed in bf16; X resident in bf16 where lanes pack their rows for more
+  // than one token, else fp32; dY likewise in the backward by input), so the check still
+  // catches kernel
   // bugs at fp32 tolerances.
   const bool bf16 = precision == Precision::bf16;
-  const bool x_in_bf16 = bf16 && CpuEngine::packs_tiles(g.lanes, w.nnz(), w.cols());
+  const bool x_in_bf16 = bf16 && CpuEngine::holds_bf16(g.lanes, w.nnz(), w.cols(), o.tokens);
   const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();
   const CsrMatrix& w_ref = bf16 ? w_held : w;
   const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
@@ -90,7 +91,7 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   // fp32.
   const bool by_input = o.backward_order == "by_input";
   const ConstMatrixView x_ref_bwd = by_input ? x.view() : x_ref;
-  const bool dy_in_bf16 = bf16 && by_input && CpuEngine::packs_tiles(1, w.nnz(), w.rows());
+  const bool dy_in_bf16 = bf16 && by_input && CpuEngine::holds_bf16(1, w.nnz(), w.rows(), o.tokens);
 
   // Preparing the layer (planning + encoding the streams) happens in ModelMemory, so it is
   // reported apart from the products. The backward reads the layer by input, as training

@@ -99,8 +99,8 @@ class Engine {
 
   /// The geometry this engine uses for a layer of this shape (a bf16 layer's tiles are
   /// wider: its activations take half the bytes). With the layer's non-zeros (`nnz` > 0)
-  /// it is exactly the geometry a product runs with: a bf16 layer too sparse to pack its
-  /// tiles (see CpuEngine::packs_tiles) runs with the fp32 geometry, and a layer with too
+  /// it is exactly the geometry a product runs with: a bf16 layer that holds X in fp32
+  /// (see CpuEngine::holds_bf16) runs with the fp32 geometry, and a layer with too
   /// little work to share runs as one token block. The lanes do not depend on `nnz`.
   virtual Geometry geometry_for(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
                                 Precision precision = Precision::fp32,
@@ -135,6 +135,11 @@ class CpuEngine final : public Engine {
   /// Whether lanes copy their activation rows into a packed resident tile for a layer
   /// (else they read X where it is): a cost the cost model accounts for.
   static bool packs_tiles(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs);
+  /// Whether a bf16 layer's lanes hold its activations (X forward and by output, dY by
+  /// input) in bf16 for a batch of `tokens`: where they pack them, for more than one token.
+  /// Else they hold them in fp32 as given, and only the weights are bf16.
+  static bool holds_bf16(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs,
+                         std::int64_t tokens);
 
  protected:
   void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,

@@ -102,48 +102,67 @@ void with_by_input_products(Tile x, MutableTile dx, Run&& run) {
   }
 }
 
-/// The forward of a single token: y[r, 0] = sum over run r of w * x[tag, 0], a sparse dot
-/// product per output. A vector kernel would use one lane of each step and chain every
-/// packet's FMA on the one before; here four sums run at once and each packet costs two
-/// loads. The vector tables' forwards take this path for one token.
-inline void forward_one_token(const LaneRuns& L, Tile x, MutableTile y) {
-  const Packet* p = L.packets;
-  auto term = [&](std::uint32_t k) {
-    return p[k].value * x.data[static_cast<std::int64_t>(p[k].tag) * x.stride];
+/// A weight packet's tag: runs hold weights only, so no control tag to map (tag_of).
+inline std::uint32_t weight_tag(const Packet& p) {
+  return p.tag;
+}
+inline std::uint32_t weight_tag(const Bf16Packet& p) {
+  return p.index;
+}
+
+/// Packets [k, e)'s sparse dot product with X's one column: sum of w * x[tag, 0]. A
+/// vector kernel would use one lane of each step and chain every packet's FMA on the one
+/// before; here four sums run at once and each packet costs two loads.
+/// (always_inline: at 99.9% a run holds ~4 packets, and a call per run was seen to cost
+/// a fifth of the product.)
+template <typename PacketT>
+[[gnu::always_inline]] inline float dot_one_token(const PacketT* p, std::uint32_t k,
+                                                  std::uint32_t e, Tile x) {
+  auto term = [&](std::uint32_t j) {
+    return value_of(p[j]) * x.data[static_cast<std::int64_t>(weight_tag(p[j])) * x.stride];
   };
+  float s0 = 0.0F, s1 = 0.0F, s2 = 0.0F, s3 = 0.0F;
+  for (; k + 4 <= e; k += 4) {
+    s0 += term(k);
+    s1 += term(k + 1);
+    s2 += term(k + 2);
+    s3 += term(k + 3);
+  }
+  for (; k < e; ++k) s0 += term(k);
+  return (s0 + s1) + (s2 + s3);
+}
+
+/// The forward of a single token: y[r, 0] = run r's dot product with X's column. The
+/// vector tables' forwards take this path for one token (AVX-512's with gathers), and the
+/// engine takes it for a bf16 stream's one token, its packets read as they are (X held in
+/// fp32): one token is bound by reading the stream, which bf16 halves.
+template <typename PacketT>
+void forward_one_token(const Runs<PacketT>& L, Tile x, MutableTile y) {
   for (std::int64_t r = 0; r < L.runs; ++r) {
-    float s0 = 0.0F, s1 = 0.0F, s2 = 0.0F, s3 = 0.0F;
-    std::uint32_t k = L.begin[r];
-    const std::uint32_t e = L.end[r];
-    for (; k + 4 <= e; k += 4) {
-      s0 += term(k);
-      s1 += term(k + 1);
-      s2 += term(k + 2);
-      s3 += term(k + 3);
-    }
-    for (; k < e; ++k) s0 += term(k);
-    y.data[r * y.stride] = (s0 + s1) + (s2 + s3);
+    y.data[r * y.stride] = dot_one_token(L.packets, L.begin[r], L.end[r], x);
   }
 }
 
-/// The by-output gradients of a single token, for the vector tables, as the forward's: dX
-/// scattered one product per weight, and each weight's one product left as `sums` says.
-inline void backward_data_one_token(const LaneRuns& L, Tile dy, MutableTile dx) {
-  const Packet* p = L.packets;
+/// The by-output gradients of a single token, for the vector tables and a bf16 stream's
+/// one token, as the forward's: dX scattered one product per weight, and each weight's one
+/// product left as `sums` says.
+template <typename PacketT>
+void backward_data_one_token(const Runs<PacketT>& L, Tile dy, MutableTile dx) {
+  const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float d = dy.data[r * dy.stride];
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
-      dx.data[static_cast<std::int64_t>(p[k].tag) * dx.stride] += p[k].value * d;
+      dx.data[static_cast<std::int64_t>(tag_of(p[k])) * dx.stride] += value_of(p[k]) * d;
     }
   }
 }
-inline void backward_weight_one_token(const LaneRuns& L, Tile dy, Tile x,
-                                      const GradientSums& sums) {
-  const Packet* p = L.packets;
+template <typename PacketT>
+void backward_weight_one_token(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums) {
+  const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float d = dy.data[r * dy.stride];
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
-      leave_sum(sums, p, k, d * x.data[static_cast<std::int64_t>(p[k].tag) * x.stride]);
+      leave_sum(sums, p, k, d * x.data[static_cast<std::int64_t>(tag_of(p[k])) * x.stride]);
     }
   }
 }
@@ -202,6 +221,8 @@ struct Bf16LaneKernels {
   /// The same with dY held in bf16 in the resident tile (this table's token order, as
   /// `pack` writes it), widened exactly; X and dX in fp32.
   ByInputKernel<Bf16Packet, Bf16Tile> backward_by_input_held;
+  /// The forward of a single token, X read in place in fp32 (see forward_one_token).
+  void (*forward_one_token)(const Bf16LaneRuns& runs, Tile x, MutableTile y);
 };
 
 const LaneKernels& lane_kernels(Isa isa);
@@ -226,6 +247,9 @@ void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
+/// The one-token forwards with AVX-512 gathers (src/kernels/one_token_avx512.cpp).
+void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y);
+void forward_one_token_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y);
 
 extern const LaneKernels kScalarKernels;
 extern const LaneKernels kAvx2Kernels;

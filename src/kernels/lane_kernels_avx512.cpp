@@ -340,7 +340,7 @@ void for_each_group(std::int64_t tokens, Kernel&& kernel) {
 }
 
 void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
-  if (tokens == 1) return forward_one_token(L, x, y);
+  if (tokens == 1) return forward_one_token_avx512(L, x, y);
   for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
     forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
   });

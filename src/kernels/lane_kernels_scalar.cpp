@@ -67,6 +67,7 @@ const Bf16LaneKernels kScalarBf16Kernels{forward<Bf16Packet, Bf16Tile>,
                                          backward_weight<Bf16Packet, Bf16Tile>,
                                          pack,
                                          by_input_scalar,
-                                         by_input_scalar};
+                                         by_input_scalar,
+                                         forward_one_token<Bf16Packet>};
 
 }  // namespace sluice::detail
