@@ -66,12 +66,20 @@ inline GradientSums for_group(const GradientSums& g, bool first_group, bool last
   return {g.partial, last_group ? g.out : nullptr, g.first && first_group};
 }
 
+/// A weight packet's tag: runs hold weights only, so no control tag to map (tag_of).
+inline std::uint32_t weight_tag(const Packet& p) {
+  return p.tag;
+}
+inline std::uint32_t weight_tag(const Bf16Packet& p) {
+  return p.index;
+}
+
 /// Leaves one weight's sum s as `g` says: the plain form every vector path must equal.
 template <typename PacketT>
 inline void leave_sum(const GradientSums& g, const PacketT* packets, std::uint32_t k, float s) {
   const float total = g.first ? s : g.partial[k] + s;
   if (g.out != nullptr) {
-    g.out[k] = {tag_of(packets[k]), total};
+    g.out[k] = {weight_tag(packets[k]), total};
   } else {
     g.partial[k] = total;
   }
@@ -100,14 +108,6 @@ void with_by_input_products(Tile x, MutableTile dx, Run&& run) {
   } else if (x.data != nullptr) {
     run.template operator()<false, true>();
   }
-}
-
-/// A weight packet's tag: runs hold weights only, so no control tag to map (tag_of).
-inline std::uint32_t weight_tag(const Packet& p) {
-  return p.tag;
-}
-inline std::uint32_t weight_tag(const Bf16Packet& p) {
-  return p.index;
 }
 
 /// Packets [k, e)'s sparse dot product with X's one column: sum of w * x[tag, 0]. A
@@ -152,7 +152,7 @@ void backward_data_one_token(const Runs<PacketT>& L, Tile dy, MutableTile dx) {
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float d = dy.data[r * dy.stride];
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
-      dx.data[static_cast<std::int64_t>(tag_of(p[k])) * dx.stride] += value_of(p[k]) * d;
+      dx.data[static_cast<std::int64_t>(weight_tag(p[k])) * dx.stride] += value_of(p[k]) * d;
     }
   }
 }
@@ -162,7 +162,7 @@ void backward_weight_one_token(const Runs<PacketT>& L, Tile dy, Tile x, const Gr
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float d = dy.data[r * dy.stride];
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
-      leave_sum(sums, p, k, d * x.data[static_cast<std::int64_t>(tag_of(p[k])) * x.stride]);
+      leave_sum(sums, p, k, d * x.data[static_cast<std::int64_t>(weight_tag(p[k])) * x.stride]);
     }
   }
 }
@@ -179,7 +179,7 @@ void by_input_one_token(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx,
       const float xr = kWeight ? x.data[r * x.stride] : 0.0F;
       float s[4] = {0.0F, 0.0F, 0.0F, 0.0F};
       auto packet = [&](std::uint32_t k, float& sum) {
-        const float d = dy.data[static_cast<std::int64_t>(tag_of(p[k])) * dy.stride];
+        const float d = dy.data[static_cast<std::int64_t>(weight_tag(p[k])) * dy.stride];
         if constexpr (kData) sum += value_of(p[k]) * d;
         if constexpr (kWeight) leave_sum(sums, p, k, xr * d);
       };
