@@ -221,7 +221,8 @@ struct Bf16LaneKernels {
   /// The same with dY held in bf16 in the resident tile (this table's token order, as
   /// `pack` writes it), widened exactly; X and dX in fp32.
   ByInputKernel<Bf16Packet, Bf16Tile> backward_by_input_held;
-  /// The forward of a single token, X read in place in fp32 (see forward_one_token).
+  /// The forward of a single token, X held in fp32, packed or in place (see
+  /// forward_one_token).
   void (*forward_one_token)(const Bf16LaneRuns& runs, Tile x, MutableTile y);
 };
 

@@ -17,7 +17,7 @@
 namespace sluice::detail {
 namespace {
 
-constexpr std::uint32_t kShortRun = 128;
+constexpr std::uint32_t kShortRun = 128;  // runs shorter than this stay scalar (see below)
 
 /// Mask of the first n of 16 lanes (n <= 16).
 inline __mmask16 first(std::uint32_t n) {
