@@ -418,7 +418,7 @@ TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
     if (rng() % 2 != 0) ps.push_back({kEndOfLayer, 0});
     for (int m = static_cast<int>(rng() % 3); m > 0 && !ps.empty(); --m) {
       const std::size_t k = rng() % ps.size();
-      switch (rng() % 6) {
+      switch (rng() % 7) {
         case 0:
           ps[k].tag = rng() % (inputs + 2);
           break;
@@ -434,8 +434,11 @@ TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
         case 4:
           ps.erase(ps.begin() + static_cast<std::ptrdiff_t>(k));
           break;
-        default:
+        case 5:
           ps[k].tag = rng() % 2 != 0 ? kCarriageReturn : kEndOfLayer;
+          break;
+        default:  // a control that is neither
+          ps[k].tag = rng() % 2 != 0 ? kControlBit | (rng() % 4) : kEndOfLayer - 1 - rng() % 4;
           break;
       }
     }
@@ -459,6 +462,34 @@ TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
     }
   }
   EXPECT_GT(accepted_long, 1000);  // the vector paths saw many long valid chunks
+}
+
+// The vector scan takes steps between neighbours as 32-bit differences, which it trusts
+// only up to 2^30 inputs: tags at the top of every range, and no inputs at all.
+TEST(StreamScan, EveryIsaAgreesOnTagsNearTheirLimit) {
+  std::vector<const detail::StreamScan*> scans = {&detail::kScalarStreamScan};
+  if (cpu_supports(Isa::avx512)) scans.push_back(&detail::kAvx512StreamScan);
+  for (const std::uint32_t inputs : {0U, 1U, 1U << 30, (1U << 30) + 1, 0x7FFF'FFFFU}) {
+    const std::uint32_t width = std::min<std::uint32_t>(inputs, 20);
+    for (int fault = 0; fault < 4; ++fault) {
+      std::vector<Packet> ps;
+      for (std::uint32_t o = 0; o < 3; ++o) {
+        for (std::uint32_t i = inputs - width; i < inputs; ++i) ps.push_back({i, 1.0F});
+        ps.push_back({kCarriageReturn, 0});
+      }
+      if (fault == 1 && width > 0) ps[width - 1].tag = inputs;             // out of range
+      if (fault == 2 && width > 1) ps[width - 1].tag = ps[width - 2].tag;  // repeated
+      if (fault == 3) ps.push_back({kEndOfLayer, 0});                      // (valid)
+      std::vector<std::uint32_t> want;
+      const bool ok = plain_rules(ps, inputs, 3, true, want);
+      for (const detail::StreamScan* scan : scans) {
+        std::vector<std::uint32_t> got(3);
+        ASSERT_EQ(scan->fp32(ps.data(), ps.size(), inputs, 3, true, got.data()), ok)
+            << "inputs " << inputs << ", fault " << fault;
+        if (ok) EXPECT_EQ(got, want);
+      }
+    }
+  }
 }
 
 TEST(StreamChannel, HandsChunksOverInOrderAndBlocksWhenFull) {
