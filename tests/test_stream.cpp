@@ -401,6 +401,7 @@ bool plain_rules(const std::vector<PacketT>& p, std::uint32_t inputs, std::uint3
 
 TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
   std::vector<const detail::StreamScan*> scans = {&detail::kScalarStreamScan};
+  if (cpu_supports(Isa::avx2)) scans.push_back(&detail::kAvx2StreamScan);
   if (cpu_supports(Isa::avx512)) scans.push_back(&detail::kAvx512StreamScan);
   std::mt19937 rng(11);
   int accepted_long = 0;
@@ -468,6 +469,7 @@ TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
 // only up to 2^30 inputs: tags at the top of every range, and no inputs at all.
 TEST(StreamScan, EveryIsaAgreesOnTagsNearTheirLimit) {
   std::vector<const detail::StreamScan*> scans = {&detail::kScalarStreamScan};
+  if (cpu_supports(Isa::avx2)) scans.push_back(&detail::kAvx2StreamScan);
   if (cpu_supports(Isa::avx512)) scans.push_back(&detail::kAvx512StreamScan);
   for (const std::uint32_t inputs : {0U, 1U, 1U << 30, (1U << 30) + 1, 0x7FFF'FFFFU}) {
     const std::uint32_t width = std::min<std::uint32_t>(inputs, 20);

@@ -17,7 +17,14 @@ bool scan(const PacketT* p, std::size_t n, std::uint32_t inputs, std::uint32_t o
 const StreamScan kScalarStreamScan{scan<Packet>, scan<Bf16Packet>};
 
 const StreamScan& stream_scan(Isa isa) {
-  return isa == Isa::avx512 ? kAvx512StreamScan : kScalarStreamScan;
+  switch (isa) {
+    case Isa::avx512:
+      return kAvx512StreamScan;
+    case Isa::avx2:
+      return kAvx2StreamScan;
+    default:
+      return kScalarStreamScan;
+  }
 }
 
 }  // namespace sluice::detail

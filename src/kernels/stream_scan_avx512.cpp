@@ -15,19 +15,11 @@
 namespace sluice::detail {
 namespace {
 
-/// The rules on sixteen packets, given their tags and their values' exponent bits. The
-/// rules keep vector sums of what they have seen — the largest weight tag, the largest
-/// control (as ~tag: 0 a carriage return, 1 end-of-layer), the smallest step between
-/// neighbours, the largest exponent — and judge them once at the end: a compare into a mask
-/// per rule and step made the scan four times slower (mask instructions, not loads, bound
-/// it). Only carriage returns (their positions) and ends-of-layer (their count) need a
-/// mask per step.
+/// The rules on sixteen packets, given their tags and their values' exponent bits, kept as
+/// VectorRules says; only carriage returns (their positions) and ends-of-layer (their
+/// count) take a mask a step.
 class Scanner {
  public:
-  /// Whether the vector rules hold for a chunk of this layer: steps between neighbours are
-  /// taken as 32-bit differences, with a control counted as 2^30 ahead of anything.
-  static bool applies(std::uint32_t inputs) { return inputs >= 1 && inputs <= kFarAhead; }
-
   Scanner(std::uint32_t inputs, std::uint32_t outputs, bool check_values,
           std::uint32_t* carriage_returns)
       : inputs_(inputs),
@@ -47,8 +39,8 @@ class Scanner {
     // is positive.
     const __m512i as_before = _mm512_or_si512(tags, control);
     const __m512i before = _mm512_alignr_epi32(as_before, last_, 15);
-    const __m512i as_after =
-        _mm512_or_si512(weight_tags, _mm512_and_si512(control, _mm512_set1_epi32(kFarAhead)));
+    const __m512i as_after = _mm512_or_si512(
+        weight_tags, _mm512_and_si512(control, _mm512_set1_epi32(VectorRules::kFarAhead)));
     smallest_step_ = _mm512_min_epi32(smallest_step_, _mm512_sub_epi32(as_after, before));
     largest_exponent_ =
         _mm512_max_epu32(largest_exponent_, _mm512_andnot_si512(control, exponents));
@@ -72,23 +64,16 @@ class Scanner {
   /// Finishes packets [from, n) with the scalar rules and gives the verdict.
   template <typename PacketT>
   bool finish(const PacketT* p, std::size_t from, std::size_t n) {
-    const auto exponent = static_cast<std::uint32_t>(kExponent);
-    const bool bad = _mm512_reduce_max_epu32(largest_tag_) >= inputs_ ||
-                     _mm512_reduce_max_epu32(largest_control_) > 1 ||
-                     _mm512_reduce_min_epi32(smallest_step_) <= 0 ||
-                     (check_values_ && _mm512_reduce_max_epu32(largest_exponent_) == exponent);
-    std::uint32_t bad_tail = bad ? 1U : 0U;
+    const VectorRules rules{
+        _mm512_reduce_max_epu32(largest_tag_), _mm512_reduce_max_epu32(largest_control_),
+        _mm512_reduce_min_epi32(smallest_step_), _mm512_reduce_max_epu32(largest_exponent_)};
     alignas(64) std::uint32_t last[16];
-    _mm512_store_si512(last, last_);  // (a control as a carriage return: all the tail asks)
-    scan_packets(p, from, n, last[15], inputs_, outputs_, check_values_, carriage_returns_,
-                 bad_tail, returns_, ends_);
-    return scan_verdict(p, n, outputs_, bad_tail, returns_, ends_);
+    _mm512_store_si512(last, last_);
+    return rules.finish(p, from, n, last[15], inputs_, outputs_, check_values_, carriage_returns_,
+                        returns_, ends_);
   }
 
-  static constexpr int kExponent = 0x7F80'0000;  // an fp32's exponent bits
-
  private:
-  static constexpr int kFarAhead = 1 << 30;
   std::uint32_t inputs_;
   std::uint32_t outputs_;
   bool check_values_;
@@ -103,12 +88,12 @@ class Scanner {
 
 bool scan_fp32(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
                bool check_values, std::uint32_t* carriage_returns) {
-  if (!Scanner::applies(inputs)) {
+  if (!VectorRules::apply(inputs)) {
     return kScalarStreamScan.fp32(p, n, inputs, outputs, check_values, carriage_returns);
   }
   Scanner scanner(inputs, outputs, check_values, carriage_returns);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i exponent = _mm512_set1_epi32(Scanner::kExponent);
+  const __m512i exponent = _mm512_set1_epi32(VectorRules::kExponent);
   std::size_t k = 0;
   for (; k + 16 <= n; k += 16) {
     // Sixteen 8-byte packets: tags at even 32-bit positions, values at odd ones.
@@ -124,13 +109,13 @@ bool scan_fp32(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32
 
 bool scan_bf16(const Bf16Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
                bool check_values, std::uint32_t* carriage_returns) {
-  if (!Scanner::applies(inputs)) {
+  if (!VectorRules::apply(inputs)) {
     return kScalarStreamScan.bf16(p, n, inputs, outputs, check_values, carriage_returns);
   }
   Scanner scanner(inputs, outputs, check_values, carriage_returns);
   const __m512i low = _mm512_set1_epi32(0xFFFF);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF'0000U));
-  const __m512i exponent = _mm512_set1_epi32(Scanner::kExponent);
+  const __m512i exponent = _mm512_set1_epi32(VectorRules::kExponent);
   std::size_t k = 0;
   for (; k + 16 <= n; k += 16) {
     // Sixteen words value << 16 | index; a control's tag is 0xFFFF << 16 | value.
