@@ -22,10 +22,10 @@ class Scanner {
  public:
   Scanner(std::uint32_t inputs, std::uint32_t outputs, bool check_values,
           std::uint32_t* carriage_returns)
-      : inputs_(inputs),
+      : carriage_returns_(carriage_returns),
+        inputs_(inputs),
         outputs_(outputs),
-        check_values_(check_values),
-        carriage_returns_(carriage_returns) {}
+        check_values_(check_values) {}
 
   void step(std::size_t k, __m512i tags, __m512i exponents) {
     const __m512i cr = _mm512_set1_epi32(static_cast<int>(kCarriageReturn));
@@ -74,16 +74,16 @@ class Scanner {
   }
 
  private:
-  std::uint32_t inputs_;
-  std::uint32_t outputs_;
-  bool check_values_;
-  std::uint32_t* carriage_returns_;
   __m512i last_ = _mm512_set1_epi32(static_cast<int>(kCarriageReturn));
   __m512i largest_tag_ = _mm512_setzero_si512();
   __m512i largest_control_ = _mm512_setzero_si512();
   __m512i smallest_step_ = _mm512_set1_epi32(1);
   __m512i largest_exponent_ = _mm512_setzero_si512();
+  std::uint32_t* carriage_returns_;
+  std::uint32_t inputs_;
+  std::uint32_t outputs_;
   std::uint32_t returns_ = 0, ends_ = 0;
+  bool check_values_;
 };
 
 bool scan_fp32(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
