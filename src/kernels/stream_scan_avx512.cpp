@@ -1,6 +1,7 @@
 // The stream check's fast path with AVX-512: sixteen packets per step, the rules kept as
-// vector sums judged at the end, carriage-return positions written by compression. The
-// packets left after the last whole step go through the scalar rules.
+// VectorRules says (vector maxima and minima, judged once per chunk), carriage-return
+// positions written by compression. The packets left after the last whole step go
+// through the scalar rules.
 #include <immintrin.h>
 
 #if defined(__GNUC__) && !defined(__clang__)            // clang has no such warnings
