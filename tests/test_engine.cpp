@@ -279,7 +279,8 @@ TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
   }
 }
 
-// One token: runs long enough for the AVX-512 gathers (from 128 packets) and shorter ones,
+// One token: runs long enough for the AVX-512 gathers (from 128 packets; by output and by
+// input) and shorter ones,
 // X packed into one contiguous column or read in place (a DenseMatrix's rows lie 16 floats
 // apart), outputs without weights; a bf16 stream's packets are read as they are, X held
 // in fp32. Two lanes pack their rows and route the packets.
@@ -289,6 +290,7 @@ TEST_P(EngineByIsa, OneTokenMatchesReference) {
       {90, 1000, 1, 0.6},                               // ~400 a run, packed
       {70, 5000, 1, 0.95},                              // ~250 a run, in place
       {300, 2000, 1, 0.97, RowDistribution::powerlaw},  // long, short and empty runs
+      {2000, 40, 1, 0.5},                               // by input, ~1000 a run
   };
   for (Precision precision : {Precision::fp32, Precision::bf16}) {
     for (std::int32_t lanes : {1, 2}) {

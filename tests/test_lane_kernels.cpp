@@ -20,7 +20,8 @@ constexpr float kSentinel = 12345.0F;
 constexpr std::int64_t kPad = 9;  // floats past each row's tokens, never to be written
 
 /// Runs of packets (value, tag) with every run length the kernels treat apart: empty, one
-/// packet, fewer than a step of eight, exactly eight, and longer with a tail.
+/// packet, fewer than a step of eight, exactly eight, longer with a tail, and long enough
+/// for the one-token gathers (from 128 packets, in steps of 32 and then 16).
 template <typename PacketT>
 struct RunsData {
   std::vector<PacketT> packets;
@@ -29,7 +30,7 @@ struct RunsData {
 
   RunsData(std::int64_t tag_count, std::mt19937& rng) : tags(tag_count) {
     std::uniform_real_distribution<float> value(-1, 1);
-    for (const std::uint32_t length : {0U, 1U, 5U, 8U, 19U, 0U, 2U, 33U}) {
+    for (const std::uint32_t length : {0U, 1U, 5U, 8U, 19U, 0U, 2U, 33U, 128U, 183U}) {
       begin.push_back(static_cast<std::uint32_t>(packets.size()));
       std::uint32_t tag = rng() % 3;  // increasing tags, as in a stream
       for (std::uint32_t k = 0; k < length; ++k, tag += 1 + rng() % 3) {

@@ -167,29 +167,38 @@ void backward_weight_one_token(const Runs<PacketT>& L, Tile dy, Tile x, const Gr
   }
 }
 
+/// Packets [k, e) of a by-input run for a single token, its input's activation `xr`: the
+/// run's part of dX (four sums at once, as dot_one_token), and (kWeight) each weight's one
+/// product xr * dy[tag] left as `sums` says.
+template <bool kData, bool kWeight, typename PacketT>
+[[gnu::always_inline]] inline float by_input_run_one_token(const PacketT* p, std::uint32_t k,
+                                                           std::uint32_t e, Tile dy, float xr,
+                                                           const GradientSums& sums) {
+  float s[4] = {0.0F, 0.0F, 0.0F, 0.0F};
+  auto packet = [&](std::uint32_t j, float& sum) {
+    const float d = dy.data[static_cast<std::int64_t>(weight_tag(p[j])) * dy.stride];
+    if constexpr (kData) sum += value_of(p[j]) * d;
+    if constexpr (kWeight) leave_sum(sums, p, j, xr * d);
+  };
+  for (; k + 4 <= e; k += 4) {
+    for (std::uint32_t j = 0; j < 4; ++j) packet(k + j, s[j]);
+  }
+  for (; k < e; ++k) packet(k, s[0]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
 /// The backward by input of a single token (see ByInputKernel), for the vector tables: as
 /// forward_one_token, four sums of dX at once, and each weight's one product left as
 /// `sums` says.
 template <typename PacketT>
 void by_input_one_token(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx,
                         const GradientSums& sums) {
-  const PacketT* p = L.packets;
   with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
     for (std::int64_t r = 0; r < L.runs; ++r) {
       const float xr = kWeight ? x.data[r * x.stride] : 0.0F;
-      float s[4] = {0.0F, 0.0F, 0.0F, 0.0F};
-      auto packet = [&](std::uint32_t k, float& sum) {
-        const float d = dy.data[static_cast<std::int64_t>(weight_tag(p[k])) * dy.stride];
-        if constexpr (kData) sum += value_of(p[k]) * d;
-        if constexpr (kWeight) leave_sum(sums, p, k, xr * d);
-      };
-      std::uint32_t k = L.begin[r];
-      const std::uint32_t e = L.end[r];
-      for (; k + 4 <= e; k += 4) {
-        for (std::uint32_t j = 0; j < 4; ++j) packet(k + j, s[j]);
-      }
-      for (; k < e; ++k) packet(k, s[0]);
-      if constexpr (kData) dx.data[r * dx.stride] = (s[0] + s[1]) + (s[2] + s[3]);
+      const float d =
+          by_input_run_one_token<kData, kWeight>(L.packets, L.begin[r], L.end[r], dy, xr, sums);
+      if constexpr (kData) dx.data[r * dx.stride] = d;
     }
   });
 }
@@ -248,9 +257,14 @@ void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
-/// The one-token forwards with AVX-512 gathers (src/kernels/one_token_avx512.cpp).
+/// The one-token forwards and backwards by input with AVX-512 gathers
+/// (src/kernels/one_token_avx512.cpp).
 void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y);
 void forward_one_token_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y);
+void by_input_one_token_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                               const GradientSums& sums);
+void by_input_one_token_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                               const GradientSums& sums);
 
 extern const LaneKernels kScalarKernels;
 extern const LaneKernels kAvx2Kernels;

@@ -366,7 +366,7 @@ template <typename PacketT, typename DyTile>
 void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
               std::int64_t tokens) {
   if constexpr (std::is_same_v<DyTile, Tile>) {
-    if (tokens == 1) return by_input_one_token(L, dy, x, dx, sums);
+    if (tokens == 1) return by_input_one_token_avx512(L, dy, x, dx, sums);
   }
   // bf16 rows are half the bytes: groups twice as wide, so each packet's fixed work (its
   // weight, its dot's reduction) covers twice the tokens.

@@ -1,4 +1,5 @@
-// The AVX-512 forward of a single token: per output a sparse dot product of its run with
+// The AVX-512 forward of a single token (and its backward by input, the same dot product
+// over a run by input): per output a sparse dot product of its run with
 // X's one column, 16 packets a step, their activations gathered by tag. The scalar form
 // (dot_one_token) costs two loads, a multiply and an add a packet; here a step splits 16
 // packets into tags and weights with two permutes (fp32) or two masks (bf16), then one
@@ -6,8 +7,9 @@
 #include <immintrin.h>
 
 // GCC 12 warns falsely inside its own gather and reduction intrinsics.
-#if defined(__GNUC__) && !defined(__clang__)  // clang has no such warning
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no such warnings
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #include <algorithm>
@@ -98,6 +100,76 @@ void forward_one_token_gather(const Runs<PacketT>& L, Tile x, MutableTile y) {
   }
 }
 
+/// Leaves the products s of packets [k, k + n) (n <= 16) as `sums` says (leave_sum, 16 at
+/// once): gradient packets {tag, total} interleaved by two permutes, or partial sums.
+inline void leave_sums(const GradientSums& sums, std::uint32_t k, std::uint32_t n, __m512i tags,
+                       __m512 s) {
+  const __m512 total =
+      sums.first ? s : _mm512_add_ps(_mm512_maskz_loadu_ps(first(n), sums.partial + k), s);
+  if (sums.out == nullptr) {
+    _mm512_mask_storeu_ps(sums.partial + k, first(n), total);
+    return;
+  }
+  // Packet j is words 2j (tag) and 2j + 1 (total): lanes j of `tags` and 16 + j of `total`.
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  const __m512i values = _mm512_castps_si512(total);
+  auto* words = reinterpret_cast<float*>(sums.out + k);
+  _mm512_mask_storeu_ps(words, first(2 * std::min<std::uint32_t>(n, 8)),
+                        _mm512_castsi512_ps(_mm512_permutex2var_epi32(tags, low, values)));
+  _mm512_mask_storeu_ps(words + 16, first(n > 8 ? 2 * (n - 8) : 0),
+                        _mm512_castsi512_ps(_mm512_permutex2var_epi32(tags, high, values)));
+}
+
+/// Packets [k, e) of a long by-input run for one token (by_input_run_one_token) with
+/// gathers: one gather of dY a step serves both the run's dX (a dot product, as the
+/// forward's) and its weights' products with the run's activation `xr`. Not inlined, so
+/// the loop over short runs stays as tight as the scalar form's (inlined, it made 99%,
+/// where every run is short, ~12% slower).
+template <bool kData, bool kWeight, typename PacketT>
+[[gnu::noinline]] float by_input_long_run(const PacketT* p, std::uint32_t k, std::uint32_t e,
+                                          Tile dy, float xr, const GradientSums& sums) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  auto step = [&](std::uint32_t j, std::uint32_t n, __m512& sum) {
+    __m512i tags, at;
+    __m512 w;
+    take(p + j, n, tags, w);
+    if (!offsets(tags, dy.stride, at)) {
+      const float d = by_input_run_one_token<kData, kWeight>(p, j, j + n, dy, xr, sums);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(1, _mm512_set1_ps(d)));
+      return;
+    }
+    const __m512 d = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first(n), at, dy.data, 4);
+    if constexpr (kData) sum = _mm512_fmadd_ps(w, d, sum);
+    if constexpr (kWeight) leave_sums(sums, j, n, tags, _mm512_mul_ps(_mm512_set1_ps(xr), d));
+  };
+  for (; k + 32 <= e; k += 32) {
+    step(k, 16, a);
+    step(k + 16, 16, b);
+  }
+  for (; k < e; k += 16) step(k, std::min<std::uint32_t>(16, e - k), a);
+  return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+}
+
+/// The backward by input of one token (by_input_one_token), long runs with gathers.
+template <typename PacketT>
+void by_input_one_token_gather(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx,
+                               const GradientSums& sums) {
+  static_assert(sizeof(Packet) == 2 * sizeof(float));  // leave_sums writes its words
+  if (dy.stride < 1 || dy.stride > 0x7FFF'FFFF) return by_input_one_token(L, dy, x, dx, sums);
+  const PacketT* p = L.packets;
+  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
+    for (std::int64_t r = 0; r < L.runs; ++r) {
+      const std::uint32_t k = L.begin[r], e = L.end[r];
+      const float xr = kWeight ? x.data[r * x.stride] : 0.0F;
+      const float d = e - k < kShortRun  // (as the forward's)
+                          ? by_input_run_one_token<kData, kWeight>(p, k, e, dy, xr, sums)
+                          : by_input_long_run<kData, kWeight>(p, k, e, dy, xr, sums);
+      if constexpr (kData) dx.data[r * dx.stride] = d;
+    }
+  });
+}
+
 }  // namespace
 
 void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y) {
@@ -105,6 +177,14 @@ void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y) {
 }
 void forward_one_token_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y) {
   forward_one_token_gather(runs, x, y);
+}
+void by_input_one_token_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                               const GradientSums& sums) {
+  by_input_one_token_gather(runs, dy, x, dx, sums);
+}
+void by_input_one_token_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
+                               const GradientSums& sums) {
+  by_input_one_token_gather(runs, dy, x, dx, sums);
 }
 
 }  // namespace sluice::detail
