@@ -1,9 +1,9 @@
-// The AVX-512 forward of a single token (and its backward by input, the same dot product
-// over a run by input): per output a sparse dot product of its run with
-// X's one column, 16 packets a step, their activations gathered by tag. The scalar form
-// (dot_one_token) costs two loads, a multiply and an add a packet; here a step splits 16
-// packets into tags and weights with two permutes (fp32) or two masks (bf16), then one
-// gather and one FMA, and the sum is reduced once per output. Short runs stay scalar.
+// The AVX-512 products of a single token: the forward, per output a sparse dot product of
+// its run with X's one column, and the backward by input, the same over dY's column. A
+// step takes 16 packets apart into tags and weights with two permutes (fp32) or two masks
+// (bf16), gathers their 16 activations and adds with one FMA; the sum is reduced once per
+// run. The scalar form (dot_one_token) costs two loads, a multiply and an add a packet,
+// and stays for short runs, where the gathers and the reduction do not pay.
 #include <immintrin.h>
 
 // GCC 12 warns falsely inside its own gather and reduction intrinsics.
