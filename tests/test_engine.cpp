@@ -280,10 +280,10 @@ TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
 }
 
 // One token: runs long enough for the AVX-512 gathers (from 128 packets; by output and by
-// input) and shorter ones,
-// X packed into one contiguous column or read in place (a DenseMatrix's rows lie 16 floats
-// apart), outputs without weights; a bf16 stream's packets are read as they are, X held
-// in fp32. Two lanes pack their rows and route the packets.
+// input) and shorter ones, X packed into one contiguous column or read in place (a
+// DenseMatrix's rows lie 16 floats apart), outputs without weights; a bf16 stream's
+// packets are read as they are, X held in fp32. Two lanes pack their rows and route the
+// packets.
 TEST_P(EngineByIsa, OneTokenMatchesReference) {
   const Case cases[] = {
       {1, 3000, 1, 0.0},                                // one output of 3000 weights, in place
