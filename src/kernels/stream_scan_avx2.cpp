@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 
 #include "kernels/stream_scan.hpp"
@@ -18,12 +19,18 @@ inline __m256i rotate(__m256i v) {
   return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6));
 }
 
-/// The largest (or, `smallest`, least as signed) of v's lanes.
-template <typename T = std::uint32_t>
-T fold(__m256i v, bool smallest = false) {
-  alignas(32) T lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  return smallest ? *std::min_element(lanes, lanes + 8) : *std::max_element(lanes, lanes + 8);
+/// v's eight lanes as T (unsigned for the maxima, signed for the smallest step).
+template <typename T>
+std::array<T, 8> lanes_of(__m256i v) {
+  alignas(32) std::array<T, 8> lanes;
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes.data()), v);
+  return lanes;
+}
+std::uint32_t largest(__m256i v) {
+  return std::ranges::max(lanes_of<std::uint32_t>(v));
+}
+std::int32_t smallest_signed(__m256i v) {
+  return std::ranges::min(lanes_of<std::int32_t>(v));
 }
 
 /// The rules on eight packets, kept as VectorRules says.
@@ -65,8 +72,8 @@ class Scanner {
 
   template <typename PacketT>
   bool finish(const PacketT* p, std::size_t from, std::size_t n) {
-    const VectorRules rules{fold(largest_tag_), fold(largest_control_),
-                            fold<std::int32_t>(smallest_step_, true), fold(largest_exponent_)};
+    const VectorRules rules{largest(largest_tag_), largest(largest_control_),
+                            smallest_signed(smallest_step_), largest(largest_exponent_)};
     const auto prev = static_cast<std::uint32_t>(_mm256_cvtsi256_si32(last_));  // lane 0: last
     return rules.finish(p, from, n, prev, inputs_, outputs_, check_values_, carriage_returns_,
                         returns_, ends_);
