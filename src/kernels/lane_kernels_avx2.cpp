@@ -71,28 +71,29 @@ inline void prefetch_row(const float* row) {
   }
 }
 
-template <int NV, bool kTail>
-void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y, std::int64_t ys,
-                   __m256i tail) {
-  const Packet* p = L.packets;
+// PacketT: an fp32 stream's packets, or a bf16 one's read as they are (X in fp32).
+template <int NV, bool kTail, typename PacketT>
+void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, float* y,
+                   std::int64_t ys, __m256i tail) {
+  const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     __m256 a[NV], b[NV];
     for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm256_setzero_ps();
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
     for (; k + 2 <= e; k += 2) {
-      const float* x0 = row_of(x, p[k].tag, xs);
-      const float* x1 = row_of(x, p[k + 1].tag, xs);
-      const __m256 w0 = _mm256_set1_ps(p[k].value);
-      const __m256 w1 = _mm256_set1_ps(p[k + 1].value);
+      const float* x0 = row_of(x, weight_tag(p[k]), xs);
+      const float* x1 = row_of(x, weight_tag(p[k + 1]), xs);
+      const __m256 w0 = _mm256_set1_ps(value_of(p[k]));
+      const __m256 w1 = _mm256_set1_ps(value_of(p[k + 1]));
       for (int v = 0; v < NV; ++v) {
         a[v] = _mm256_fmadd_ps(w0, load<NV, kTail>(x0, v, tail), a[v]);
         b[v] = _mm256_fmadd_ps(w1, load<NV, kTail>(x1, v, tail), b[v]);
       }
     }
     if (k < e) {
-      const float* x0 = row_of(x, p[k].tag, xs);
-      const __m256 w0 = _mm256_set1_ps(p[k].value);
+      const float* x0 = row_of(x, weight_tag(p[k]), xs);
+      const __m256 w0 = _mm256_set1_ps(value_of(p[k]));
       for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(w0, load<NV, kTail>(x0, v, tail), a[v]);
     }
     float* out = y + r * ys;
@@ -161,10 +162,11 @@ inline __m256 dot_partial(const __m256* dv, const float* x, __m256i tail) {
   }
 }
 
-template <int NV, bool kTail>
-void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
-                           std::int64_t xs, const GradientSums& sums, __m256i tail) {
-  const Packet* p = L.packets;
+template <int NV, bool kTail, typename PacketT>
+void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
+                           const float* x, std::int64_t xs, const GradientSums& sums,
+                           __m256i tail) {
+  const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
     if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
@@ -177,10 +179,11 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
       __m256 part[8];
       for (int j = 0; j < 8; ++j) {
         if (k + j + kPrefetch < e) {
-          _mm_prefetch(reinterpret_cast<const char*>(row_of(x, p[k + j + kPrefetch].tag, xs)),
-                       _MM_HINT_T0);
+          _mm_prefetch(
+              reinterpret_cast<const char*>(row_of(x, weight_tag(p[k + j + kPrefetch]), xs)),
+              _MM_HINT_T0);
         }
-        part[j] = dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail);
+        part[j] = dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k + j]), xs), tail);
       }
       leave_sums8(sums, p, k, hsum8(part));
     }
@@ -188,7 +191,7 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
       __m256 part[8];
       const int n = static_cast<int>(e - k);
       for (int j = 0; j < 8; ++j) {
-        part[j] = j < n ? dot_partial<NV, kTail>(dv, row_of(x, p[k + j].tag, xs), tail)
+        part[j] = j < n ? dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k + j]), xs), tail)
                         : _mm256_setzero_ps();
       }
       alignas(32) float each[8];
@@ -196,13 +199,6 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
       for (int j = 0; j < n; ++j) leave_sum(sums, p, k + j, each[j]);
     }
   }
-}
-
-inline std::uint32_t index_of(const Packet& p) {
-  return p.tag;
-}
-inline std::uint32_t index_of(const Bf16Packet& p) {
-  return p.index;
 }
 
 /// The backward of a stream by input (see ByInputKernel) on one group of up to 32 tokens.
@@ -227,7 +223,7 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
     // One packet: dX accumulated, and its dot product's partials returned.
     auto step = [&](std::uint32_t k) {
       __m256 dv[NV];
-      load_row<NV, kTail>(row_of(dy, index_of(p[k]), dys), dv, tail);
+      load_row<NV, kTail>(row_of(dy, weight_tag(p[k]), dys), dv, tail);
       if constexpr (kData) {
         const __m256 w = _mm256_set1_ps(value_of(p[k]));
         for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, dv[v], acc[v]);
@@ -248,7 +244,7 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
       // end its last row is asked for again), as in the AVX-512 kernel.
       for (std::uint32_t j = 0; j < 8; ++j) {
         const std::uint32_t ahead = std::min(k + j + kPrefetch, e - 1);
-        _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[ahead]), dys)),
+        _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, weight_tag(p[ahead]), dys)),
                      _MM_HINT_T0);
       }
       __m256 part[8];
@@ -301,7 +297,8 @@ void for_each_group(std::int64_t tokens, Kernel&& kernel) {
   }
 }
 
-void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
+template <typename PacketT>
+void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
   if (tokens == 1) return forward_one_token(L, x, y);
   for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
     forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
@@ -315,7 +312,8 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
   });
 }
 
-void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
+template <typename PacketT>
+void backward_weight(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums,
                      std::int64_t tokens) {
   if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
   constexpr std::int64_t kGroup = 8 * 8;  // tokens per group of for_each_group<8>
@@ -357,6 +355,15 @@ void by_input_avx2(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx
   by_input(runs, dy, x, dx, sums, tokens);
 }
 
-const LaneKernels kAvx2Kernels{forward, backward_data, backward_weight, by_input_avx2};
+void forward_avx2(const Bf16LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens) {
+  forward(runs, x, y, tokens);
+}
+void backward_weight_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
+                          std::int64_t tokens) {
+  backward_weight(runs, dy, x, sums, tokens);
+}
+
+const LaneKernels kAvx2Kernels{forward<Packet>, backward_data, backward_weight<Packet>,
+                               by_input_avx2};
 
 }  // namespace sluice::detail

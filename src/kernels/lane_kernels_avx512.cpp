@@ -52,7 +52,8 @@ inline void prefetch_row(const float* row) {
 }
 
 // always_inline: GCC 12 was seen to drop the prefetch from a plain inline helper.
-[[gnu::always_inline]] inline void prefetch_stream(const Packet* packet) {
+template <typename PacketT>
+[[gnu::always_inline]] inline void prefetch_stream(const PacketT* packet) {
   _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
 }
 
@@ -87,10 +88,11 @@ inline void store(float* p, int v, __m512 value, __mmask16 tail) {
   }
 }
 
-template <int NV, bool kTail>
-void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y, std::int64_t ys,
-                   __mmask16 tail) {
-  const Packet* p = L.packets;
+// PacketT: an fp32 stream's packets, or a bf16 one's read as they are (X in fp32).
+template <int NV, bool kTail, typename PacketT>
+void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, float* y,
+                   std::int64_t ys, __mmask16 tail) {
+  const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     __m512 a[NV], b[NV];
     for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
@@ -98,14 +100,14 @@ void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y,
     const std::uint32_t e = L.end[r];
     for (; k + 2 <= e; k += 2) {
       if ((k & 6) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
-      const float* x0 = row_of(x, p[k].tag, xs);
-      const float* x1 = row_of(x, p[k + 1].tag, xs);
-      const __m512 w0 = _mm512_set1_ps(p[k].value);
-      const __m512 w1 = _mm512_set1_ps(p[k + 1].value);
+      const float* x0 = row_of(x, weight_tag(p[k]), xs);
+      const float* x1 = row_of(x, weight_tag(p[k + 1]), xs);
+      const __m512 w0 = _mm512_set1_ps(value_of(p[k]));
+      const __m512 w1 = _mm512_set1_ps(value_of(p[k + 1]));
       if (k + kPrefetch + 2 <= e) {
         // The stream says which rows come next: ask for them before they are needed.
-        const float* n0 = row_of(x, p[k + kPrefetch].tag, xs);
-        const float* n1 = row_of(x, p[k + kPrefetch + 1].tag, xs);
+        const float* n0 = row_of(x, weight_tag(p[k + kPrefetch]), xs);
+        const float* n1 = row_of(x, weight_tag(p[k + kPrefetch + 1]), xs);
         for (int v = 0; v < NV; v += 4) {
           _mm_prefetch(reinterpret_cast<const char*>(n0 + 16 * v), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(n1 + 16 * v), _MM_HINT_T0);
@@ -117,8 +119,8 @@ void forward_group(const LaneRuns& L, const float* x, std::int64_t xs, float* y,
       }
     }
     if (k < e) {
-      const float* x0 = row_of(x, p[k].tag, xs);
-      const __m512 w0 = _mm512_set1_ps(p[k].value);
+      const float* x0 = row_of(x, weight_tag(p[k]), xs);
+      const __m512 w0 = _mm512_set1_ps(value_of(p[k]));
       for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(w0, load<NV, kTail>(x0, v, tail), a[v]);
     }
     float* out = y + r * ys;
@@ -194,10 +196,11 @@ inline __m512 dot_partial(const __m512* dv, const float* x, __mmask16 tail) {
   return dot_registers<NV>(dv, xv);
 }
 
-template <int NV, bool kTail>
-void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys, const float* x,
-                           std::int64_t xs, const GradientSums& sums, __mmask16 tail) {
-  const Packet* p = L.packets;
+template <int NV, bool kTail, typename PacketT>
+void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
+                           const float* x, std::int64_t xs, const GradientSums& sums,
+                           __mmask16 tail) {
+  const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy + r * dys;
     if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
@@ -207,24 +210,14 @@ void backward_weight_group(const LaneRuns& L, const float* dy, std::int64_t dys,
     add_run_sums(sums, p, L.begin[r], e, [&](std::uint32_t k) {
       if ((k & 7) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
       if (k + kPrefetch < e) {
-        const float* next = row_of(x, p[k + kPrefetch].tag, xs);
+        const float* next = row_of(x, weight_tag(p[k + kPrefetch]), xs);
         for (int v = 0; v < NV; v += 4) {
           _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
         }
       }
-      return dot_partial<NV, kTail>(dv, row_of(x, p[k].tag, xs), tail);
+      return dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k]), xs), tail);
     });
   }
-}
-
-inline std::uint32_t index_of(const Packet& p) {
-  return p.tag;
-}
-inline std::uint32_t index_of(const Bf16Packet& p) {
-  return p.index;
-}
-[[gnu::always_inline]] inline void prefetch_stream(const Bf16Packet* packet) {
-  _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
 }
 
 /// The backward of a stream by input (see ByInputKernel) on one group of tokens. Per run,
@@ -239,7 +232,7 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
   const PacketT* p = L.packets;
   auto prefetch_rows = [&](std::uint32_t k) __attribute__((always_inline)) {
     // The row's first line only (see the top of the file).
-    _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, index_of(p[k]), dys)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row_of(dy, weight_tag(p[k]), dys)), _MM_HINT_T0);
   };
   for (std::int64_t r = 0; r < L.runs; ++r) {
     __m512 xv[NV];
@@ -262,7 +255,7 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
     // The caller asks for the rows and the stream ahead.
     auto packet = [&](std::uint32_t k, __m512 acc[NV]) __attribute__((always_inline)) {
       __m512 dv[NV];
-      load_row<NV, kTail>(row_of(dy, index_of(p[k]), dys), dv, tail);
+      load_row<NV, kTail>(row_of(dy, weight_tag(p[k]), dys), dv, tail);
       if constexpr (kData) {
         const __m512 w = _mm512_set1_ps(value_of(p[k]));
         for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(w, dv[v], acc[v]);
@@ -339,7 +332,8 @@ void for_each_group(std::int64_t tokens, Kernel&& kernel) {
   }
 }
 
-void forward(const LaneRuns& L, Tile x, MutableTile y, std::int64_t tokens) {
+template <typename PacketT>
+void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
   if (tokens == 1) return forward_one_token_avx512(L, x, y);
   for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
     forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
@@ -353,7 +347,8 @@ void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t toke
   });
 }
 
-void backward_weight(const LaneRuns& L, Tile dy, Tile x, const GradientSums& sums,
+template <typename PacketT>
+void backward_weight(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums,
                      std::int64_t tokens) {
   if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
   for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
@@ -396,6 +391,15 @@ void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile 
   by_input(runs, dy, x, dx, sums, tokens);
 }
 
-const LaneKernels kAvx512Kernels{forward, backward_data, backward_weight, by_input_avx512};
+void forward_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens) {
+  forward(runs, x, y, tokens);
+}
+void backward_weight_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
+                            std::int64_t tokens) {
+  backward_weight(runs, dy, x, sums, tokens);
+}
+
+const LaneKernels kAvx512Kernels{forward<Packet>, backward_data, backward_weight<Packet>,
+                                 by_input_avx512};
 
 }  // namespace sluice::detail

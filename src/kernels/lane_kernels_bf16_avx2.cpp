@@ -209,6 +209,7 @@ void backward_data_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dy
 }
 
 void backward_data(const Bf16LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
+  if (tokens == 1) return backward_data_one_token(L, dy, dx);
   for_each_group<kGroup, 8>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
     const float* d = dy.data + t0;
     float* o = dx.data + t0;
@@ -251,12 +252,8 @@ void pack(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t pad
 
 }  // namespace
 
-const Bf16LaneKernels kAvx2Bf16Kernels{forward,
-                                       backward_data,
-                                       backward_weight,
-                                       pack,
-                                       by_input_avx2,
-                                       by_input_avx2,
-                                       forward_one_token<Bf16Packet>};
+const Bf16LaneKernels kAvx2Bf16Kernels{forward,      backward_data,       backward_weight,
+                                       pack,         by_input_avx2,       by_input_avx2,
+                                       forward_avx2, backward_weight_avx2};
 
 }  // namespace sluice::detail

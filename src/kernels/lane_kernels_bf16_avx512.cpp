@@ -263,6 +263,7 @@ void backward_data_group(const Bf16LaneRuns& L, const float* dy, std::int64_t dy
 }
 
 void backward_data(const Bf16LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
+  if (tokens == 1) return backward_data_one_token(L, dy, dx);
   for_each_group<64, 16>(tokens, [&]<int NV>(std::int64_t t0, std::int64_t width) {
     backward_data_group<NV>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, width);
   });
@@ -291,8 +292,8 @@ void pack(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t pad
 
 }  // namespace
 
-const Bf16LaneKernels kAvx512Bf16Kernels{
-    forward,         backward_data,   backward_weight,         pack,
-    by_input_avx512, by_input_avx512, forward_one_token_avx512};
+const Bf16LaneKernels kAvx512Bf16Kernels{forward,        backward_data,         backward_weight,
+                                         pack,           by_input_avx512,       by_input_avx512,
+                                         forward_avx512, backward_weight_avx512};
 
 }  // namespace sluice::detail

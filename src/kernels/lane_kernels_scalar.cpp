@@ -6,13 +6,6 @@
 namespace sluice::detail {
 namespace {
 
-inline std::int64_t index_of(const Packet& p) {
-  return p.tag;
-}
-inline std::int64_t index_of(const Bf16Packet& p) {
-  return p.index;
-}
-
 // TileT: Tile (fp32 rows) or Bf16Tile (bf16 rows, here in token order).
 template <typename PacketT, typename TileT>
 void forward(const Runs<PacketT>& L, TileT x, MutableTile y, std::int64_t tokens) {
@@ -21,7 +14,7 @@ void forward(const Runs<PacketT>& L, TileT x, MutableTile y, std::int64_t tokens
     for (std::int64_t t = 0; t < tokens; ++t) out[t] = 0.0F;
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
       const float w = value_of(L.packets[k]);
-      const auto* in = x.data + index_of(L.packets[k]) * x.stride;
+      const auto* in = x.data + static_cast<std::int64_t>(weight_tag(L.packets[k])) * x.stride;
       for (std::int64_t t = 0; t < tokens; ++t) out[t] += w * widen(in[t]);
     }
   }
@@ -33,7 +26,7 @@ void backward_data(const Runs<PacketT>& L, Tile dy, MutableTile dx, std::int64_t
     const float* d = dy.data + r * dy.stride;
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
       const float w = value_of(L.packets[k]);
-      float* out = dx.data + index_of(L.packets[k]) * dx.stride;
+      float* out = dx.data + static_cast<std::int64_t>(weight_tag(L.packets[k])) * dx.stride;
       for (std::int64_t t = 0; t < tokens; ++t) out[t] += w * d[t];
     }
   }
@@ -45,7 +38,7 @@ void backward_weight(const Runs<PacketT>& L, Tile dy, TileT x, const GradientSum
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float* d = dy.data + r * dy.stride;
     for (std::uint32_t k = L.begin[r]; k < L.end[r]; ++k) {
-      const auto* in = x.data + index_of(L.packets[k]) * x.stride;
+      const auto* in = x.data + static_cast<std::int64_t>(weight_tag(L.packets[k])) * x.stride;
       float sum = 0.0F;
       for (std::int64_t t = 0; t < tokens; ++t) sum += d[t] * widen(in[t]);
       leave_sum(sums, L.packets, k, sum);
@@ -68,6 +61,7 @@ const Bf16LaneKernels kScalarBf16Kernels{forward<Bf16Packet, Bf16Tile>,
                                          pack,
                                          by_input_scalar,
                                          by_input_scalar,
-                                         forward_one_token<Bf16Packet>};
+                                         forward<Bf16Packet, Tile>,
+                                         backward_weight<Bf16Packet, Tile>};
 
 }  // namespace sluice::detail
