@@ -9,9 +9,10 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
-#include <thread>
 
+#include "engine_worker.hpp"
 #include "parallel.hpp"
 #include "sluice/error.hpp"
 
@@ -113,30 +114,49 @@ class MeteredSource final : public StreamSource {
   StreamSource* inner_;
 };
 
+/// Persistent threads for the layers' stream producers, lent to one stream at a time: a
+/// thread started and joined per layer cost ~60 us here, two per layer and step.
+using Producers = std::vector<std::unique_ptr<detail::EngineWorker>>;
+
 /// One layer's stream on its way out of ModelMemory: a producer thread fills a bounded
-/// channel. The destructor drains what the consumer left (after an error) and joins.
+/// channel. The destructor drains what the consumer left (after an error), waits for the
+/// producer and gives its thread back.
 struct LayerStream {
   LayerStream(const ModelMemory& memory, std::int32_t layer, StreamKind kind, std::size_t depth,
-              std::size_t chunk_packets, Precision precision, StreamOrder order)
+              std::size_t chunk_packets, Precision precision, StreamOrder order, Producers& idle)
       : channel(depth),
         source(memory.stream_header(layer, kind, precision, order), channel),
-        metered(source) {
-    producer = std::thread([&memory, this, layer, kind, chunk_packets, precision, order] {
+        metered(source),
+        idle_(idle) {
+    if (idle_.empty()) {
+      producer_ = std::make_unique<detail::EngineWorker>();
+    } else {
+      producer_ = std::move(idle_.back());
+      idle_.pop_back();
+    }
+    produced_ = producer_->post([&memory, this, layer, kind, chunk_packets, precision, order] {
       memory.stream_to(layer, kind, channel, chunk_packets, precision, order);
     });
   }
+  LayerStream(const LayerStream&) = delete;
+  LayerStream& operator=(const LayerStream&) = delete;
   ~LayerStream() {
     try {
       while (channel.pop() != nullptr) {
       }
     } catch (...) {  // the producer's error was seen (or not needed) by the consumer
     }
-    producer.join();
+    produced_.wait();
+    idle_.push_back(std::move(producer_));
   }
   StreamChannel channel;
   ChannelStreamSource source;
   MeteredSource metered;
-  std::thread producer;
+
+ private:
+  Producers& idle_;
+  std::unique_ptr<detail::EngineWorker> producer_;
+  std::future<void> produced_;
 };
 
 }  // namespace
@@ -185,6 +205,10 @@ struct LayerStreamingExecutor::Impl {
   bool allocated_training = false;
   std::map<std::pair<std::int32_t, std::int32_t>, Placement> placements;
   StepMetrics metrics;  // of the current call
+  Producers producers;  // idle stream producers (a stream and its prefetched successor)
+  // Hands each layer's reduced gradient to its sink while the engines go on (made on the
+  // first backward; a persistent thread for the reason Producers gives).
+  std::unique_ptr<detail::EngineWorker> submitter;
 
   Impl(ModelMemory& m, Fabric& f, ExecutorOptions o)
       : memory(m), fabric(f), options(std::move(o)) {}
@@ -288,7 +312,7 @@ struct LayerStreamingExecutor::Impl {
                                     StreamOrder order = StreamOrder::by_output) {
     return std::make_unique<LayerStream>(
         memory, layer, kind, options.prefetch_depth, options.chunk_packets,
-        options.precisions[static_cast<std::size_t>(layer)], order);
+        options.precisions[static_cast<std::size_t>(layer)], order, producers);
   }
 
   // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by
@@ -462,8 +486,10 @@ struct LayerStreamingExecutor::Impl {
         const bool with_bias = !memory.bias(l).empty();
         ReducedGradient g = fabric.backward(current->metered, ps, xs, dys, dxs, with_bias);
         account(*current);
-        submits.push_back(std::async(
-            std::launch::async, [&sink, l, g = std::move(g)]() mutable { sink(l, std::move(g)); }));
+        if (!submitter) submitter = std::make_unique<detail::EngineWorker>();
+        // (A shared_ptr: the worker's jobs are std::function, which must be copyable.)
+        auto gradient = std::make_shared<ReducedGradient>(std::move(g));
+        submits.push_back(submitter->post([&sink, l, gradient] { sink(l, std::move(*gradient)); }));
         for (auto& s : state) std::swap(s.grad, s.grad_next);
       }
     } catch (...) {
