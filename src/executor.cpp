@@ -129,6 +129,7 @@ struct LayerStream {
         metered(source),
         idle_(idle) {
     if (idle_.empty()) {
+      idle_.reserve(idle_.capacity() + 1);  // room to give it back: the destructor cannot throw
       producer_ = std::make_unique<detail::EngineWorker>();
     } else {
       producer_ = std::move(idle_.back());
