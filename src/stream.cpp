@@ -1,11 +1,13 @@
 #include "sluice/stream.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <type_traits>
 
 #include "crc32.hpp"
 #include "kernels/stream_scan.hpp"
@@ -348,13 +350,36 @@ void fill_chunk(std::vector<PacketT, ChunkAllocator<PacketT>>& out, const RunSou
   out.resize(static_cast<std::size_t>(offsets[last] - offsets[first] + (last - first)) +
              (ends ? 1 : 0));
   PacketT* p = out.data();
+  // bf16: nothing in the loop can throw, so the compiler vectorises it (a check per weight
+  // that could made a bf16 stream 4x as slow to encode as an fp32 one: 4096 x 4096 at 90%,
+  // 5.8 against 1.4 ms; now 2.5). Only if a finite weight rounded to infinity is the range
+  // walked again, by `make`, which names it.
+  std::uint32_t overflow = 0;
   for (std::int64_t row = first; row < last; ++row) {
-    for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
-      *p++ = make(rows.tags[k], send_values ? rows.value(k) : 0.0F, row);
+    const std::int64_t end = offsets[row + 1];
+    if constexpr (std::is_same_v<PacketT, Bf16Packet>) {
+      for (std::int64_t k = offsets[row]; k < end; ++k) {
+        const float value = send_values ? rows.value(k) : 0.0F;
+        const std::uint16_t rounded = to_bf16(value);
+        const bool finite = (std::bit_cast<std::uint32_t>(value) & 0x7F80'0000U) != 0x7F80'0000U;
+        overflow |= static_cast<std::uint32_t>(finite && (rounded & 0x7F80U) == 0x7F80U);
+        *p++ = {static_cast<std::uint16_t>(rows.tags[k]), rounded};
+      }
+    } else {
+      for (std::int64_t k = offsets[row]; k < end; ++k) {
+        *p++ = make(rows.tags[k], send_values ? rows.value(k) : 0.0F, row);
+      }
     }
     *p++ = carriage_return;
   }
   if (ends) *p++ = end_of_layer;
+  if (overflow != 0) {  // `make` throws at the first such weight
+    for (std::int64_t row = first; row < last; ++row) {
+      for (std::int64_t k = offsets[row]; k < offsets[row + 1]; ++k) {
+        make(rows.tags[k], rows.value(k), row);
+      }
+    }
+  }
 }
 
 // (A function, not aggregate deduction, which Clang 14 — the fuzz builds' compiler — lacks.)

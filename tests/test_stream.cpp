@@ -242,6 +242,19 @@ TEST(Stream, Bf16StreamsHalveTheBytesAndRoundTrip) {
   EXPECT_THROW(encode_stream(CsrMatrix(1, 2, {0, 1}, {1}, {3.4e38F}), StreamKind::weights, 50,
                              Precision::bf16),
                ShapeError);
+  // bf16's largest finite value encodes as it is; a weight that rounds past it is named
+  // by its place, wherever it lies in the chunk.
+  const float largest = from_bf16(0x7F7F);
+  const WeightStream edge = encode_stream(CsrMatrix(1, 2, {0, 1}, {1}, {-largest}),
+                                          StreamKind::weights, 50, Precision::bf16);
+  EXPECT_EQ(decode_stream(edge).values()[0], -largest);
+  try {
+    encode_stream(CsrMatrix(3, 4, {0, 2, 3, 4}, {0, 3, 2, 1}, {1.0F, 2.0F, -3.4e38F, 4.0F}),
+                  StreamKind::weights, 50, Precision::bf16);
+    ADD_FAILURE() << "no error for a weight beyond bf16's range";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("at (1, 2)"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Stream, Bf16ValidatorNamesEveryCorruption) {
