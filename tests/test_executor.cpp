@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "reference.hpp"
 #include "sluice/bf16.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
@@ -705,6 +706,34 @@ TEST(Fabric, BroadcastForwardMatchesOneEngine) {
   MemoryStreamSource source(stream);
   std::vector<const Placement*> two(2, &p1);
   EXPECT_THROW(fabric.forward(source, two, xs, ys), ShapeError);
+
+  // Async operations run in the order issued, give what the blocking ones give, and
+  // hand an operation's error to its request, after which the fabric goes on.
+  const DenseMatrix dy = testing::random_dense(19, 30, 9);
+  std::vector<ConstMatrixView> dys;
+  for (int k = 0; k < 3; ++k) dys.push_back({dy.data() + 10 * k, 19, 10, dy.stride()});
+  MemoryStreamSource blocking_source(stream);
+  const ReducedGradient blocking = fabric.backward(blocking_source, ps, xs, dys, {}, true);
+  MemoryStreamSource bad_source(stream), first_source(stream), second_source(stream);
+  FabricRequest<void> bad = fabric.forward_async(bad_source, two, xs, ys);
+  FabricRequest<ReducedGradient> first = fabric.backward_async(first_source, ps, xs, dys, {}, true);
+  FabricRequest<ReducedGradient> second =
+      fabric.backward_async(second_source, ps, xs, dys, {}, true);
+  EXPECT_THROW(bad.get(), ShapeError);
+  for (FabricRequest<ReducedGradient>* request : {&first, &second}) {
+    const ReducedGradient g = request->get();
+    EXPECT_EQ(g.bias, blocking.bias);
+    ASSERT_EQ(g.weights.chunks.size(), blocking.weights.chunks.size());
+    for (std::size_t c = 0; c < g.weights.chunks.size(); ++c) {
+      const auto& got = g.weights.chunks[c]->packets;
+      const auto& expected = blocking.weights.chunks[c]->packets;
+      ASSERT_EQ(got.size(), expected.size());
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        EXPECT_EQ(got[k].tag, expected[k].tag);
+        EXPECT_EQ(got[k].value, expected[k].value);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -70,7 +70,8 @@ class FabricRequest {
 
 class Fabric {
  public:
-  virtual ~Fabric() = default;
+  Fabric();
+  virtual ~Fabric();
 
   std::int32_t engine_count() const { return engine_count_impl(); }
   Engine& engine(std::int32_t k);
@@ -79,6 +80,10 @@ class Fabric {
   /// concurrently. `placements[k]` is engine k's placement of the layer's inputs.
   void forward(StreamSource& weights, std::span<const Placement* const> placements,
                std::span<const ConstMatrixView> xs, std::span<const MutableMatrixView> ys);
+  /// The same, returning at once. Async operations run one after another, in the order
+  /// issued, on a thread the fabric keeps. The engines take one operation at a time: issue
+  /// them from one thread, get() a request before a blocking operation, and let every
+  /// request finish before the fabric is destroyed.
   FabricRequest<void> forward_async(StreamSource& weights, std::vector<const Placement*> placements,
                                     std::vector<ConstMatrixView> xs,
                                     std::vector<MutableMatrixView> ys);
@@ -110,6 +115,11 @@ class Fabric {
                                         std::span<const ConstMatrixView> dys,
                                         std::span<MutableMatrixView* const> dxs,
                                         bool with_bias) = 0;
+
+ private:
+  /// Runs the async operations (made by the first: a thread per operation cost ~60 us).
+  detail::EngineWorker& async_worker();
+  std::unique_ptr<detail::EngineWorker> async_worker_;
 };
 
 struct LocalFabricOptions {
