@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -394,7 +395,17 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
     }
   }
 
-  std::vector<std::int64_t> offsets(static_cast<std::size_t>(rows) + 1, 0);
+  // A short file may declare up to 2^31 - 1 rows, each with its 8-byte offset: where the
+  // memory is not there, say so rather than let bad_alloc escape.
+  std::vector<std::int64_t> offsets;
+  try {
+    offsets.assign(static_cast<std::size_t>(rows) + 1, 0);
+  } catch (const std::bad_alloc&) {
+    throw ResourceError(path.string() + ":" + std::to_string(size_line) + ": a " +
+                        std::to_string(rows) + "x" + std::to_string(cols) + " matrix needs " +
+                        std::to_string(8 * (rows + 1)) +
+                        " bytes of row offsets, more than this process can allocate");
+  }
   std::vector<std::uint32_t> col_indices(entries.size());
   std::vector<float> values(entries.size());
   for (std::size_t i = 0; i < entries.size(); ++i) {
