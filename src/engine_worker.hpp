@@ -8,8 +8,10 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 
 namespace sluice::detail {
 
@@ -24,12 +26,17 @@ class EngineWorker {
     wake_.notify_one();
     thread_.join();
   }
-  std::future<void> post(std::function<void()> job) {
-    std::packaged_task<void()> task(std::move(job));
-    std::future<void> done = task.get_future();
+  /// Runs `job` after the jobs posted before it; its result (or exception) comes back
+  /// through the future. `job` may be move-only (a packaged_task holds it, shared with
+  /// the queue's copyable entry).
+  template <typename Job>
+  std::future<std::invoke_result_t<Job&>> post(Job job) {
+    using Result = std::invoke_result_t<Job&>;
+    auto task = std::make_shared<std::packaged_task<Result()>>(std::move(job));
+    std::future<Result> done = task->get_future();
     {
       std::lock_guard lock(mutex_);
-      jobs_.push_back(std::move(task));
+      jobs_.emplace_back([task] { (*task)(); });
     }
     wake_.notify_one();
     return done;
@@ -38,7 +45,7 @@ class EngineWorker {
  private:
   void loop() {
     while (true) {
-      std::packaged_task<void()> task;
+      std::function<void()> task;
       {
         std::unique_lock lock(mutex_);
         wake_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
@@ -51,7 +58,7 @@ class EngineWorker {
   }
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<std::packaged_task<void()>> jobs_;
+  std::deque<std::function<void()>> jobs_;
   bool stop_ = false;
   std::thread thread_;
 };

@@ -488,9 +488,8 @@ struct LayerStreamingExecutor::Impl {
         ReducedGradient g = fabric.backward(current->metered, ps, xs, dys, dxs, with_bias);
         account(*current);
         if (!submitter) submitter = std::make_unique<detail::EngineWorker>();
-        // (A shared_ptr: the worker's jobs are std::function, which must be copyable.)
-        auto gradient = std::make_shared<ReducedGradient>(std::move(g));
-        submits.push_back(submitter->post([&sink, l, gradient] { sink(l, std::move(*gradient)); }));
+        submits.push_back(submitter->post(
+            [&sink, l, gradient = std::move(g)]() mutable { sink(l, std::move(gradient)); }));
         for (auto& s : state) std::swap(s.grad, s.grad_next);
       }
     } catch (...) {

@@ -1,11 +1,9 @@
 // The Fabric's public calls (argument checks) and the in-process LocalFabric.
 #include <algorithm>
 #include <exception>
-#include <functional>
 #include <future>
 #include <memory>
 #include <string>
-#include <type_traits>
 
 #include "engine_worker.hpp"
 #include "sluice/error.hpp"
@@ -209,38 +207,13 @@ EngineWorker& Fabric::async_worker() {
   return *async_worker_;
 }
 
-namespace {
-
-/// `run()`'s result (or exception) as a future, `run` posted to `worker`. (The promise is
-/// shared: the worker's jobs are std::function, which must be copyable.)
-template <typename T, typename Run>
-std::future<T> post_for(EngineWorker& worker, Run run) {
-  auto promise = std::make_shared<std::promise<T>>();
-  std::future<T> result = promise->get_future();
-  worker.post([promise, run = std::move(run)]() mutable {
-    try {
-      if constexpr (std::is_void_v<T>) {
-        run();
-        promise->set_value();
-      } else {
-        promise->set_value(run());
-      }
-    } catch (...) {
-      promise->set_exception(std::current_exception());
-    }
-  });
-  return result;
-}
-
-}  // namespace
-
 FabricRequest<void> Fabric::forward_async(StreamSource& weights,
                                           std::vector<const Placement*> placements,
                                           std::vector<ConstMatrixView> xs,
                                           std::vector<MutableMatrixView> ys) {
-  return FabricRequest<void>(post_for<void>(
-      async_worker(), [this, &weights, placements = std::move(placements), xs = std::move(xs),
-                       ys = std::move(ys)] { forward(weights, placements, xs, ys); }));
+  return FabricRequest<void>(
+      async_worker().post([this, &weights, placements = std::move(placements), xs = std::move(xs),
+                           ys = std::move(ys)] { forward(weights, placements, xs, ys); }));
 }
 
 ReducedGradient Fabric::backward(StreamSource& weights,
@@ -266,9 +239,9 @@ FabricRequest<ReducedGradient> Fabric::backward_async(StreamSource& weights,
                                                       std::vector<ConstMatrixView> dys,
                                                       std::vector<MutableMatrixView*> dxs,
                                                       bool with_bias) {
-  return FabricRequest<ReducedGradient>(post_for<ReducedGradient>(
-      async_worker(), [this, &weights, placements = std::move(placements), xs = std::move(xs),
-                       dys = std::move(dys), dxs = std::move(dxs), with_bias] {
+  return FabricRequest<ReducedGradient>(
+      async_worker().post([this, &weights, placements = std::move(placements), xs = std::move(xs),
+                           dys = std::move(dys), dxs = std::move(dxs), with_bias] {
         return backward(weights, placements, xs, dys, dxs, with_bias);
       }));
 }
