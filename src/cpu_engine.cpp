@@ -244,7 +244,7 @@ class ResidentTile {
 /// How lanes hold a layer's activations. Lanes that pack their rows hold a bf16 layer's in
 /// bf16. A bf16 layer too sparse to pack, or a single token, keeps X in fp32 (converting
 /// all of X would cost more than the product; one token would pad each bf16 row to 32)
-/// and the bf16 table's *_fp32_x kernels read its packets as they are.
+/// and the fp32 table's *_bf16_packets kernels read its packets as they are.
 struct Holding {
   bool pack;         ///< rows copied into a resident tile
   bool bf16;         ///< ... and held there in bf16
@@ -690,7 +690,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
     } else {
       const Tile x_tile = pack ? resident.tile() : Tile{x.data + tiling.begin(t), x.stride};
       if (bf16_stream) {
-        m.bf16_kernels->forward_fp32_x(part(chunks[c].runs<Bf16Packet>(p)), x_tile, out, width);
+        m.kernels->forward_bf16_packets(part(chunks[c].runs<Bf16Packet>(p)), x_tile, out, width);
       } else {
         m.kernels->forward(part(chunks[c].runs<Packet>(p)), x_tile, out, width);
       }
@@ -958,8 +958,8 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                                 resident.bf16_tile(), sums_of(tiling, p, q, c, t),
                                                 width);
               } else if (bf16_stream) {
-                m.bf16_kernels->backward_weight_fp32_x(chunks[c].runs<Bf16Packet>(p), dy_tile,
-                                                       x_tile, sums_of(tiling, p, q, c, t), width);
+                m.kernels->backward_weight_bf16_packets(chunks[c].runs<Bf16Packet>(p), dy_tile,
+                                                        x_tile, sums_of(tiling, p, q, c, t), width);
               } else if (data_pass) {
                 m.kernels->backward_data(chunks[c].runs<Packet>(p), dy_tile, dx_tile, width);
               } else {

@@ -212,6 +212,13 @@ struct LaneKernels {
   void (*backward_weight)(const LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
                           std::int64_t tokens);
   ByInputKernel<Packet> backward_by_input;
+  /// The forward and the weight gradient on a bf16 stream's packets, read as they are,
+  /// with X in fp32 (packed or in place): for a bf16 layer too sparse to pack its rows
+  /// (converting X would cost more than the product) and for a single token.
+  void (*forward_bf16_packets)(const Bf16LaneRuns& runs, Tile x, MutableTile y,
+                               std::int64_t tokens);
+  void (*backward_weight_bf16_packets)(const Bf16LaneRuns& runs, Tile dy, Tile x,
+                                       const GradientSums& sums, std::int64_t tokens);
 };
 
 /// The same products for a bf16 stream: weights widened from bf16, activations held as
@@ -230,13 +237,6 @@ struct Bf16LaneKernels {
   /// The same with dY held in bf16 in the resident tile (this table's token order, as
   /// `pack` writes it), widened exactly; X and dX in fp32.
   ByInputKernel<Bf16Packet, Bf16Tile> backward_by_input_held;
-  /// The forward and the weight gradient with X in fp32, packed or in place: the fp32
-  /// kernels reading bf16 packets as they are. For a layer too sparse to pack its rows
-  /// (converting X would cost more than the product) and for a single token (see
-  /// forward_one_token).
-  void (*forward_fp32_x)(const Bf16LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);
-  void (*backward_weight_fp32_x)(const Bf16LaneRuns& runs, Tile dy, Tile x,
-                                 const GradientSums& sums, std::int64_t tokens);
 };
 
 const LaneKernels& lane_kernels(Isa isa);
@@ -261,13 +261,6 @@ void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
-/// The fp32 kernels of each vector ISA on bf16 packets (Bf16LaneKernels::*_fp32_x).
-void forward_avx2(const Bf16LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);
-void backward_weight_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
-                          std::int64_t tokens);
-void forward_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens);
-void backward_weight_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
-                            std::int64_t tokens);
 /// The one-token forwards and backwards by input with AVX-512 gathers
 /// (src/kernels/one_token_avx512.cpp).
 void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y);

@@ -355,15 +355,7 @@ void by_input_avx2(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx
   by_input(runs, dy, x, dx, sums, tokens);
 }
 
-void forward_avx2(const Bf16LaneRuns& runs, Tile x, MutableTile y, std::int64_t tokens) {
-  forward(runs, x, y, tokens);
-}
-void backward_weight_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
-                          std::int64_t tokens) {
-  backward_weight(runs, dy, x, sums, tokens);
-}
-
-const LaneKernels kAvx2Kernels{forward<Packet>, backward_data, backward_weight<Packet>,
-                               by_input_avx2};
+const LaneKernels kAvx2Kernels{forward<Packet>, backward_data,       backward_weight<Packet>,
+                               by_input_avx2,   forward<Bf16Packet>, backward_weight<Bf16Packet>};
 
 }  // namespace sluice::detail
