@@ -66,7 +66,8 @@ class Engine {
   virtual ~Engine() = default;
 
   /// Y = W X. `x` is inputs x tokens, `y` outputs x tokens (overwritten). The stream is
-  /// validated as it is taken in (FormatError on corruption; `y` then holds no result).
+  /// validated as it is taken in (FormatError on corruption; `y` then holds no result:
+  /// rows of chunks before the bad one may have been written).
   void forward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                MutableMatrixView y, const Placement* next_placement = nullptr);
   void forward(const WeightStream& weights, const Placement& placement, ConstMatrixView x,
