@@ -261,9 +261,8 @@ void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
 void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
                      const GradientSums& sums, std::int64_t tokens);
-/// The one-token forwards and backwards by input with AVX-512 gathers
+/// The one-token forward of bf16 packets and backwards by input with AVX-512 gathers
 /// (src/kernels/one_token_avx512.cpp).
-void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y);
 void forward_one_token_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y);
 void by_input_one_token_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
                                const GradientSums& sums);

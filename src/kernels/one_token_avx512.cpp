@@ -1,5 +1,6 @@
-// The AVX-512 products of a single token: the forward, per output a sparse dot product of
-// its run with X's one column, and the backward by input, the same over dY's column. A
+// The AVX-512 products of a single token: the forward of a bf16 stream, per output a sparse
+// dot product of its run with X's one column (an fp32 stream's forward is faster scalar,
+// see lane_kernels_avx512.cpp), and the backward by input, the same over dY's column. A
 // step takes 16 packets apart into tags and weights with two permutes (fp32) or two masks
 // (bf16), gathers their 16 activations and adds with one FMA; the sum is reduced once per
 // run. The scalar form (dot_one_token) costs two loads, a multiply and an add a packet,
@@ -172,9 +173,6 @@ void by_input_one_token_gather(const Runs<PacketT>& L, Tile dy, Tile x, MutableT
 
 }  // namespace
 
-void forward_one_token_avx512(const LaneRuns& runs, Tile x, MutableTile y) {
-  forward_one_token_gather(runs, x, y);
-}
 void forward_one_token_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y) {
   forward_one_token_gather(runs, x, y);
 }
