@@ -416,6 +416,17 @@ TokenTiling make_tiling(std::int64_t tokens, const Geometry& g) {
   return tiling;
 }
 
+/// Whether a one-lane pass takes each chunk in on the task about to compute it, rather
+/// than all before the pass: with one token tile the stream is read once, and the kernel
+/// then finds the chunk in cache where the check left it instead of reading it again
+/// from memory (4096 x 4096, one token at 50%: the forward 4.3 -> 3.9 ms, the backward
+/// by input 5.0 -> 4.4; at 75% 16 tokens' forward 2.96 -> 2.67, one token's backward
+/// 2.38 -> 2.18; at 90% 0-6%). With chunks enough for the tasks to share evenly.
+bool takes_in_as_it_goes(const TokenTiling& tiling, std::size_t chunks) {
+  constexpr std::size_t kChunksPerTask = 4;
+  return tiling.count == 1 && chunks >= kChunksPerTask * static_cast<std::size_t>(tiling.tasks(1));
+}
+
 /// Runs [first, first + count) of chunk `chunk`: a one-lane forward's unit of work within
 /// a token tile. Pieces are small so a thread done with its own token block can take
 /// pieces of another's: this VM's two vCPUs ran the same block at 15 and 23 ms (one of
@@ -657,15 +668,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   const std::vector<TakenChunk>& chunks = taken.chunks;
   const std::int64_t tokens = x.cols;
   const std::int64_t outputs = y.rows;
-  // One lane and one token tile read the stream once: each task then takes in the chunk
-  // it is about to compute, and the kernel finds the chunk in cache where the check left
-  // it instead of reading it again from memory (4096 x 4096, one token at 50%: 4.3 -> 3.9
-  // ms; 16 tokens at 75% 2.96 -> 2.67; at 90% within noise). Needs chunks enough for the
-  // tasks to share evenly.
-  constexpr std::size_t kFusedChunksPerTask = 4;
-  const bool fused =
-      P == 1 && tiling.count == 1 && outputs > 0 &&
-      chunks.size() >= kFusedChunksPerTask * static_cast<std::size_t>(tiling.tasks(1));
+  const bool fused = P == 1 && outputs > 0 && takes_in_as_it_goes(tiling, chunks.size());
   if (!fused) m.arena.execute([&] { intake.take_all(); });
   counters_.intake_seconds += seconds_since(t_intake);
   if (tokens == 0 || outputs == 0) return;
@@ -869,11 +872,13 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const auto t_intake = Clock::now();
   const LaneLayout layout(lanes_of);
   TakenChunks taken(m.spare_shares);
-  m.arena.execute([&] { Intake(taken, weights, lanes_of, layout, P > 1).take_all(); });
+  Intake intake(taken, weights, lanes_of, layout, P > 1);
   const std::vector<TakenChunk>& chunks = taken.chunks;
-  counters_.intake_seconds += seconds_since(t_intake);
   // By input each run's dX row has one writer either way; shares give each weight one too.
   if (want_grad || by_input) prefer_shares(weight_tiling, m.options.geometry, P, chunks.size());
+  const bool fused = by_input && takes_in_as_it_goes(weight_tiling, chunks.size());
+  if (!fused) m.arena.execute([&] { intake.take_all(); });
+  counters_.intake_seconds += seconds_since(t_intake);
 
   const std::int32_t S = data_tiling.shares;
   // Stream shares each add their chunks' part of dX: share 0 into dX, the others into
@@ -1074,6 +1079,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
               }
             };
             mine.on_tile(t == tiling.first_tile(q), [&](std::size_t c, bool first_visit) {
+              if (first_visit && fused) intake.take(c);
               if (first_visit && direct && want_grad) write_controls(c);
               run(c);
             });
@@ -1086,6 +1092,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
     if (dy.cols == 0) return;
     if (by_input) {
       by_input_pass();
+      if (fused) intake.finish();
       return;
     }
     if (dx != nullptr) lane_pass(true);

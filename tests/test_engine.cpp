@@ -722,39 +722,53 @@ TEST(Engine, RejectsPlacementsWithLanesOutOfRange) {
 
 // Every product, on one lane and on several, refuses the same corruptions before any
 // kernel reads them (ASan would see the out-of-range index read).
+// Also where each task takes its chunks in as it computes them (one lane, one tile, many
+// chunks): the error comes all the same, if only after the product.
 TEST(Engine, RefusesCorruptStreamsAtIntake) {
   const CsrMatrix w = CsrMatrix::random(20, 10, 0.5, 2);
   CpuEngine engine;
   DenseMatrix x = random_dense(10, 3, 1), y(20, 3), dy = random_dense(20, 3, 3), dx(10, 3);
+  StreamOrder order = StreamOrder::by_output;
   auto corrupt = [&](auto mutate) {
-    WeightStream s = encode_stream(w, StreamKind::weights, 8);
+    WeightStream s = encode_stream(w, StreamKind::weights, 8, Precision::fp32, order);
     auto chunk = std::make_shared<StreamChunk>(*s.chunks[1]);
     mutate(*chunk, s);
     s.chunks[1] = chunk;
     return s;
   };
-  const std::vector<std::pair<const char*, WeightStream>> streams = {
-      {"index out of range",
-       corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 1000000; })},
-      {"missing carriage return", corrupt([](StreamChunk& c, WeightStream&) {
-         for (auto& pk : c.packets) {
-           if (pk.tag == kCarriageReturn) {
-             pk = {0, 1.0F};
-             break;
+  auto corrupted = [&] {
+    return std::vector<std::pair<const char*, WeightStream>>{
+        {"index out of range",
+         corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 1000000; })},
+        {"missing carriage return", corrupt([](StreamChunk& c, WeightStream&) {
+           for (auto& pk : c.packets) {
+             if (pk.tag == kCarriageReturn) {
+               pk = {0, 1.0F};
+               break;
+             }
            }
-         }
-       })},
-      {"lost chunk",
-       corrupt([](StreamChunk&, WeightStream& s) { s.chunks.erase(s.chunks.begin() + 2); })},
-      {"no end-of-layer", corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); })},
-      {"NaN weight", corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; })},
+         })},
+        {"lost chunk",
+         corrupt([](StreamChunk&, WeightStream& s) { s.chunks.erase(s.chunks.begin() + 2); })},
+        {"no end-of-layer", corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); })},
+        {"NaN weight", corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; })},
+    };
   };
   for (std::int32_t lanes : {1, 2}) {
     const Placement p = round_robin_placement(w, lanes);
-    for (const auto& [what, s] : streams) {
+    order = StreamOrder::by_output;
+    for (const auto& [what, s] : corrupted()) {
       SCOPED_TRACE(std::string(what) + ", lanes " + std::to_string(lanes));
       MutableMatrixView dx_view = dx.view();
       EXPECT_THROW(engine.forward(s, p, x.view(), y.view()), FormatError);
+      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
+      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
+      EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);
+    }
+    order = StreamOrder::by_input;
+    for (const auto& [what, s] : corrupted()) {
+      SCOPED_TRACE(std::string(what) + " by input, lanes " + std::to_string(lanes));
+      MutableMatrixView dx_view = dx.view();
       EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
       EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
       EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);

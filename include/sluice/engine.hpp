@@ -81,6 +81,7 @@ class Engine {
   /// dot(dY[o,:], X[i,:]) at every mask position, returned as a gradient stream in the
   /// weight stream's order and orientation (a `mask` stream suffices). A stream by input
   /// runs on one lane (its tile holds dY, not X): the placement is checked, not used.
+  /// A corrupt stream is a FormatError, as for forward (`dx` then holds no result).
   WeightStream backward(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                         ConstMatrixView dy, MutableMatrixView* dx);
   WeightStream backward(const WeightStream& weights, const Placement& placement, ConstMatrixView x,
