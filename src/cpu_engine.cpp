@@ -319,11 +319,15 @@ class Intake {
     while (ChunkPtr chunk = source.next()) {
       detail::check_sequence(header_, *chunk, taken_.size(), outputs_, false);
       outputs_ += chunk->outputs;
+      bytes_ += chunk->byte_size();
       taken_.push_back({std::move(chunk), {}});
     }
     weights_.resize(taken_.size());
     ends_.resize(taken_.size());
   }
+
+  std::size_t chunks() const { return taken_.size(); }
+  std::uint64_t bytes() const { return bytes_; }
 
   void take(std::size_t c) {
     const StreamChunk& chunk = *taken_[c].chunk;
@@ -378,6 +382,7 @@ class Intake {
   const LaneLayout& layout_;
   const bool keep_origin_;
   std::uint64_t outputs_ = 0;
+  std::uint64_t bytes_ = 0;
   std::vector<std::uint64_t> weights_;  // per chunk, as take() found them
   std::vector<char> ends_;
 };
@@ -417,14 +422,18 @@ TokenTiling make_tiling(std::int64_t tokens, const Geometry& g) {
 }
 
 /// Whether a one-lane pass takes each chunk in on the task about to compute it, rather
-/// than all before the pass: with one token tile the stream is read once, and the kernel
-/// then finds the chunk in cache where the check left it instead of reading it again
-/// from memory (4096 x 4096, one token at 50%: the forward 4.3 -> 3.9 ms, the backward
-/// by input 5.0 -> 4.4; at 75% 16 tokens' forward 2.96 -> 2.67, one token's backward
-/// 2.38 -> 2.18; at 90% 0-6%). With chunks enough for the tasks to share evenly.
-bool takes_in_as_it_goes(const TokenTiling& tiling, std::size_t chunks) {
+/// than all before the pass. With one token tile the stream is read once; a stream larger
+/// than the threads' caches would be read from memory twice, by the check and by the
+/// kernel, which now finds the chunk in cache where the check left it (4096 x 4096, one
+/// token at 50%: the forward 4.3 -> 3.9 ms, the backward by input 5.0 -> 4.4; at 75% 16
+/// tokens' forward 2.96 -> 2.67; 8192 x 8192 at 90%, one token 3.04 -> 2.43). A stream
+/// that stays in cache gains nothing (4096 x 4096 at 90%, 8 and 16 tokens: 3-5% slower).
+/// With chunks enough for the tasks to share evenly.
+bool takes_in_as_it_goes(const TokenTiling& tiling, const Intake& intake,
+                         std::int64_t cache_bytes) {
   constexpr std::size_t kChunksPerTask = 4;
-  return tiling.count == 1 && chunks >= kChunksPerTask * static_cast<std::size_t>(tiling.tasks(1));
+  return tiling.count == 1 && intake.bytes() > static_cast<std::uint64_t>(cache_bytes) &&
+         intake.chunks() >= kChunksPerTask * static_cast<std::size_t>(tiling.tasks(1));
 }
 
 /// Runs [first, first + count) of chunk `chunk`: a one-lane forward's unit of work within
@@ -530,6 +539,9 @@ struct CpuEngine::Impl {
   Isa isa = Isa::scalar;
   std::int32_t threads = 1;
   std::int64_t tile_cache_bytes = 0;
+  /// The cache all the engine's threads hold: a product's stream bigger than this is read
+  /// from memory.
+  std::int64_t caches() const { return tile_cache_bytes * threads; }
   const detail::LaneKernels* kernels = nullptr;
   const detail::Bf16LaneKernels* bf16_kernels = nullptr;
   tbb::task_arena arena;
@@ -668,7 +680,7 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   const std::vector<TakenChunk>& chunks = taken.chunks;
   const std::int64_t tokens = x.cols;
   const std::int64_t outputs = y.rows;
-  const bool fused = P == 1 && outputs > 0 && takes_in_as_it_goes(tiling, chunks.size());
+  const bool fused = P == 1 && outputs > 0 && takes_in_as_it_goes(tiling, intake, m.caches());
   if (!fused) m.arena.execute([&] { intake.take_all(); });
   counters_.intake_seconds += seconds_since(t_intake);
   if (tokens == 0 || outputs == 0) return;
@@ -876,7 +888,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   const std::vector<TakenChunk>& chunks = taken.chunks;
   // By input each run's dX row has one writer either way; shares give each weight one too.
   if (want_grad || by_input) prefer_shares(weight_tiling, m.options.geometry, P, chunks.size());
-  const bool fused = by_input && takes_in_as_it_goes(weight_tiling, chunks.size());
+  const bool fused = by_input && takes_in_as_it_goes(weight_tiling, intake, m.caches());
   if (!fused) m.arena.execute([&] { intake.take_all(); });
   counters_.intake_seconds += seconds_since(t_intake);
 

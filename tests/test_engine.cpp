@@ -249,6 +249,27 @@ TEST_P(EngineByIsa, PiecesOfChunksMatchReference) {
 // The engine's own geometry on a layer with work and chunks enough for the weight pass
 // to take the stream in shares (one writer per weight, sums sent out on the last of
 // several tiles), and on one too small for that.
+// A one-lane product over one token tile of a stream larger than the engine's caches
+// (here a cache of one byte) checks each chunk on the task about to compute it.
+TEST_P(EngineByIsa, ChunksTakenInByTheirTasksMatchReference) {
+  const Case cases[] = {
+      {300, 200, 1, 0.9},
+      {300, 200, 5, 0.9},
+      {300, 200, 16, 0.5},
+      {257, 33, 3, 0.0},
+      {100, 2000, 17, 0.95, RowDistribution::powerlaw},
+  };
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    EngineOptions options;
+    options.isa = GetParam();
+    options.threads = 2;
+    options.tile_cache_bytes = 1;
+    CpuEngine engine(options);
+    std::uint64_t seed = 500;
+    for (const Case& c : cases) check_engine(engine, c, 1, 100, ++seed, precision);
+  }
+}
+
 TEST_P(EngineByIsa, ChosenGeometryMatchesReference) {
   for (Precision precision : {Precision::fp32, Precision::bf16}) {
     EngineOptions options;
@@ -722,56 +743,61 @@ TEST(Engine, RejectsPlacementsWithLanesOutOfRange) {
 
 // Every product, on one lane and on several, refuses the same corruptions before any
 // kernel reads them (ASan would see the out-of-range index read).
-// Also where each task takes its chunks in as it computes them (one lane, one tile, many
-// chunks): the error comes all the same, if only after the product.
+// Also where each task takes its chunks in as it computes them (one lane, one tile, a
+// stream larger than the caches): the error comes all the same, if only after the product.
 TEST(Engine, RefusesCorruptStreamsAtIntake) {
   const CsrMatrix w = CsrMatrix::random(20, 10, 0.5, 2);
-  CpuEngine engine;
-  DenseMatrix x = random_dense(10, 3, 1), y(20, 3), dy = random_dense(20, 3, 3), dx(10, 3);
-  StreamOrder order = StreamOrder::by_output;
-  auto corrupt = [&](auto mutate) {
-    WeightStream s = encode_stream(w, StreamKind::weights, 8, Precision::fp32, order);
-    auto chunk = std::make_shared<StreamChunk>(*s.chunks[1]);
-    mutate(*chunk, s);
-    s.chunks[1] = chunk;
-    return s;
-  };
-  auto corrupted = [&] {
-    return std::vector<std::pair<const char*, WeightStream>>{
-        {"index out of range",
-         corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 1000000; })},
-        {"missing carriage return", corrupt([](StreamChunk& c, WeightStream&) {
-           for (auto& pk : c.packets) {
-             if (pk.tag == kCarriageReturn) {
-               pk = {0, 1.0F};
-               break;
-             }
-           }
-         })},
-        {"lost chunk",
-         corrupt([](StreamChunk&, WeightStream& s) { s.chunks.erase(s.chunks.begin() + 2); })},
-        {"no end-of-layer", corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); })},
-        {"NaN weight", corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; })},
+  EngineOptions small_caches;
+  small_caches.tile_cache_bytes = 1;
+  for (const EngineOptions& options : {EngineOptions{}, small_caches}) {
+    CpuEngine engine(options);
+    SCOPED_TRACE("tile cache " + std::to_string(options.tile_cache_bytes));
+    DenseMatrix x = random_dense(10, 3, 1), y(20, 3), dy = random_dense(20, 3, 3), dx(10, 3);
+    StreamOrder order = StreamOrder::by_output;
+    auto corrupt = [&](auto mutate) {
+      WeightStream s = encode_stream(w, StreamKind::weights, 8, Precision::fp32, order);
+      auto chunk = std::make_shared<StreamChunk>(*s.chunks[1]);
+      mutate(*chunk, s);
+      s.chunks[1] = chunk;
+      return s;
     };
-  };
-  for (std::int32_t lanes : {1, 2}) {
-    const Placement p = round_robin_placement(w, lanes);
-    order = StreamOrder::by_output;
-    for (const auto& [what, s] : corrupted()) {
-      SCOPED_TRACE(std::string(what) + ", lanes " + std::to_string(lanes));
-      MutableMatrixView dx_view = dx.view();
-      EXPECT_THROW(engine.forward(s, p, x.view(), y.view()), FormatError);
-      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
-      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
-      EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);
-    }
-    order = StreamOrder::by_input;
-    for (const auto& [what, s] : corrupted()) {
-      SCOPED_TRACE(std::string(what) + " by input, lanes " + std::to_string(lanes));
-      MutableMatrixView dx_view = dx.view();
-      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
-      EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
-      EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);
+    auto corrupted = [&] {
+      return std::vector<std::pair<const char*, WeightStream>>{
+          {"index out of range",
+           corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].tag = 1000000; })},
+          {"missing carriage return", corrupt([](StreamChunk& c, WeightStream&) {
+             for (auto& pk : c.packets) {
+               if (pk.tag == kCarriageReturn) {
+                 pk = {0, 1.0F};
+                 break;
+               }
+             }
+           })},
+          {"lost chunk",
+           corrupt([](StreamChunk&, WeightStream& s) { s.chunks.erase(s.chunks.begin() + 2); })},
+          {"no end-of-layer", corrupt([](StreamChunk&, WeightStream& s) { s.chunks.pop_back(); })},
+          {"NaN weight", corrupt([](StreamChunk& c, WeightStream&) { c.packets[0].value = NAN; })},
+      };
+    };
+    for (std::int32_t lanes : {1, 2}) {
+      const Placement p = round_robin_placement(w, lanes);
+      order = StreamOrder::by_output;
+      for (const auto& [what, s] : corrupted()) {
+        SCOPED_TRACE(std::string(what) + ", lanes " + std::to_string(lanes));
+        MutableMatrixView dx_view = dx.view();
+        EXPECT_THROW(engine.forward(s, p, x.view(), y.view()), FormatError);
+        EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
+        EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
+        EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);
+      }
+      order = StreamOrder::by_input;
+      for (const auto& [what, s] : corrupted()) {
+        SCOPED_TRACE(std::string(what) + " by input, lanes " + std::to_string(lanes));
+        MutableMatrixView dx_view = dx.view();
+        EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), &dx_view), FormatError);
+        EXPECT_THROW(engine.backward(s, p, x.view(), dy.view(), nullptr), FormatError);
+        EXPECT_THROW(engine.backward_data(s, p, dy.view(), dx_view), FormatError);
+      }
     }
   }
 }

@@ -48,7 +48,9 @@ struct EngineOptions {
   bool pin_threads = false;  ///< pin workers to cores with hwloc
   /// The cache a lane's activation tile may fill, per core: beyond it, input features are
   /// split over more lanes. 0 = the core's share of the caches (Topology::cache_share_bytes:
-  /// the L3 over the cores sharing it, at most 12 MiB, at least the core's L2).
+  /// the L3 over the cores sharing it, at most 12 MiB, at least the core's L2). A one-pass
+  /// product's stream larger than all threads' shares of it is checked chunk by chunk by
+  /// the task about to compute each (read once from memory, not twice).
   std::int64_t tile_cache_bytes = 0;
 };
 
