@@ -11,8 +11,8 @@ namespace sluice::detail {
 
 /// Chunks of the gradient streams a component hands out: a chunk's last owner, in
 /// whatever thread, gives it back here instead of freeing it (a deleter, under a mutex),
-/// so the next stream is written into pages already mapped. (A fresh gradient stream cost
-/// a page fault and a zeroed page per 4 KiB: ~5% of a weight-gradient pass.) Keeps at most
+/// so the next stream is written into pages already mapped. (A fresh gradient stream costs
+/// a page fault and a zeroed page per 4 KiB, inside the weight-gradient pass.) Keeps at most
 /// the largest stream's worth of chunks; lives on, through the deleters, while any does.
 class ChunkPool : public std::enable_shared_from_this<ChunkPool> {
  public:

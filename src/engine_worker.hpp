@@ -2,8 +2,8 @@
 // A persistent thread that runs the jobs posted to it, in order. Fabrics drive each
 // engine from one of these, and the executor its stream producers and gradient
 // submissions, so the thread's oneTBB registration and caches are kept across
-// operations (a fresh thread per call costs ~60 us here, hundreds of microseconds per
-// layer and step on a small model). Internal.
+// operations: starting a fresh thread per call costs more than a small layer's product,
+// several times per layer and step. Internal.
 #include <condition_variable>
 #include <deque>
 #include <functional>

@@ -35,8 +35,9 @@ double gelu_slope(double x) {
   return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * kGeluC * (1.0 + 3.0 * kGeluA * x * x);
 }
 
-// Row by row, with the activation chosen outside the loops so each one vectorises (per
-// element, the executor's own passes took ~10% of a 4096-wide layer's training step).
+// Row by row, with the activation chosen outside the loops so each one vectorises (a
+// switch per element made the executor's own passes a visible part of a wide layer's
+// training step).
 
 /// out = act(z + bias) over a row of n tokens; z gets the bias added in place.
 void add_bias_and_activate(Activation a, float bias, float* z, float* out, std::int64_t n) {
@@ -115,7 +116,8 @@ class MeteredSource final : public StreamSource {
 };
 
 /// Persistent threads for the layers' stream producers, lent to one stream at a time: a
-/// thread started and joined per layer cost ~60 us here, two per layer and step.
+/// thread started and joined per layer, twice per layer and step, costs more than a small
+/// layer's product.
 using Producers = std::vector<std::unique_ptr<detail::EngineWorker>>;
 
 /// One layer's stream on its way out of ModelMemory: a producer thread fills a bounded
@@ -318,9 +320,9 @@ struct LayerStreamingExecutor::Impl {
 
   // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by
   // output. The others by input, where the engines gather dY once for both gradients
-  // (4096 x 4096 x 256 at 90%: half the time of a scatter pass for dX plus a dot pass for
-  // dW), unless the layer cannot be streamed so (bf16 tags hold 65535 outputs at most;
-  // transposed positions are 32-bit).
+  // instead of scattering into dX and then passing over the stream again for dW, unless
+  // the layer cannot be streamed so (bf16 tags hold 65535 outputs at most; transposed
+  // positions are 32-bit).
   std::unique_ptr<LayerStream> open_backward(std::int32_t layer) {
     if (layer == 0) return open(layer, StreamKind::mask);
     const CsrMatrix& w = memory.weights(layer);

@@ -43,7 +43,7 @@ std::int64_t cache_size(hwloc_topology_t t, hwloc_obj_type_t type) {
 std::int64_t Topology::cache_share_bytes() const {
   // No core has more than 12 MiB of L3 to itself (the most shipping so far: 96 MiB over 8
   // cores). A VM may claim more: it sees its few cores, not the host's that share the
-  // cache (one here claims two L3s of 508 MiB for its 2 cores).
+  // cache (a 2-core VM may report the host's whole L3, twice).
   constexpr std::int64_t kMostL3PerCore = std::int64_t{12} << 20;
   const std::int64_t l3_total = l3_bytes * std::max(1, l3_caches);
   return std::max(l2_bytes, std::min(kMostL3PerCore, l3_total / std::max(1, cores)));

@@ -1,7 +1,7 @@
 // `sluice sweep`: measures the streamed layer over a list of sparsities against oneDNN's
-// dense sgemm on the same shape, calibrates the cost model (Amdahl's law, DESIGN.md) to the
-// measured points by least squares, and shows measured and predicted acceleration side by
-// side with the residual: a table, CSV/JSON files and a plot.
+// dense sgemm on the same shape, calibrates the cost model (Amdahl's law,
+// docs/architecture.md) to the measured points by least squares, and shows measured and
+// predicted acceleration side by side with the residual: a table, CSV/JSON files and a plot.
 #include <unistd.h>
 
 #include <algorithm>

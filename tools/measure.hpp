@@ -17,7 +17,7 @@ namespace sluice::cli {
 /// these medians stay meaningful where separate loops would each catch another phase.
 /// With several, each timed call follows an untimed one of the same function, so it finds
 /// its data in cache as in a loop of its own (as the baselines are timed): timed straight
-/// after another product, a 99.9%-sparse forward measured twice its own loop's time.
+/// after another product, a very sparse forward would pay for that product's cache misses.
 inline std::vector<double> median_seconds_interleaved(const std::vector<std::function<void()>>& fns,
                                                       int repeats) {
   for (const auto& fn : fns) fn();

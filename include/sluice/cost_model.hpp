@@ -1,5 +1,5 @@
 #pragma once
-// Amdahl's law for a streamed sparse layer (DESIGN.md, "Amdahl's law and the cost model").
+// Amdahl's law for a streamed sparse layer (docs/architecture.md, "The cost model").
 //
 // On a P x Q geometry every non-zero becomes one AXPY over a block's token vector in the
 // lane that owns its input feature, and every output costs each lane a partial-sum

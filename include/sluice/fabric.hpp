@@ -117,7 +117,8 @@ class Fabric {
                                         bool with_bias) = 0;
 
  private:
-  /// Runs the async operations (made by the first: a thread per operation cost ~60 us).
+  /// Runs the async operations (made by the first; one thread for all of them, since
+  /// starting a thread per operation costs more than a small layer's product).
   detail::EngineWorker& async_worker();
   std::unique_ptr<detail::EngineWorker> async_worker_;
 };

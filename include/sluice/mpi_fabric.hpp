@@ -15,7 +15,7 @@
 // it pins every page it reads, which chunks in huge pages make cheap, see ChunkAllocator)
 // and tell rank 0 when they have; only sizes and addresses are broadcast. Open MPI moves a
 // frame of several buffers through bounce buffers (rank 0 copies in, the engine copies
-// out, every 32 KB), which needs both ranks running at once and collapses 2-3x whenever
+// out, every 32 KB), which needs both ranks running at once and collapses whenever
 // the engine's threads or anything else take a core. Engine ranks receive on their main thread and
 // hand whole frames to their engine (on a worker thread) through a bounded channel, so transfer and
 // compute overlap. Results come back to rank 0: Y and dX by MPI_Gatherv. Gradient streams come back

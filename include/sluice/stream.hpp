@@ -134,8 +134,8 @@ std::size_t release_chunk_memory();
 /// The allocator of stream chunks' packet buffers. Buffers of 16 KiB and more come from
 /// 2 MiB pages where the kernel has transparent huge pages (kept by size and reused, see
 /// chunk_memory_usage), smaller ones from operator new. A process that reads
-/// another's memory (MpiFabric's engines read rank 0's chunks) pins every page it copies;
-/// from huge pages that measured 1.7-1.9x faster here (a 64 MB MPI_Bcast, one node).
+/// another's memory (MpiFabric's engines read rank 0's chunks) pins every page it copies,
+/// so fewer, larger pages make that copy cheaper.
 template <typename T>
 struct ChunkAllocator {
   using value_type = T;
