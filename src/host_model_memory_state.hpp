@@ -43,7 +43,7 @@ struct HostLayer {
   std::mutex placement_mutex;
   std::map<std::int32_t, Placement> placements;  ///< by lane count; map nodes never move
   /// The pattern's transpose, for streams by input: built on first use (under
-  /// placement_mutex) and never changed after, as the pattern never changes.
+  /// placement_mutex); rebuilt in place when the mask changes (regrow, between steps).
   std::unique_ptr<TransposedPattern> transposed;
 
   std::mutex pending_mutex;

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "host_model_memory_state.hpp"
+#include "mask_update.hpp"
 #include "optimizer_kernels.hpp"
 
 namespace sluice {
@@ -304,6 +305,31 @@ void ModelMemory::discard_step() {
   discard_step_impl();
 }
 
+void ModelMemory::regrow(std::int32_t layer, std::span<const std::int64_t> grow) {
+  check_layer(layer);
+  const CsrMatrix& w = weights_impl(layer);
+  if (static_cast<std::int64_t>(grow.size()) > w.nnz()) {
+    throw ShapeError("regrow: " + layer_name(layer) + ": " + std::to_string(grow.size()) +
+                     " positions to grow, but only " + std::to_string(w.nnz()) +
+                     " weights to drop");
+  }
+  const std::int64_t cells = w.rows() * w.cols();
+  for (std::size_t i = 0; i < grow.size(); ++i) {
+    if (grow[i] < 0 || grow[i] >= cells || (i > 0 && grow[i] <= grow[i - 1])) {
+      throw ShapeError("regrow: " + layer_name(layer) + ": position " + std::to_string(grow[i]) +
+                       " (entry " + std::to_string(i) + ") is out of range [0, " +
+                       std::to_string(cells) + ") or not increasing");
+    }
+  }
+  if (grow.empty()) return;
+  regrow_impl(layer, grow);
+  ++mask_generation_;
+}
+
+void ModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int64_t> /*grow*/) {
+  throw Error("regrow: " + layer_name(layer) + ": this ModelMemory cannot change masks");
+}
+
 void ModelMemory::set_optimizer(const OptimizerConfig& config) {
   detail::validate_optimizer_config(config);
   set_optimizer_impl(config);
@@ -333,6 +359,7 @@ void ModelMemory::save(const std::filesystem::path& path) const {
 void ModelMemory::load(const std::filesystem::path& path) {
   if (path.empty()) throw ShapeError("load: empty checkpoint path");
   load_impl(path);
+  ++mask_generation_;
 }
 
 // --- HostModelMemory -----------------------------------------------------------------
@@ -633,6 +660,38 @@ StepReport HostModelMemory::commit_step_impl() {
   report.step = st.step;
   finish();
   return report;
+}
+
+void HostModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) {
+  detail::HostLayer& l = *state_->layers[layer];
+  {
+    std::lock_guard lock(l.pending_mutex);
+    if (l.pending.submitted) {
+      throw ShapeError("regrow: " + layer_name(layer) +
+                       " has a gradient waiting for commit_step (change masks between steps)");
+    }
+  }
+  // Everything new is built first: a throw leaves the layer as it was.
+  const auto drop = detail::smallest_magnitudes(l.weights, static_cast<std::int64_t>(grow.size()));
+  detail::MaskChange change = detail::prune_and_regrow(l.weights, drop, grow);
+  std::array<std::vector<float>, detail::kMaxOptimizerSlots> state;
+  const int slots = detail::optimizer_slot_count(state_->config.kind);
+  for (int s = 0; s < slots; ++s) state[s] = detail::carry_over(l.state[s], change.source);
+  std::lock_guard lock(l.placement_mutex);
+  std::vector<Placement> placements;
+  for (const auto& [lanes, p] : l.placements) {
+    placements.push_back(round_robin_placement(change.weights, lanes));
+  }
+  std::unique_ptr<TransposedPattern> transposed;
+  if (l.transposed) {
+    transposed = std::make_unique<TransposedPattern>(transposed_pattern(change.weights));
+  }
+  l.weights = std::move(change.weights);
+  for (int s = 0; s < slots; ++s) l.state[s] = std::move(state[s]);
+  // In place: references handed out before stay valid and see the new mask.
+  std::size_t i = 0;
+  for (auto& entry : l.placements) entry.second = std::move(placements[i++]);
+  if (transposed) *l.transposed = std::move(*transposed);
 }
 
 void HostModelMemory::set_optimizer_impl(const OptimizerConfig& config) {

@@ -87,6 +87,19 @@ class ModelMemory {
   /// optimizer state and the step count are unchanged.
   void discard_step();
 
+  /// Prune and regrow, between steps (dynamic sparsity, see sluice/dynamic_sparsity.hpp):
+  /// drops the grow.size() active weights of the layer with the smallest |w| (ties: the
+  /// earlier in CSR order, i.e. row-major) and makes the positions `grow` (row * cols +
+  /// col, increasing, inactive now) active at 0 with zeroed optimizer state; the dropped
+  /// weights' state is discarded and the number of non-zeros stays. The layer's transposed
+  /// pattern and placements follow the new mask (the objects stay where they are); every
+  /// stream of the layer must have finished. ShapeError if a gradient is waiting for
+  /// commit_step, a position is out of range or order, or already active.
+  void regrow(std::int32_t layer, std::span<const std::int64_t> grow);
+  /// Counts the changes of any mask (regrow, load): a caller keeping copies of
+  /// placements or patterns compares it to know they are stale.
+  std::uint64_t mask_generation() const { return mask_generation_; }
+
   void set_optimizer(const OptimizerConfig& config);
   const OptimizerConfig& optimizer() const;
   void set_non_finite_policy(NonFinitePolicy policy);
@@ -115,6 +128,8 @@ class ModelMemory {
                                     std::span<const float> bias_gradient) = 0;
   virtual StepReport commit_step_impl() = 0;
   virtual void discard_step_impl() = 0;
+  /// An implementation that cannot change masks keeps this one, which refuses (Error).
+  virtual void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow);
   virtual void set_optimizer_impl(const OptimizerConfig& config) = 0;
   virtual const OptimizerConfig& optimizer_impl() const = 0;
   virtual void set_non_finite_policy_impl(NonFinitePolicy policy) = 0;
@@ -123,6 +138,9 @@ class ModelMemory {
   virtual void load_impl(const std::filesystem::path& path) = 0;
 
   void check_layer(std::int32_t layer) const;
+
+ private:
+  std::uint64_t mask_generation_ = 0;
 };
 
 /// ModelMemory in this process's memory; the optimizer runs on oneTBB.
@@ -142,6 +160,7 @@ class HostModelMemory final : public ModelMemory {
                             std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
   void discard_step_impl() override;
+  void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) override;
   void set_optimizer_impl(const OptimizerConfig& config) override;
   const OptimizerConfig& optimizer_impl() const override;
   void set_non_finite_policy_impl(NonFinitePolicy policy) override;

@@ -1,0 +1,66 @@
+#pragma once
+// Internal: RigL's growth criterion, the k inactive positions with the largest |dense
+// gradient| |dY X^T|, found without ever holding the dense gradient: it is computed a tile
+// at a time and each tile passes through a streaming top-k.
+//
+// The dense gradient of the batch is a sum over the engines' token shards, so a top-k of
+// each engine's partial gradient would not be the top-k of the sum (a position can be
+// large in the sum and in no engine's list). Tiles are therefore summed over the engines
+// first, for the same positions, and only the sum goes through the top-k: exact, and
+// with the engines' shards taken in order (engine 0's tokens, then engine 1's, ...) each
+// score is added up in the same order whatever the number of engines, so 1 and N engines
+// choose the same positions.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "sluice/csr_matrix.hpp"
+#include "sluice/dense.hpp"
+
+namespace sluice::detail {
+
+struct ScoredPosition {
+  std::int64_t position = 0;  ///< row * cols + col
+  float score = 0;
+};
+
+/// Keeps the k best positions offered: larger score first, the smaller position on a tie.
+/// The order is total, so the set kept does not depend on the order of the offers, and
+/// two top-k's over disjoint positions merge into the top-k of the union.
+class StreamingTopK {
+ public:
+  explicit StreamingTopK(std::int64_t k);
+
+  std::int64_t capacity() const { return k_; }
+  std::int64_t size() const { return static_cast<std::int64_t>(heap_.size()); }
+  /// A score that cannot enter any more: the worst kept one once full, else -1.
+  float threshold() const { return full() ? heap_.front().score : -1.0F; }
+  /// NaN scores are ignored.
+  void offer(std::int64_t position, float score) {
+    if (!(score >= threshold())) return;  // below, or NaN
+    push({position, score});
+  }
+  void merge(const StreamingTopK& other);
+  /// The positions kept, in increasing order.
+  std::vector<std::int64_t> positions() const;
+  /// The positions kept with their scores, best first.
+  std::vector<ScoredPosition> ranked() const;
+
+ private:
+  bool full() const { return static_cast<std::int64_t>(heap_.size()) == k_ && k_ > 0; }
+  void push(ScoredPosition p);
+  std::int64_t k_;
+  std::vector<ScoredPosition> heap_;  ///< worst first (a min-heap under "better")
+};
+
+/// The `k` positions inactive in `mask` with the largest |sum_e dys[e] xs[e]^T| (ties to
+/// the smaller position), in increasing order; fewer if fewer scores are finite. xs[e] is
+/// engine e's layer input (mask.cols() x its tokens), dys[e] its output gradient
+/// (mask.rows() x the same tokens). Tiles of columns run in parallel. ShapeError on
+/// shapes that do not fit or a k over the inactive positions.
+std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
+                                               std::span<const ConstMatrixView> xs,
+                                               std::span<const ConstMatrixView> dys,
+                                               std::int64_t k);
+
+}  // namespace sluice::detail
