@@ -113,4 +113,16 @@ inline void time_sparse_forward(benchmark::State& state, const Layer& l, const P
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// The dense baselines' counters of a sparse product that took `sparse_seconds`: dense_ms
+/// and acceleration against oneDNN's matmul of the same precision, dense_best_ms and
+/// acceleration_vs_best against the fastest dense of any (named in the label).
+inline void set_dense_counters(benchmark::State& state, const baseline::DenseTiming& dense,
+                               double sparse_seconds) {
+  state.counters["dense_ms"] = dense.same_ms;
+  state.counters["acceleration"] = dense.same_ms * 1e-3 / sparse_seconds;
+  state.counters["dense_best_ms"] = dense.best_ms;
+  state.counters["acceleration_vs_best"] = dense.best_ms * 1e-3 / sparse_seconds;
+  state.SetLabel(std::string("best dense: ") + baseline::to_string(dense.best_kind));
+}
+
 }  // namespace sluice::bench

@@ -1,9 +1,10 @@
 // Sluice's streamed forward against other sparse libraries on the same operands: oneDNN
-// dense (the zeros included), and, when found at configure time, Eigen 3, SuiteSparse:
-// GraphBLAS and librsb, all on the same number of threads. Counters: useful GFLOP/s
-// (2 nnz tokens / time) and acceleration (oneDNN dense time / this time, both measured in
-// this run). Every library's product is checked once per operand set against sluice's, so
-// a peer that computes something else fails loudly instead of looking fast.
+// dense (the zeros included; sgemm, and matmul in bf16), and, when found at configure
+// time, Eigen 3, SuiteSparse:GraphBLAS, librsb and LIBXSMM's spmdm, all on the same number
+// of threads. Counters: useful GFLOP/s (2 nnz tokens / time), acceleration over oneDNN's
+// matmul of the peer's precision and over the fastest dense of any (acceleration_vs_best),
+// all measured in this run. Every library's product is checked once per operand set against
+// sluice's, so a peer that computes something else fails loudly instead of looking fast.
 //
 // Google Benchmark owns argv, so real masks come from the environment: with
 // SLUICE_DLMC_DIR set, every .smtx file under it (recursively) is also benchmarked with
@@ -37,6 +38,10 @@ extern "C" {
 #endif
 #ifdef SLUICE_HAVE_RSB
 #include <rsb.h>
+#endif
+#ifdef SLUICE_HAVE_LIBXSMM
+#include <libxsmm.h>
+#include <omp.h>
 #endif
 
 namespace sluice::bench {
@@ -90,6 +95,7 @@ struct SluiceBf16Peer {
         placement(placement_for(layer)),
         stream(encode_stream(l.w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16)),
         y(l.w.rows(), l.x.cols()) {}
+  static constexpr Precision precision = Precision::bf16;
   void multiply() { engine().forward(stream, placement, l.x.view(), y.view()); }
   DenseMatrix result() {
     multiply();
@@ -113,6 +119,27 @@ struct OneDnnDensePeer {
   DenseMatrix result() {
     multiply();
     return y.clone();
+  }
+};
+
+// oneDNN's matmul in bf16 (AMX or AVX512-BF16 where the CPU has them), W and X held in bf16.
+struct OneDnnDenseBf16Peer {
+  static constexpr Precision precision = Precision::bf16;
+  const Layer& l;
+  baseline::DenseProduct product;
+  DenseMatrix y;
+  explicit OneDnnDenseBf16Peer(const Layer& layer)
+      : l(layer),
+        product(baseline::DenseKind::matmul_bf16, l.w_dense.view(), false, l.x.view(), false),
+        y(l.w.rows(), l.x.cols()) {}
+  void multiply() { product.run(y.view()); }
+  DenseMatrix result() {
+    multiply();
+    return y.clone();
+  }
+  double reference_error(const DenseMatrix& got) const {
+    return testing::forward_error(testing::rounded_to_bf16(l.w),
+                                  testing::rounded_to_bf16(l.x.view()).view(), got.view());
   }
 };
 
@@ -330,6 +357,57 @@ struct RsbPeer {
 
 // ---- caches: the run order is one operand set after another, so one slot each -------
 
+#ifdef SLUICE_HAVE_LIBXSMM
+// LIBXSMM's spmdm: W held dense (its zeros included) and cut once into 16-bit CSR slices
+// of blocks (outside the timing, as other peers' formats are built), then the blocked
+// sparse-times-dense product on OpenMP threads.
+struct LibxsmmPeer {
+  const Layer& l;
+  libxsmm_spmdm_handle handle{};
+  libxsmm_CSR_sparseslice* slices = nullptr;
+  DenseMatrix y;
+  int threads;
+  explicit LibxsmmPeer(const Layer& layer)
+      : l(layer), y(l.w.rows(), l.x.cols()), threads(bench_threads()) {
+    if (l.w_dense.stride() != l.w.cols() || l.x.stride() != l.x.cols() || y.stride() != y.cols()) {
+      throw std::runtime_error("libxsmm spmdm: operands must be contiguous");
+    }
+    libxsmm_spmdm_init(static_cast<int>(l.w.rows()), static_cast<int>(l.x.cols()),
+                       static_cast<int>(l.w.cols()), threads, &handle, &slices);
+    const int blocks = libxsmm_spmdm_get_num_createSparseSlice_blocks(&handle);
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+      for (int b = tid; b < blocks; b += n) {
+        libxsmm_spmdm_createSparseSlice_fp32_thread(&handle, 'N', l.w_dense.data(), slices, b, tid,
+                                                    n);
+      }
+    }
+  }
+  ~LibxsmmPeer() {
+    libxsmm_spmdm_destroy(&handle);
+  }
+  LibxsmmPeer(const LibxsmmPeer&) = delete;
+  LibxsmmPeer& operator=(const LibxsmmPeer&) = delete;
+  void multiply() {
+    const float alpha = 1, beta = 0;
+    const int blocks = libxsmm_spmdm_get_num_compute_blocks(&handle);
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+      for (int b = tid; b < blocks; b += n) {
+        libxsmm_spmdm_compute_fp32_thread(&handle, 'N', 'N', &alpha, slices, l.x.data(), 'N', &beta,
+                                          y.data(), b, tid, n);
+      }
+    }
+  }
+  DenseMatrix result() {
+    multiply();
+    return y.clone();
+  }
+};
+#endif
+
 template <typename T>
 struct Slot {
   std::string key;
@@ -436,10 +514,13 @@ void run_peer(benchmark::State& state, const char* name, const std::string& key,
         benchmark::Counter(useful_flops(l) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
     // The peer first: oneDNN's OpenMP threads spin on after each call and would slow it.
     const double peer_s = median_seconds([&] { peer.multiply(); });
-    OneDnnDensePeer dense(l);
-    const double dense_s = median_seconds([&] { dense.multiply(); });
-    state.counters["dense_ms"] = dense_s * 1e3;
-    state.counters["acceleration"] = dense_s / peer_s;
+    Precision precision = Precision::fp32;
+    if constexpr (requires { Peer::precision; }) precision = Peer::precision;
+    DenseMatrix y(l.w.rows(), l.x.cols());
+    set_dense_counters(state,
+                       baseline::time_dense(
+                           {{l.w_dense.view(), false, l.x.view(), false, y.view()}}, precision, 5),
+                       peer_s);
     state.counters["nnz"] = static_cast<double>(l.w.nnz());
   } catch (const std::exception& e) {
     skip(state, e.what());
@@ -484,6 +565,9 @@ std::vector<PeerEntry> peers() {
   std::vector<PeerEntry> list = {{"sluice_fp32", run_peer<SluicePeer>},
                                  {"sluice_bf16", run_peer<SluiceBf16Peer>},
                                  {"onednn_dense", run_peer<OneDnnDensePeer>}};
+  if (baseline::DenseKind::matmul_bf16 == baseline::same_precision_kind(Precision::bf16)) {
+    list.push_back({"onednn_dense_bf16", run_peer<OneDnnDenseBf16Peer>});
+  }
 #ifdef SLUICE_HAVE_EIGEN
   list.push_back({"eigen", run_peer<EigenPeer>});
 #endif
@@ -492,6 +576,9 @@ std::vector<PeerEntry> peers() {
 #endif
 #ifdef SLUICE_HAVE_RSB
   list.push_back({"librsb", run_peer<RsbPeer>});
+#endif
+#ifdef SLUICE_HAVE_LIBXSMM
+  list.push_back({"libxsmm_spmdm", run_peer<LibxsmmPeer>});
 #endif
   return list;
 }
@@ -548,6 +635,10 @@ std::string configure_threads(int threads) {
   rsb(rsb_lib_set_opt(RSB_IO_WANT_EXECUTING_THREADS, &rsb_threads), "set executing threads");
   found += std::string(" librsb-") + RSB_LIBRSB_VER_STRING;
 #endif
+#ifdef SLUICE_HAVE_LIBXSMM
+  libxsmm_init();
+  found += std::string(" libxsmm-") + LIBXSMM_VERSION;
+#endif
   return found;
 }
 
@@ -572,6 +663,10 @@ int main(int argc, char** argv) {
   register_peer_sweep<SluicePeer>("sluice_fp32");
   register_peer_sweep<SluiceBf16Peer>("sluice_bf16");
   register_peer_sweep<OneDnnDensePeer>("onednn_dense");
+  if (sluice::baseline::DenseKind::matmul_bf16 ==
+      sluice::baseline::same_precision_kind(sluice::Precision::bf16)) {
+    register_peer_sweep<OneDnnDenseBf16Peer>("onednn_dense_bf16");
+  }
 #ifdef SLUICE_HAVE_EIGEN
   register_peer_sweep<EigenPeer>("eigen");
 #endif
@@ -580,6 +675,9 @@ int main(int argc, char** argv) {
 #endif
 #ifdef SLUICE_HAVE_RSB
   register_peer_sweep<RsbPeer>("librsb");
+#endif
+#ifdef SLUICE_HAVE_LIBXSMM
+  register_peer_sweep<LibxsmmPeer>("libxsmm_spmdm");
 #endif
   if (const char* dlmc = std::getenv("SLUICE_DLMC_DIR"); dlmc != nullptr && *dlmc != '\0') {
     register_dlmc(dlmc);

@@ -105,3 +105,53 @@ TEST_F(CliSpmm, AnEmptyMatrixFileIsRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+/// The string after `"key": "` in a JSON text; empty when the key is missing.
+std::string json_string(const std::string& json, const std::string& key) {
+  const auto at = json.find("\"" + key + "\": \"");
+  if (at == std::string::npos) return {};
+  const auto begin = at + key.size() + 5;
+  return json.substr(begin, json.find('"', begin) - begin);
+}
+
+// Every acceleration is reported against the dense product of the same precision and
+// against the fastest dense of any; the fastest is no slower than the same-precision one,
+// and each ratio is the one its times give.
+TEST_F(CliSpmm, ReportsDenseOfTheSamePrecisionAndTheBest) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    const Outcome o =
+        run(std::string("spmm --shape 96x80 --sparsity 0.9 --tokens 24 --repeat 1 --backward "
+                        "--json --precision ") +
+                precision,
+            false);
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    const double sparse = json_number(o.output, "sparse_ms");
+    const double dense = json_number(o.output, "dense_ms");
+    const double best = json_number(o.output, "dense_best_ms");
+    EXPECT_GT(best, 0) << o.output;
+    EXPECT_LE(best, dense) << o.output;
+    EXPECT_NEAR(json_number(o.output, "acceleration"), dense / sparse, 1e-6 * dense / sparse);
+    EXPECT_NEAR(json_number(o.output, "acceleration_vs_best"), best / sparse, 1e-6 * best / sparse);
+    const std::string kind = json_string(o.output, "dense_best_kind");
+    EXPECT_TRUE(kind == "onednn_sgemm_f32" || kind == "onednn_matmul_f32" ||
+                kind == "onednn_matmul_bf16")
+        << o.output;
+    const std::string same = json_string(o.output, "dense_kind");
+    EXPECT_EQ(same, std::string(precision) == "fp32" || same == "onednn_matmul_f32"
+                        ? "onednn_matmul_f32"
+                        : "onednn_matmul_bf16")
+        << o.output;
+    const double backward = json_number(o.output, "backward_ms");
+    EXPECT_EQ(json_number(o.output, "backward_dense_ms"),
+              json_number(o.output, "dense_backward_ms"));
+    EXPECT_LE(json_number(o.output, "backward_dense_best_ms"),
+              json_number(o.output, "backward_dense_ms"));
+    EXPECT_NEAR(json_number(o.output, "backward_acceleration_vs_best"),
+                json_number(o.output, "backward_dense_best_ms") / backward, 1e-3);
+    EXPECT_FALSE(json_string(o.output, "backward_dense_best_kind").empty()) << o.output;
+  }
+}
+
+}  // namespace

@@ -91,9 +91,11 @@ TEST_F(CliSweep, TinySweepWritesCsvAndJsonWithOneRowPerSparsity) {
   }
 
   const std::string json = read_file(out / "sweep.json");
-  for (const char* key : {"\"points\"", "\"fit\"", "\"measured_ms\"", "\"predicted_ms\"",
-                          "\"measured_acceleration\"", "\"predicted_acceleration\"", "\"residual\"",
-                          "\"constants\"", "\"r_squared\"", "\"held_at_zero\"", "\"nnz\""})
+  for (const char* key :
+       {"\"points\"", "\"fit\"", "\"measured_ms\"", "\"predicted_ms\"", "\"measured_acceleration\"",
+        "\"predicted_acceleration\"", "\"residual\"", "\"constants\"", "\"r_squared\"",
+        "\"held_at_zero\"", "\"nnz\"", "\"dense_ms\"", "\"dense_best_ms\"", "\"dense_best_kind\"",
+        "\"acceleration_vs_best\""})
     EXPECT_NE(json.find(key), std::string::npos) << key << " missing in\n" << json;
   EXPECT_EQ(count(json, "\"sparsity\""), 3u) << json;
   EXPECT_TRUE(temporary_files(out).empty());

@@ -1,7 +1,8 @@
 // `sluice sweep`: measures the streamed layer over a list of sparsities against oneDNN's
-// dense sgemm on the same shape, calibrates the cost model (Amdahl's law,
-// docs/architecture.md) to the measured points by least squares, and shows measured and
-// predicted acceleration side by side with the residual: a table, CSV/JSON files and a plot.
+// dense products on the same shape (f32 matmul, and the fastest of any precision),
+// calibrates the cost model (Amdahl's law, docs/architecture.md) to the measured points by
+// least squares, and shows measured and predicted acceleration side by side with the
+// residual: a table, CSV/JSON files and a plot.
 #include <unistd.h>
 
 #include <algorithm>
@@ -61,7 +62,9 @@ struct Sweep {
   Geometry geometry;
   bool training = false;
   int repeat = 0;
-  double dense_seconds = 0;
+  double dense_seconds = 0;       ///< oneDNN's f32 matmul, the sweep's precision
+  double dense_best_seconds = 0;  ///< the fastest oneDNN product of any precision
+  std::string dense_kind, dense_best_kind;
   std::vector<SweepPoint> points;
   CalibrationResult fit;
   std::vector<std::string> fitted_terms;
@@ -72,6 +75,9 @@ struct Sweep {
   }
   double predicted_acceleration(const SweepPoint& p) const {
     return dense_seconds / p.predicted_seconds;
+  }
+  double measured_acceleration_vs_best(const SweepPoint& p) const {
+    return dense_best_seconds / p.measured_seconds;
   }
   static double residual(const SweepPoint& p) {
     return (p.predicted_seconds - p.measured_seconds) / p.measured_seconds;
@@ -181,18 +187,24 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     runs.push_back(run);
     layers.push_back(std::move(layer));
   }
-  // The dense baseline does the same work whatever the sparsity (zeros included), so it
-  // is one more item of the sweep, on the same shape and threads.
-  const DenseMatrix w_dense = testing::random_dense(outputs, inputs, o.seed);
-  DenseMatrix dw(o.training ? outputs : 1, o.training ? inputs : 1);
-  std::vector<std::function<void()>> items;
-  items.push_back([&] {
-    baseline::dense_sgemm(w_dense.view(), false, x.view(), false, y.view());
+  // The dense baselines do the same work whatever the sparsity (zeros included), so they
+  // are timed once, on the same shape and threads, before the sweep.
+  {
+    const DenseMatrix w_dense = testing::random_dense(outputs, inputs, o.seed);
+    DenseMatrix dw(o.training ? outputs : 1, o.training ? inputs : 1);
+    std::vector<baseline::DenseOperands> products{
+        {w_dense.view(), false, x.view(), false, y.view()}};
     if (o.training) {
-      baseline::dense_sgemm(w_dense.view(), true, dy.view(), false, dx.view());
-      baseline::dense_sgemm(dy.view(), false, x.view(), true, dw.view());
+      products.push_back({w_dense.view(), true, dy.view(), false, dx.view()});
+      products.push_back({dy.view(), false, x.view(), true, dw.view()});
     }
-  });
+    const baseline::DenseTiming dense = baseline::time_dense(products, Precision::fp32, o.repeat);
+    s.dense_seconds = 1e-3 * dense.same_ms;
+    s.dense_kind = baseline::to_string(dense.same_kind);
+    s.dense_best_seconds = 1e-3 * dense.best_ms;
+    s.dense_best_kind = baseline::to_string(dense.best_kind);
+  }
+  std::vector<std::function<void()>> items;
   for (const Layer& layer : layers) {
     items.push_back([&] {
       engine.forward(layer.stream, layer.placement, x.view(), y.view());
@@ -207,8 +219,7 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   ProgressBar progress(static_cast<int>(items.size()) * (o.repeat + 1));
   std::vector<std::vector<double>> times(items.size());
   for (std::size_t i = 0; i < items.size(); ++i) {
-    progress.set_label(i == 0 ? std::string("dense baseline")
-                              : "sparsity " + json_number(s.points[i - 1].sparsity));
+    progress.set_label("sparsity " + json_number(s.points[i].sparsity));
     for (int call = 0; call <= o.repeat; ++call) {
       const double t = seconds_of(items[i]);
       if (call > 0) times[i].push_back(t);
@@ -216,9 +227,8 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     }
   }
   progress.finish();
-  s.dense_seconds = median(times[0]);
   for (std::size_t i = 0; i < s.points.size(); ++i) {
-    s.points[i].measured_seconds = median(times[i + 1]);
+    s.points[i].measured_seconds = median(times[i]);
     runs[i].seconds = s.points[i].measured_seconds;
   }
   return s;
@@ -311,6 +321,8 @@ std::string to_json(const Sweep& s) {
   w.field("outputs", s.outputs).field("inputs", s.inputs).field("tokens", s.tokens);
   w.field("threads", s.threads).field("isa", s.isa).field("geometry", s.geometry.to_string());
   w.field("repeat", s.repeat).field("dense_ms", 1e3 * s.dense_seconds);
+  w.field("dense_kind", s.dense_kind).field("dense_best_ms", 1e3 * s.dense_best_seconds);
+  w.field("dense_best_kind", s.dense_best_kind);
   w.key("points").begin_array();
   for (const auto& p : s.points) {
     w.begin_object();
@@ -320,6 +332,7 @@ std::string to_json(const Sweep& s) {
     w.field("measured_acceleration", s.measured_acceleration(p));
     w.field("predicted_acceleration", s.predicted_acceleration(p));
     w.field("residual", Sweep::residual(p));
+    w.field("acceleration_vs_best", s.measured_acceleration_vs_best(p));
     w.end_object();
   }
   w.end_array();
@@ -332,14 +345,15 @@ std::string to_json(const Sweep& s) {
 std::string to_csv(const Sweep& s) {
   std::ostringstream csv;
   csv << "sparsity,inverse_density,nnz,measured_ms,predicted_ms,dense_ms,measured_acceleration,"
-         "predicted_acceleration,residual\n";
+         "predicted_acceleration,residual,dense_best_ms,acceleration_vs_best\n";
   for (const auto& p : s.points) {
     csv << json_number(p.sparsity) << "," << json_number(1.0 / (1.0 - p.sparsity)) << "," << p.nnz
         << "," << json_number(1e3 * p.measured_seconds) << ","
         << json_number(1e3 * p.predicted_seconds) << "," << json_number(1e3 * s.dense_seconds)
         << "," << json_number(s.measured_acceleration(p)) << ","
-        << json_number(s.predicted_acceleration(p)) << "," << json_number(Sweep::residual(p))
-        << "\n";
+        << json_number(s.predicted_acceleration(p)) << "," << json_number(Sweep::residual(p)) << ","
+        << json_number(1e3 * s.dense_best_seconds) << ","
+        << json_number(s.measured_acceleration_vs_best(p)) << "\n";
   }
   return csv.str();
 }
@@ -354,14 +368,16 @@ std::string title(const Sweep& s) {
 }
 
 void print_table(const Sweep& s) {
-  std::printf("sluice sweep: %s, ISA %s; dense (oneDNN) %.3f ms\n", title(s).c_str(), s.isa.c_str(),
-              1e3 * s.dense_seconds);
-  std::printf("%9s %10s %12s %12s %10s %10s %9s\n", "sparsity", "nnz", "measured_ms",
-              "predicted_ms", "meas_accel", "pred_accel", "residual");
+  std::printf("sluice sweep: %s, ISA %s; dense %s %.3f ms, best dense %s %.3f ms\n",
+              title(s).c_str(), s.isa.c_str(), s.dense_kind.c_str(), 1e3 * s.dense_seconds,
+              s.dense_best_kind.c_str(), 1e3 * s.dense_best_seconds);
+  std::printf("%9s %10s %12s %12s %10s %10s %9s %9s\n", "sparsity", "nnz", "measured_ms",
+              "predicted_ms", "meas_accel", "pred_accel", "residual", "vs_best");
   for (const auto& p : s.points) {
-    std::printf("%9.4g %10lld %12.4f %12.4f %9.2fx %9.2fx %8.1f%%\n", p.sparsity,
+    std::printf("%9.4g %10lld %12.4f %12.4f %9.2fx %9.2fx %8.1f%% %8.2fx\n", p.sparsity,
                 static_cast<long long>(p.nnz), 1e3 * p.measured_seconds, 1e3 * p.predicted_seconds,
-                s.measured_acceleration(p), s.predicted_acceleration(p), 100 * Sweep::residual(p));
+                s.measured_acceleration(p), s.predicted_acceleration(p), 100 * Sweep::residual(p),
+                s.measured_acceleration_vs_best(p));
   }
   const auto values = s.fit.constants.terms();
   std::printf("fit (least squares on relative error):");
@@ -450,7 +466,7 @@ Command add_sweep_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--training", o->training,
                 "Time a training step (forward + backward dX + weight gradient) against dense "
-                "forward + two backward sgemms");
+                "forward + two backward products");
   cmd->add_option(
          "--out", o->out_dir,
          "Directory for sweep.csv, sweep.json and sweep.png (plot when gnuplot is on PATH)")

@@ -1,0 +1,39 @@
+#pragma once
+// oneDNN's matmul, set up once for one problem and run on caller's buffers: the dense
+// kernel of the engine's dense path and of the dense baselines. In bf16 it runs on AMX
+// or AVX512-BF16 where the CPU has them (oneDNN picks the kernel).
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace sluice::detail {
+
+enum class DenseType { f32, bf16 };
+
+/// C = op(A) op(B): A is m x k (stored k x m when `transpose_a`), B is k x n (stored n x k
+/// when `transpose_b`), both of `type`, row-major with the given row strides; C is m x n
+/// fp32 with row stride ldc, overwritten.
+class DenseMatmul {
+ public:
+  DenseMatmul(DenseType type, std::int64_t m, std::int64_t n, std::int64_t k, bool transpose_a,
+              std::int64_t lda, bool transpose_b, std::int64_t ldb, std::int64_t ldc);
+  ~DenseMatmul();
+  DenseMatmul(DenseMatmul&&) noexcept;
+  DenseMatmul& operator=(DenseMatmul&&) noexcept;
+
+  /// Runs on `threads` OpenMP threads (0: oneDNN's default); the caller's OpenMP setting
+  /// is restored after.
+  void run(const void* a, const void* b, float* c, int threads = 0) const;
+  /// The kernel oneDNN chose (e.g. "brg:avx512_core_amx"), for reports.
+  std::string implementation() const;
+
+  /// Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); elsewhere oneDNN
+  /// emulates it, slower than f32.
+  static bool bf16_native();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sluice::detail
