@@ -10,9 +10,11 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "engine_worker.hpp"
+#include "gradient_top_k.hpp"
 #include "parallel.hpp"
 #include "sluice/error.hpp"
 
@@ -185,6 +187,8 @@ StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   stream_packets += o.stream_packets;
   stream_bytes += o.stream_bytes;
   tokens += o.tokens;
+  mask_updates += o.mask_updates;
+  mask_update_seconds += o.mask_update_seconds;
   return *this;
 }
 
@@ -207,6 +211,10 @@ struct LayerStreamingExecutor::Impl {
   std::int64_t allocated_tokens = -1;
   bool allocated_training = false;
   std::map<std::pair<std::int32_t, std::int32_t>, Placement> placements;
+  std::uint64_t mask_generation = 0;  // ModelMemory's, when `placements` were copied
+  // RigL: on an update step, each layer's growth (positions, increasing) for that step.
+  std::vector<std::vector<std::int64_t>>* growth = nullptr;
+  std::int64_t growth_step = 0;
   StepMetrics metrics;  // of the current call
   Producers producers;  // idle stream producers (a stream and its prefetched successor)
   // Hands each layer's reduced gradient to its sink while the engines go on (made on the
@@ -296,6 +304,10 @@ struct LayerStreamingExecutor::Impl {
     }
     for (auto& s : state) {
       s.input = {features.data + s.begin, features.rows, s.tokens, features.stride};
+    }
+    if (memory.mask_generation() != mask_generation) {  // copies of old masks' placements
+      placements.clear();
+      mask_generation = memory.mask_generation();
     }
   }
 
@@ -439,6 +451,35 @@ struct LayerStreamingExecutor::Impl {
     }
   }
 
+  // RigL's growth for layer l: the inactive positions with the largest |dY X^T| over
+  // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp).
+  void score_growth(std::int32_t l, std::span<const ConstMatrixView> xs,
+                    std::span<const ConstMatrixView> dys) {
+    const auto t0 = Clock::now();
+    const CsrMatrix& w = memory.weights(l);
+    const std::int64_t k = options.dynamic.swap_count(growth_step, w.nnz(), w.rows() * w.cols());
+    (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
+    metrics.mask_update_seconds += since(t0);
+  }
+
+  // After update step `step`'s commit: every layer drops its smallest weights and grows
+  // as many (SET: seeded random positions; RigL: `growth`).
+  void update_masks(std::int64_t step, const std::vector<std::vector<std::int64_t>>& grown) {
+    const auto t0 = Clock::now();
+    const DynamicSparsity& d = options.dynamic;
+    for (std::int32_t l = 0; l < layers(); ++l) {
+      const CsrMatrix& w = memory.weights(l);
+      if (d.rule == MaskUpdateRule::rigl) {
+        memory.regrow(l, grown[static_cast<std::size_t>(l)]);
+      } else {
+        const std::int64_t k = d.swap_count(step, w.nnz(), w.rows() * w.cols());
+        memory.regrow(l, random_inactive_positions(w, k, mask_update_seed(d.seed, step, l)));
+      }
+    }
+    metrics.mask_updates += 1;
+    metrics.mask_update_seconds += since(t0);
+  }
+
   using Sink = std::function<void(std::int32_t layer, ReducedGradient&& gradient)>;
 
   // Forward, loss, backward; each layer's reduced gradient goes to `sink` on a task of
@@ -489,6 +530,7 @@ struct LayerStreamingExecutor::Impl {
         const bool with_bias = !memory.bias(l).empty();
         ReducedGradient g = fabric.backward(current->metered, ps, xs, dys, dxs, with_bias);
         account(*current);
+        if (growth != nullptr) score_growth(l, xs, dys);
         if (!submitter) submitter = std::make_unique<detail::EngineWorker>();
         submits.push_back(submitter->post(
             [&sink, l, gradient = std::move(g)]() mutable { sink(l, std::move(gradient)); }));
@@ -555,6 +597,7 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   if (m.options.prefetch_depth < 1) throw ShapeError("executor: prefetch depth must be >= 1");
   if (m.options.chunk_packets < 1) throw ShapeError("executor: chunk_packets must be >= 1");
   if (m.options.memory_budget_bytes < 0) throw ShapeError("executor: negative memory budget");
+  m.options.dynamic.validate();
   m.engines = fabric.engine_count();
 }
 
@@ -586,6 +629,18 @@ StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
   const auto t0 = Clock::now();
   std::int64_t correct = 0;
   StepResult r;
+  // A mask update after this step: RigL scores the layers during its backward pass.
+  const std::int64_t step = m.memory.step() + 1;
+  const bool mask_step = m.options.dynamic.is_update_step(step);
+  std::vector<std::vector<std::int64_t>> growth(static_cast<std::size_t>(m.layers()));
+  if (mask_step && m.options.dynamic.rule == MaskUpdateRule::rigl) {
+    m.growth = &growth;
+    m.growth_step = step;
+  }
+  struct NoGrowth {  // the pointer never outlives this call
+    Impl& m;
+    ~NoGrowth() { m.growth = nullptr; }
+  } no_growth{m};
   try {
     r.loss = m.forward_backward(
         batch,
@@ -600,6 +655,7 @@ StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
     throw;
   }
   r.report = m.memory.commit_step();
+  if (mask_step && r.report.applied && r.report.step == step) m.update_masks(step, growth);
   StepMetrics& mt = m.metrics;
   mt.wall_seconds = since(t0);
   for (std::int32_t k = 0; k < m.engines; ++k) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "parallel.hpp"
@@ -76,37 +77,34 @@ void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
 
 StreamingTopK::StreamingTopK(std::int64_t k) : k_(k) {
   if (k < 0) throw ShapeError("StreamingTopK: negative k " + std::to_string(k));
+  if (k == 0) bar_ = std::numeric_limits<float>::infinity();  // nothing is kept
+  kept_.reserve(static_cast<std::size_t>(2 * k));
 }
 
-void StreamingTopK::push(ScoredPosition p) {
-  // "Worse" on top: a std heap keeps its largest element first under the comparison.
-  auto worse_first = [](const ScoredPosition& a, const ScoredPosition& b) { return better(a, b); };
-  if (k_ == 0) return;
-  if (static_cast<std::int64_t>(heap_.size()) < k_) {
-    heap_.push_back(p);
-    std::push_heap(heap_.begin(), heap_.end(), worse_first);
-    return;
-  }
-  if (!better(p, heap_.front())) return;
-  std::pop_heap(heap_.begin(), heap_.end(), worse_first);
-  heap_.back() = p;
-  std::push_heap(heap_.begin(), heap_.end(), worse_first);
+void StreamingTopK::cut() {
+  if (static_cast<std::int64_t>(kept_.size()) < k_ || k_ == 0) return;
+  std::nth_element(kept_.begin(), kept_.begin() + (k_ - 1), kept_.end(), better);
+  kept_.resize(static_cast<std::size_t>(k_));
+  bar_ = kept_.back().score;
+  bar_position_ = kept_.back().position;
 }
 
 void StreamingTopK::merge(const StreamingTopK& other) {
-  for (const ScoredPosition& p : other.heap_) offer(p.position, p.score);
+  for (const ScoredPosition& p : other.kept_) offer(p.position, p.score);
 }
 
-std::vector<std::int64_t> StreamingTopK::positions() const {
+std::vector<std::int64_t> StreamingTopK::positions() {
+  cut();
   std::vector<std::int64_t> out;
-  out.reserve(heap_.size());
-  for (const ScoredPosition& p : heap_) out.push_back(p.position);
+  out.reserve(kept_.size());
+  for (const ScoredPosition& p : kept_) out.push_back(p.position);
   std::sort(out.begin(), out.end());
   return out;
 }
 
-std::vector<ScoredPosition> StreamingTopK::ranked() const {
-  std::vector<ScoredPosition> out = heap_;
+std::vector<ScoredPosition> StreamingTopK::ranked() {
+  cut();
+  std::vector<ScoredPosition> out = kept_;
   std::sort(out.begin(), out.end(), better);
   return out;
 }

@@ -11,6 +11,7 @@
 // score is added up in the same order whatever the number of engines, so 1 and N engines
 // choose the same positions.
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -26,31 +27,34 @@ struct ScoredPosition {
 
 /// Keeps the k best positions offered: larger score first, the smaller position on a tie.
 /// The order is total, so the set kept does not depend on the order of the offers, and
-/// two top-k's over disjoint positions merge into the top-k of the union.
+/// two top-k's over disjoint positions merge into the top-k of the union. Offers at or
+/// above the k-th best score so far are buffered; a full buffer (2k) is cut back to its
+/// best k, whose worst becomes the bar: amortised O(1) per offer, no heap.
 class StreamingTopK {
  public:
   explicit StreamingTopK(std::int64_t k);
 
   std::int64_t capacity() const { return k_; }
-  std::int64_t size() const { return static_cast<std::int64_t>(heap_.size()); }
-  /// A score that cannot enter any more: the worst kept one once full, else -1.
-  float threshold() const { return full() ? heap_.front().score : -1.0F; }
   /// NaN scores are ignored.
   void offer(std::int64_t position, float score) {
-    if (!(score >= threshold())) return;  // below, or NaN
-    push({position, score});
+    // Not better than the k-th best so far (NaN never is).
+    if (!(score > bar_ || (score == bar_ && position < bar_position_))) return;
+    kept_.push_back({position, score});
+    if (static_cast<std::int64_t>(kept_.size()) >= 2 * k_) cut();
   }
   void merge(const StreamingTopK& other);
   /// The positions kept, in increasing order.
-  std::vector<std::int64_t> positions() const;
+  std::vector<std::int64_t> positions();
   /// The positions kept with their scores, best first.
-  std::vector<ScoredPosition> ranked() const;
+  std::vector<ScoredPosition> ranked();
 
  private:
-  bool full() const { return static_cast<std::int64_t>(heap_.size()) == k_ && k_ > 0; }
-  void push(ScoredPosition p);
+  void cut();  ///< keeps the best k, sets the bar to the k-th score
   std::int64_t k_;
-  std::vector<ScoredPosition> heap_;  ///< worst first (a min-heap under "better")
+  /// The k-th best so far (after a cut): an offer must beat it to be kept.
+  float bar_ = -std::numeric_limits<float>::infinity();
+  std::int64_t bar_position_ = std::numeric_limits<std::int64_t>::max();
+  std::vector<ScoredPosition> kept_;
 };
 
 /// The `k` positions inactive in `mask` with the largest |sum_e dys[e] xs[e]^T| (ties to

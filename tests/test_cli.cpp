@@ -250,3 +250,18 @@ TEST_F(Cli, TrainRefusesOptionsItWouldIgnore) {
 }
 
 }  // namespace
+
+TEST_F(Cli, TrainWithDynamicMasks) {
+  const Outcome o =
+      run("train --dataset synthetic --layers 64,32,10 --epochs 2 --dynamic rigl --update-every 10 "
+          "--drop 0.2 --update-until 0.5 --json");
+  expect_exit(o, 0, "\"mask_updates\": 9");  // steps 10..90 of 200, before step 100
+  EXPECT_NE(o.output.find("\"mask_update_seconds\""), std::string::npos) << o.output;
+  expect_exit(run("train --dataset synthetic --epochs 1 --dynamic topk"), 2, "--dynamic");
+  expect_exit(run("train --dataset synthetic --epochs 1 --drop 0.2"), 2, "--drop needs --dynamic");
+  expect_exit(run("train --dataset synthetic --epochs 1 --dynamic set --drop 0"), 2, "--drop");
+  expect_exit(run("train --dataset synthetic --epochs 1 --dynamic set --update-every 0"), 2,
+              "--update-every");
+  expect_exit(run("train --dataset synthetic --epochs 1 --dynamic set --update-until 2"), 2,
+              "--update-until");
+}

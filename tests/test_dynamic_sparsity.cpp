@@ -10,8 +10,10 @@
 
 #include "gradient_top_k.hpp"
 #include "mask_update.hpp"
+#include "sluice/dataset.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
+#include "sluice/executor.hpp"
 #include "sluice/model_memory.hpp"
 #include "sluice/stream.hpp"
 #include "test_support.hpp"
@@ -470,6 +472,119 @@ TEST_F(Regrow, CheckpointKeepsTheNewMaskAndState) {
   loaded.submit_gradient(1, gradient_for(loaded.weights(1), g), std::vector<float>(9, 0.0F));
   ASSERT_TRUE(loaded.commit_step().applied);
   EXPECT_EQ(loaded.weights(1).values(), mm.weights(1).values());
+}
+
+}  // namespace
+}  // namespace sluice
+
+namespace sluice {
+namespace {
+
+/// Trains a 20-40-30-5 MLP at 80% for `steps` steps of 24 tokens on `engines` engines
+/// with masks updated every 2 steps; returns the memory's masks and the totals.
+struct Trained {
+  std::vector<CsrMatrix> weights;
+  StepMetrics totals;
+};
+
+Trained train_dynamic(MaskUpdateRule rule, std::int32_t engines, std::int64_t steps) {
+  HostModelMemory memory;
+  build_sparse_mlp(memory, {20, 40, 30, 5}, 0.8, 4);
+  LocalFabricOptions fo;
+  fo.engines = engines;
+  fo.engine.threads = 1;
+  LocalFabric fabric(fo);
+  ExecutorOptions eo;
+  eo.dynamic.rule = rule;
+  eo.dynamic.update_every = 2;
+  eo.dynamic.drop = 0.5;
+  eo.dynamic.update_until = 0.75;
+  eo.dynamic.total_steps = steps;
+  eo.dynamic.seed = 9;
+  LayerStreamingExecutor executor(memory, fabric, eo);
+  const Dataset data = make_synthetic_dataset(24 * steps, 20, 5, 3);
+  for (std::int64_t s = 0; s < steps; ++s) {
+    Batch b;
+    b.features = {data.features.data() + s * 24, 20, 24, data.features.stride()};
+    b.labels.assign(data.labels.begin() + s * 24, data.labels.begin() + (s + 1) * 24);
+    executor.train_step(b);
+  }
+  Trained out;
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) out.weights.push_back(memory.weights(l));
+  out.totals = executor.totals();
+  return out;
+}
+
+TEST(DynamicTraining, SameSeedSameMasksOnOneOrTwoEngines) {
+  HostModelMemory initial;
+  build_sparse_mlp(initial, {20, 40, 30, 5}, 0.8, 4);
+  for (MaskUpdateRule rule : {MaskUpdateRule::set, MaskUpdateRule::rigl}) {
+    const Trained one = train_dynamic(rule, 1, 12);
+    const Trained two = train_dynamic(rule, 2, 12);
+    EXPECT_EQ(one.totals.mask_updates, 4) << to_string(rule);  // steps 2, 4, 6, 8 (< 9)
+    EXPECT_GT(one.totals.mask_update_seconds, 0);
+    for (std::size_t l = 0; l < one.weights.size(); ++l) {
+      const CsrMatrix& start = initial.weights(static_cast<std::int32_t>(l));
+      EXPECT_EQ(one.weights[l].nnz(), start.nnz()) << l;
+      EXPECT_NE(one.weights[l].col_indices(), start.col_indices()) << l << " never changed";
+      EXPECT_EQ(one.weights[l].row_offsets(), two.weights[l].row_offsets()) << to_string(rule) << l;
+      EXPECT_EQ(one.weights[l].col_indices(), two.weights[l].col_indices()) << to_string(rule) << l;
+    }
+  }
+  // The rules grow different positions.
+  EXPECT_NE(train_dynamic(MaskUpdateRule::set, 1, 4).weights[1].col_indices(),
+            train_dynamic(MaskUpdateRule::rigl, 1, 4).weights[1].col_indices());
+  EXPECT_EQ(train_dynamic(MaskUpdateRule::none, 1, 4).weights[1].col_indices(),
+            initial.weights(1).col_indices());
+}
+
+TEST(DynamicTraining, RiglGrowsWhereTheDenseGradientIsLargest) {
+  // One step on a one-layer model: the grown positions are the dense top-k of |dY X^T|,
+  // from the executor's own gradients (a dense reference of the full product).
+  HostModelMemory memory;
+  build_sparse_mlp(memory, {12, 9}, 0.7, 2);
+  const CsrMatrix start = memory.weights(0);
+  LocalFabric fabric;
+  ExecutorOptions eo;
+  eo.dynamic.rule = MaskUpdateRule::rigl;
+  eo.dynamic.update_every = 1;
+  eo.dynamic.drop = 0.3;
+  eo.dynamic.update_until = 1;
+  eo.dynamic.total_steps = 1000;
+  LayerStreamingExecutor executor(memory, fabric, eo);
+  const Dataset data = make_synthetic_dataset(16, 12, 9, 1);
+  Batch b{data.features.view(), data.labels, {}};
+  // The dense gradient of the mean loss: softmax minus one-hot, over the tokens.
+  const DenseMatrix y = executor.infer(b.features);
+  std::vector<double> dense(9 * 12, 0.0);
+  for (std::int64_t t = 0; t < 16; ++t) {
+    double peak = y(0, t), sum = 0;
+    for (std::int64_t o = 1; o < 9; ++o) peak = std::max<double>(peak, y(o, t));
+    for (std::int64_t o = 0; o < 9; ++o) sum += std::exp(y(o, t) - peak);
+    for (std::int64_t o = 0; o < 9; ++o) {
+      const double dy = (std::exp(y(o, t) - peak) / sum - (o == b.labels[t] ? 1 : 0)) / 16;
+      for (std::int64_t i = 0; i < 12; ++i) dense[o * 12 + i] += dy * data.features(i, t);
+    }
+  }
+  const auto active = active_positions(start);
+  std::vector<std::pair<double, std::int64_t>> ranked;
+  for (std::int64_t p = 0; p < 9 * 12; ++p) {
+    if (active.count(p) == 0) ranked.push_back({-std::fabs(dense[p]), p});
+  }
+  std::sort(ranked.begin(), ranked.end());
+  const std::int64_t k = eo.dynamic.swap_count(1, start.nnz(), 9 * 12);
+  ASSERT_GT(k, 2);
+  executor.train_step(b);
+  const auto after = active_positions(memory.weights(0));
+  for (std::int64_t j = 0; j < k; ++j) {
+    // Clear winners only: a near-tie at the cut may go either way in float.
+    if (-ranked[j].first > -ranked[k].first * (1 + 1e-4)) {
+      EXPECT_EQ(after.count(ranked[j].second), 1U) << "rank " << j;
+    }
+  }
+  std::int64_t grown = 0;
+  for (std::int64_t p : after) grown += active.count(p) == 0 ? 1 : 0;
+  EXPECT_EQ(grown, k);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 
 #include "measure.hpp"
 #include "sluice/dataset.hpp"
+#include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
@@ -47,6 +48,10 @@ struct TrainOptions {
   std::size_t prefetch = 4;
   std::string fabric = "local";
   std::string precision = "fp32";
+  std::string dynamic = "none";
+  std::int64_t update_every = 100;
+  double drop = 0.3;
+  double update_until = 0.75;
 };
 
 #ifdef SLUICE_HAVE_MPI
@@ -198,15 +203,38 @@ Command add_train_command(CLI::App& app) {
                   "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
                   "drives and every other rank is one engine")
       ->check(CLI::IsMember({"local", "mpi"}));
+  cmd->add_option("--dynamic", o->dynamic,
+                  "Masks that change while training: none, set (grow random positions) or "
+                  "rigl (grow where |dense gradient| is largest)")
+      ->check(CLI::IsMember({"none", "set", "rigl"}));
+  auto* update_every =
+      cmd->add_option("--update-every", o->update_every, "Steps between mask updates (--dynamic)")
+          ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  auto* drop =
+      cmd->add_option("--drop", o->drop,
+                      "Fraction of each layer's weights swapped per update, decayed by a cosine "
+                      "(--dynamic)")
+          ->check(CLI::Range(0.0, 1.0));
+  auto* update_until =
+      cmd->add_option("--update-until", o->update_until,
+                      "Fraction of the run after which the masks stay fixed (--dynamic)")
+          ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
 
-  return [o, optimizer, lr, sparsity, engines] {
+  const std::vector<CLI::Option*> dynamic_options{update_every, drop, update_until};
+  return [o, optimizer, lr, sparsity, engines, dynamic_options] {
     // Options the run would silently ignore: refused before anything starts.
     if (o->fabric == "mpi" && engines->count() > 0) {
       throw UsageError(
           "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
           "(choose their number with mpirun -np)");
     }
+    for (const CLI::Option* given : dynamic_options) {
+      if (o->dynamic == "none" && given->count() > 0) {
+        throw UsageError(given->get_name() + " needs --dynamic set or rigl");
+      }
+    }
+    if (!(o->drop > 0)) throw UsageError("--drop must be in (0, 1]: a fraction of the weights");
     if (!o->resume.empty() && sparsity->count() > 0) {
       throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
     }
@@ -307,10 +335,18 @@ Command add_train_command(CLI::App& app) {
     eo.prefetch_depth = o->prefetch;
     eo.memory_budget_bytes = o->memory_budget;
     eo.precisions = parse_precisions(o->precision, memory.layer_count());
+    const std::int64_t n = train.samples();
+    eo.dynamic.rule = parse_mask_update_rule(o->dynamic);
+    eo.dynamic.update_every = o->update_every;
+    eo.dynamic.drop = o->drop;
+    eo.dynamic.update_until = o->update_until;
+    eo.dynamic.seed = o->seed;
+    // The schedule's horizon: this run's last step (a resumed run's steps count on).
+    const std::int64_t steps_per_epoch = n >= o->engines ? (n - o->engines) / o->batch + 1 : 0;
+    eo.dynamic.total_steps = memory.step() + steps_per_epoch * o->epochs;
     LayerStreamingExecutor executor(memory, fabric, eo);
 
     std::ostream& progress = o->json ? std::cerr : std::cout;
-    const std::int64_t n = train.samples();
     std::vector<std::int64_t> order(static_cast<std::size_t>(n));
     std::iota(order.begin(), order.end(), 0);
     std::mt19937_64 rng(o->seed + 17);
@@ -393,6 +429,8 @@ Command add_train_command(CLI::App& app) {
       j.field("stream_bytes_per_s", total.bytes_per_second());
       j.field("stream_wait_seconds", total.stream_wait_seconds);
       j.field("optimizer_seconds", total.optimizer_seconds);
+      j.field("dynamic", o->dynamic).field("mask_updates", total.mask_updates);
+      j.field("mask_update_seconds", total.mask_update_seconds);
       j.field("peak_rss_bytes", peak_resident_bytes());
       j.end_object();
       std::cout << j.str() << "\n";
@@ -403,6 +441,11 @@ Command add_train_command(CLI::App& app) {
           e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(steps),
           total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy(),
           total.optimizer_seconds, total.stream_wait_seconds);
+      if (total.mask_updates > 0) {
+        std::printf("masks updated %lld times (%s) in %.3f s\n",
+                    static_cast<long long>(total.mask_updates), o->dynamic.c_str(),
+                    total.mask_update_seconds);
+      }
       if (skipped > 0) {
         std::printf("%lld of %lld steps skipped for non-finite gradients\n",
                     static_cast<long long>(skipped), static_cast<long long>(steps));

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "sluice/dense.hpp"
+#include "sluice/dynamic_sparsity.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
 
@@ -60,6 +61,10 @@ struct ExecutorOptions {
   std::size_t chunk_packets = kDefaultChunkPackets;
   /// Bytes the resident activations may take over all engines; 0 = no limit.
   std::int64_t memory_budget_bytes = 0;
+  /// Masks that change during training (train_step only): after each update step's
+  /// commit, every layer is pruned and regrown (ModelMemory::regrow). RigL's scores are
+  /// taken from that step's activations during its backward pass.
+  DynamicSparsity dynamic;
 };
 
 /// Counters of one step, or summed over all steps (see LayerStreamingExecutor::totals).
@@ -72,6 +77,8 @@ struct StepMetrics {
   std::uint64_t stream_packets = 0;  ///< packets streamed out of ModelMemory
   std::uint64_t stream_bytes = 0;
   std::int64_t tokens = 0;
+  std::int64_t mask_updates = 0;   ///< steps after which the masks changed
+  double mask_update_seconds = 0;  ///< RigL's scores and the regrowth (in wall_seconds)
 
   double engine_busy() const {
     return engine_thread_seconds > 0 ? engine_busy_seconds / engine_thread_seconds : 0;
