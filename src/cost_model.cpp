@@ -1,4 +1,5 @@
-#include "sluice/cost_model.hpp"
+#include "sluice/calibration.hpp"
+#include "sluice/layer_cost_model.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -9,10 +10,15 @@
 #include <utility>
 #include <vector>
 
+#include "cost_model_checks.hpp"
 #include "sluice/error.hpp"
 #include "sluice/json.hpp"
 
 namespace sluice {
+
+using detail::check_shape;
+using detail::check_sparsity;
+using detail::to_text;
 
 namespace {
 
@@ -22,34 +28,14 @@ constexpr const char* kTermNames[kCostTerms] = {
     "layer_fixed_seconds",       "stream_spill_seconds",
     "tile_copy_seconds"};
 
-std::string to_text(double value) {
-  std::ostringstream out;
-  out.precision(4);
-  out << value;
-  return out.str();
-}
-
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
-}
-
-void check_shape(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens,
-                 const char* where) {
-  if (outputs < 1 || inputs < 1 || tokens < 1)
-    throw ShapeError(std::string(where) + ": outputs, inputs and tokens must be >= 1 (got " +
-                     std::to_string(outputs) + " x " + std::to_string(inputs) + ", " +
-                     std::to_string(tokens) + " tokens)");
 }
 
 void check_geometry(const Geometry& g, const char* where) {
   if (g.lanes < 1 || g.blocks < 1 || g.tile_tokens < 0 || g.shares < 0)
     throw ShapeError(std::string(where) + ": geometry needs lanes >= 1, blocks >= 1, " +
                      "tile_tokens >= 0 and shares >= 0 (got " + g.to_string() + ")");
-}
-
-void check_sparsity(double sparsity, const char* where) {
-  if (!(sparsity >= 0.0 && sparsity <= 1.0))
-    throw ShapeError(std::string(where) + ": sparsity must be in [0, 1], got " + to_text(sparsity));
 }
 
 // ---- small dense linear algebra for the calibration (k <= 5 columns) ----------------
@@ -434,252 +420,6 @@ std::string CalibrationResult::to_json(int indent) const {
   w.end_array();
   w.end_object();
   return w.str();
-}
-
-// ------------------------------------------------------------------------------------
-// The wafer-scale system
-// ------------------------------------------------------------------------------------
-
-WaferSystem WaferSystem::wse2() {
-  WaferSystem s;
-  s.name = "wse2";
-  s.cores = {850000, "cores", "seed 002: 850,000 independently programmable cores"};
-  s.fp_units = {3.4e6, "FPUs", "seed 002: 3.4 million floating point units (4 per core)"};
-  s.clock_hz = {1.1e9, "Hz",
-                "assumption: ~1.1 GHz, the commonly quoted WSE clock (Cerebras publishes none); "
-                "the seed's 5.8 PFLOP/s over 3.4M FPUs implies 0.85 GHz"};
-  s.fp32_fmac_per_core_cycle = {
-      1, "FMAC/core/cycle",
-      "assumption: one fp32 AXPY lane-op per core per cycle; this gives only 1.87 PFLOP/s, so "
-      "the model uses the token-lane rate derived from the published peak instead"};
-  s.peak_flops = {5.8e15, "FLOP/s", "seed 002: raw throughput 5.8 PFLOP/s (dense baseline)"};
-  s.partial_sum_cycles = {4, "cycles/output/core",
-                          "seed 002: copy 1 + reset accumulator 1 + double-wide add on the "
-                          "partial-sum chain 2"};
-  s.engine_rows = {922, "rows", "assumption: square grid, round(sqrt(850,000)) = 922"};
-  s.engine_columns = {922, "columns", "assumption: square grid, round(sqrt(850,000)) = 922"};
-  s.memory_bytes = {40e9, "B", "seed 002: 40 GB on-chip memory"};
-  s.memory_bandwidth = {20e15, "B/s", "seed 002: 20 PB/s memory bandwidth"};
-  s.fabric_bandwidth = {28e15, "B/s", "seed 002: 28 PB/s on-wafer fabric (220 Pb/s)"};
-  s.memoryx_bandwidth = {4e12, "B/s", "seed 002: MemoryX model memory bandwidth 4 TB/s"};
-  s.engine_io_bandwidth = {150e9, "B/s",
-                           "CS-2 system I/O 1.2 Tb/s (12 x 100 GbE), Cerebras product material; "
-                           "not in the seed: the SwarmX link into each engine"};
-  s.swarmx_hop_latency = {5e-6, "s",
-                          "assumption: a few microseconds per SwarmX tree level (switch and "
-                          "store-and-forward of a chunk)"};
-  s.weight_packet_bytes = {4, "B/non-zero",
-                           "seed 002: 38-bit fabric messages; taken as 16-bit value + 16-bit "
-                           "index"};
-  s.gradient_bytes = {2, "B/non-zero",
-                      "assumption: 16-bit gradients, position implied by stream order"};
-  s.optimizer_bytes_per_weight = {32, "B/non-zero/step",
-                                  "seed 002: Adam keeps four fp32 values per parameter; MemoryX "
-                                  "reads and writes them each step"};
-  return s;
-}
-
-std::vector<std::pair<std::string, SourcedValue>> WaferSystem::parameters() const {
-  return {{"cores", cores},
-          {"fp_units", fp_units},
-          {"clock_hz", clock_hz},
-          {"fp32_fmac_per_core_cycle", fp32_fmac_per_core_cycle},
-          {"peak_flops", peak_flops},
-          {"partial_sum_cycles", partial_sum_cycles},
-          {"engine_rows", engine_rows},
-          {"engine_columns", engine_columns},
-          {"memory_bytes", memory_bytes},
-          {"memory_bandwidth", memory_bandwidth},
-          {"fabric_bandwidth", fabric_bandwidth},
-          {"memoryx_bandwidth", memoryx_bandwidth},
-          {"engine_io_bandwidth", engine_io_bandwidth},
-          {"swarmx_hop_latency", swarmx_hop_latency},
-          {"weight_packet_bytes", weight_packet_bytes},
-          {"gradient_bytes", gradient_bytes},
-          {"optimizer_bytes_per_weight", optimizer_bytes_per_weight}};
-}
-
-double WaferSystem::token_lanes_per_core_cycle() const {
-  return peak_flops.value / (2 * cores.value * clock_hz.value);
-}
-double WaferSystem::fp32_scalar_peak_flops() const {
-  return 2 * cores.value * clock_hz.value * fp32_fmac_per_core_cycle.value;
-}
-double WaferSystem::fpu_peak_flops() const {
-  return 2 * fp_units.value * clock_hz.value;
-}
-double WaferSystem::clock_for_peak_from_fpus() const {
-  return peak_flops.value / (2 * fp_units.value);
-}
-double WaferSystem::memory_bytes_per_core() const {
-  return memory_bytes.value / cores.value;
-}
-
-CostModel WaferSystem::cost_model() const {
-  if (!(cores.value > 0 && clock_hz.value > 0 && peak_flops.value > 0 && engine_rows.value >= 1 &&
-        engine_columns.value >= 1))
-    throw ShapeError("wafer system " + name + ": cores, clock, peak and grid must be positive");
-  CostConstants c;
-  c.axpy_fixed = 0;
-  c.axpy_per_token = 1.0 / (token_lanes_per_core_cycle() * clock_hz.value);
-  c.partial_sum_fixed = partial_sum_cycles.value / clock_hz.value;
-  c.partial_sum_per_token = 0;
-  c.layer_fixed = (3 * engine_rows.value + engine_columns.value) / clock_hz.value;
-  c.dense_flops = peak_flops.value;
-  return CostModel(c);
-}
-
-Geometry WaferSystem::geometry_for(std::int64_t inputs, std::int64_t tokens) const {
-  if (inputs < 1 || tokens < 1) throw ShapeError("wafer geometry: inputs and tokens must be >= 1");
-  const auto rows = static_cast<std::int64_t>(engine_rows.value);
-  // The busiest row cannot hold fewer than ceil(inputs / rows) features; use the fewest
-  // rows that achieve that, and give the remaining cores to more token columns (a logical
-  // P x Q grid over all cores, folded onto the physical one). This avoids rows holding 2
-  // features next to rows holding 1 (e.g. 1024 features on 922 rows).
-  const std::int64_t features_per_row = ceil_div(inputs, rows);
-  const std::int64_t lanes = ceil_div(inputs, features_per_row);
-  const auto columns =
-      static_cast<std::int64_t>(std::floor(cores.value / static_cast<double>(lanes)));
-  Geometry g;
-  g.lanes = static_cast<std::int32_t>(lanes);
-  g.blocks = static_cast<std::int32_t>(std::max<std::int64_t>(1, std::min(tokens, columns)));
-  g.tile_tokens = 0;
-  return g;
-}
-
-double WaferSystem::nnz_per_engine_row(std::int64_t outputs, std::int64_t inputs,
-                                       double sparsity) const {
-  check_shape(outputs, inputs, 1, "nnz per engine row");
-  check_sparsity(sparsity, "nnz per engine row");
-  const double rows = geometry_for(inputs, 1).lanes;
-  return static_cast<double>(outputs) * static_cast<double>(inputs) * (1 - sparsity) / rows;
-}
-
-// ------------------------------------------------------------------------------------
-// Scaling laws and predictions
-// ------------------------------------------------------------------------------------
-
-double TransformerShape::parameters() const {
-  const double d = static_cast<double>(d_model);
-  return 12.0 * n_layers * d * d;
-}
-
-std::vector<TransformerShape> gpt3_family() {
-  return {{"GPT-3 Small 125M", 12, 768},  {"GPT-3 Medium 350M", 24, 1024},
-          {"GPT-3 Large 760M", 24, 1536}, {"GPT-3 XL 1.3B", 24, 2048},
-          {"GPT-3 2.7B", 32, 2560},       {"GPT-3 6.7B", 32, 4096},
-          {"GPT-3 13B", 40, 5120},        {"GPT-3 175B", 96, 12288}};
-}
-
-TransformerShape gpt3_175b() {
-  return {"GPT-3 175B", 96, 12288};
-}
-
-double KaplanScaling::loss(double parameters) const {
-  if (!(parameters > 0)) throw ShapeError("Kaplan loss: parameters must be positive");
-  return std::pow(n_c / parameters, alpha_n);
-}
-
-double KaplanScaling::critical_batch_tokens(double loss) const {
-  if (!(loss > 0)) throw ShapeError("Kaplan critical batch: loss must be positive");
-  return b_star / std::pow(loss, 1.0 / alpha_b);
-}
-
-std::vector<double> standard_sparsities() {
-  return {0, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9999};
-}
-
-namespace {
-std::int64_t tokens_per_engine(const TransformerShape& shape, std::int32_t engines,
-                               const KaplanScaling& scaling) {
-  if (engines < 1) throw ShapeError("engine count must be >= 1, got " + std::to_string(engines));
-  const double batch = scaling.critical_batch_tokens(shape);
-  return std::max<std::int64_t>(1, std::llround(batch / engines));
-}
-}  // namespace
-
-AccelerationCurve wafer_ffn_acceleration(const WaferSystem& system, const TransformerShape& shape,
-                                         std::int32_t engines,
-                                         const std::vector<double>& sparsities,
-                                         const KaplanScaling& scaling) {
-  if (shape.d_model < 1) throw ShapeError("wafer acceleration: d_model must be >= 1");
-  AccelerationCurve curve;
-  curve.d_model = shape.d_model;
-  curve.engines = engines;
-  curve.tokens_per_engine = tokens_per_engine(shape, engines, scaling);
-  const std::int64_t outputs = 4 * shape.d_model;
-  const std::int64_t inputs = shape.d_model;
-  curve.geometry = system.geometry_for(inputs, curve.tokens_per_engine);
-  const CostModel model = system.cost_model();
-  curve.saturation =
-      model.saturation_acceleration(curve.geometry, outputs, inputs, curve.tokens_per_engine);
-  curve.sparsities = sparsities;
-  curve.accelerations = model.acceleration_curve(curve.geometry, outputs, inputs,
-                                                 curve.tokens_per_engine, sparsities);
-  return curve;
-}
-
-namespace {
-struct StepParts {
-  double step = 0, compute = 0, stream = 0;
-};
-
-StepParts cluster_step(const WaferSystem& system, const TransformerShape& shape, double sparsity,
-                       std::int32_t engines, const KaplanScaling& scaling) {
-  const std::int64_t tokens = tokens_per_engine(shape, engines, scaling);
-  const CostModel model = system.cost_model();
-  const std::int64_t d = shape.d_model;
-  const std::pair<std::int64_t, std::int64_t> matrices[] = {
-      {3 * d, d}, {d, d}, {4 * d, d}, {d, 4 * d}};  // (outputs, inputs)
-  double forward = 0;
-  double nnz = 0;
-  for (const auto& [outputs, inputs] : matrices) {
-    forward +=
-        model.layer_seconds(system.geometry_for(inputs, tokens), outputs, inputs, tokens, sparsity);
-    nnz += static_cast<double>(outputs) * static_cast<double>(inputs) * (1 - sparsity);
-  }
-  const double backward = 2 * forward;  // dX pass + weight-gradient pass
-  const double link = system.engine_io_bandwidth.value;
-  const double memx = system.memoryx_bandwidth.value;
-  const double packet = system.weight_packet_bytes.value;
-  const double grad = system.gradient_bytes.value;
-  const double optimizer = system.optimizer_bytes_per_weight.value;
-  // Forward: weights out. Backward: weights out and gradients back at the same time on
-  // full-duplex links; MemoryX also serves the optimizer's reads and writes.
-  const double stream_forward = std::max(nnz * packet / link, nnz * packet / memx);
-  const double stream_backward =
-      std::max(nnz * std::max(packet, grad) / link, nnz * (packet + grad + optimizer) / memx);
-  const int depth = 1 + static_cast<int>(std::ceil(std::log2(static_cast<double>(engines))));
-  const double fill = depth * system.swarmx_hop_latency.value;
-  StepParts parts;
-  const double layers = shape.n_layers;
-  parts.compute = layers * (forward + backward);
-  parts.stream = layers * (stream_forward + stream_backward + 2 * fill);
-  parts.step =
-      layers * (std::max(forward, stream_forward) + std::max(backward, stream_backward) + 2 * fill);
-  return parts;
-}
-}  // namespace
-
-std::vector<ClusterStepPrediction> predict_cluster_scaling(
-    const WaferSystem& system, const TransformerShape& shape, double sparsity,
-    const std::vector<std::int32_t>& engine_counts, const KaplanScaling& scaling) {
-  check_sparsity(sparsity, "cluster scaling");
-  if (shape.d_model < 1 || shape.n_layers < 1)
-    throw ShapeError("cluster scaling: d_model and n_layers must be >= 1");
-  const double single = cluster_step(system, shape, sparsity, 1, scaling).step;
-  std::vector<ClusterStepPrediction> points;
-  for (const std::int32_t engines : engine_counts) {
-    const StepParts parts = cluster_step(system, shape, sparsity, engines, scaling);
-    ClusterStepPrediction p;
-    p.engines = engines;
-    p.step_seconds = parts.step;
-    p.compute_seconds = parts.compute;
-    p.stream_seconds = parts.stream;
-    p.speedup = single / parts.step;
-    points.push_back(p);
-  }
-  return points;
 }
 
 }  // namespace sluice
