@@ -40,28 +40,54 @@ double KaplanScaling::critical_batch_tokens(double loss) const {
   return b_star / std::pow(loss, 1.0 / alpha_b);
 }
 
+double ActivationMemory::bytes_per_token_layer(const TransformerShape& shape) const {
+  return bytes_per_token_layer_per_d_model * static_cast<double>(shape.d_model);
+}
+
+double ActivationMemory::bytes_per_token(const TransformerShape& shape) const {
+  return bytes_per_token_layer(shape) * shape.n_layers;
+}
+
+std::int64_t ActivationMemory::token_capacity(const TransformerShape& shape,
+                                              double memory_bytes) const {
+  if (!(bytes_per_token_layer_per_d_model > 0) || shape.d_model < 1 || shape.n_layers < 1)
+    throw ShapeError("activation memory: bytes per token, d_model and layers must be positive");
+  return std::max<std::int64_t>(1,
+                                static_cast<std::int64_t>(memory_bytes / bytes_per_token(shape)));
+}
+
 std::vector<double> standard_sparsities() {
   return {0, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9999};
 }
 
 namespace {
-std::int64_t tokens_per_engine(const TransformerShape& shape, std::int32_t engines,
-                               const KaplanScaling& scaling) {
+/// The tokens each engine takes at a time: its share of the critical batch, capped by
+/// what its memory holds.
+std::int64_t tokens_per_engine(const WaferSystem& system, const TransformerShape& shape,
+                               std::int32_t engines, const KaplanScaling& scaling,
+                               const ActivationMemory& activations) {
   if (engines < 1) throw ShapeError("engine count must be >= 1, got " + std::to_string(engines));
   const double batch = scaling.critical_batch_tokens(shape);
-  return std::max<std::int64_t>(1, std::llround(batch / engines));
+  const std::int64_t share = std::max<std::int64_t>(1, std::llround(batch / engines));
+  return std::min(share, activations.token_capacity(shape, system.memory_bytes.value));
 }
 }  // namespace
 
 AccelerationCurve wafer_ffn_acceleration(const WaferSystem& system, const TransformerShape& shape,
                                          std::int32_t engines,
                                          const std::vector<double>& sparsities,
-                                         const KaplanScaling& scaling) {
+                                         const KaplanScaling& scaling,
+                                         const ActivationMemory& activations) {
   if (shape.d_model < 1) throw ShapeError("wafer acceleration: d_model must be >= 1");
   AccelerationCurve curve;
   curve.d_model = shape.d_model;
   curve.engines = engines;
-  curve.tokens_per_engine = tokens_per_engine(shape, engines, scaling);
+  curve.tokens_per_engine = tokens_per_engine(system, shape, engines, scaling, activations);
+  curve.token_capacity = activations.token_capacity(shape, system.memory_bytes.value);
+  curve.batch_tokens = scaling.critical_batch_tokens(shape);
+  curve.activation_bytes_per_token_layer = activations.bytes_per_token_layer(shape);
+  curve.activation_bytes =
+      static_cast<double>(curve.tokens_per_engine) * activations.bytes_per_token(shape);
   const std::int64_t outputs = 4 * shape.d_model;
   const std::int64_t inputs = shape.d_model;
   curve.geometry = system.geometry_for(inputs, curve.tokens_per_engine);
@@ -77,11 +103,19 @@ AccelerationCurve wafer_ffn_acceleration(const WaferSystem& system, const Transf
 namespace {
 struct StepParts {
   double step = 0, compute = 0, stream = 0;
+  std::int64_t tokens = 0, micro_batches = 1;
 };
 
 StepParts cluster_step(const WaferSystem& system, const TransformerShape& shape, double sparsity,
-                       std::int32_t engines, const KaplanScaling& scaling) {
-  const std::int64_t tokens = tokens_per_engine(shape, engines, scaling);
+                       std::int32_t engines, const KaplanScaling& scaling,
+                       const ActivationMemory& activations) {
+  const std::int64_t tokens = tokens_per_engine(system, shape, engines, scaling, activations);
+  // The batch the engines cannot hold at once comes as micro-batches, each streaming the
+  // weights again (gradients accumulate in MemoryX).
+  const double micro =
+      std::max(1.0, std::ceil(scaling.critical_batch_tokens(shape) /
+                                  (static_cast<double>(engines) * static_cast<double>(tokens)) -
+                              1e-9));
   const CostModel model = system.cost_model();
   const std::int64_t d = shape.d_model;
   const std::pair<std::int64_t, std::int64_t> matrices[] = {
@@ -107,7 +141,9 @@ StepParts cluster_step(const WaferSystem& system, const TransformerShape& shape,
   const int depth = 1 + static_cast<int>(std::ceil(std::log2(static_cast<double>(engines))));
   const double fill = depth * system.swarmx_hop_latency.value;
   StepParts parts;
-  const double layers = shape.n_layers;
+  parts.tokens = tokens;
+  parts.micro_batches = static_cast<std::int64_t>(micro);
+  const double layers = shape.n_layers * micro;
   parts.compute = layers * (forward + backward);
   parts.stream = layers * (stream_forward + stream_backward + 2 * fill);
   parts.step =
@@ -118,20 +154,23 @@ StepParts cluster_step(const WaferSystem& system, const TransformerShape& shape,
 
 std::vector<ClusterStepPrediction> predict_cluster_scaling(
     const WaferSystem& system, const TransformerShape& shape, double sparsity,
-    const std::vector<std::int32_t>& engine_counts, const KaplanScaling& scaling) {
+    const std::vector<std::int32_t>& engine_counts, const KaplanScaling& scaling,
+    const ActivationMemory& activations) {
   check_sparsity(sparsity, "cluster scaling");
   if (shape.d_model < 1 || shape.n_layers < 1)
     throw ShapeError("cluster scaling: d_model and n_layers must be >= 1");
-  const double single = cluster_step(system, shape, sparsity, 1, scaling).step;
+  const double single = cluster_step(system, shape, sparsity, 1, scaling, activations).step;
   std::vector<ClusterStepPrediction> points;
   for (const std::int32_t engines : engine_counts) {
-    const StepParts parts = cluster_step(system, shape, sparsity, engines, scaling);
+    const StepParts parts = cluster_step(system, shape, sparsity, engines, scaling, activations);
     ClusterStepPrediction p;
     p.engines = engines;
     p.step_seconds = parts.step;
     p.compute_seconds = parts.compute;
     p.stream_seconds = parts.stream;
     p.speedup = single / parts.step;
+    p.tokens_per_engine = parts.tokens;
+    p.micro_batches = parts.micro_batches;
     points.push_back(p);
   }
   return points;

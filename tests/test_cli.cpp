@@ -265,3 +265,32 @@ TEST_F(Cli, TrainWithDynamicMasks) {
   expect_exit(run("train --dataset synthetic --epochs 1 --dynamic set --update-until 2"), 2,
               "--update-until");
 }
+
+namespace {
+
+// `predict --json`: the headline is the single-engine case of the largest model, and each
+// curve says what its engine holds.
+TEST_F(Cli, PredictHeadlinesOneEngineOfTheLargestModel) {
+  const Outcome o = run("predict --json");
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  for (const char* key : {"\"tokens_per_engine\"", "\"activation_bytes\"", "\"token_capacity\"",
+                          "\"saturation_acceleration_cluster\"",
+                          "\"activation_bytes_per_token_layer_per_d_model\": 34"}) {
+    EXPECT_NE(o.output.find(key), std::string::npos) << key;
+  }
+  const auto number_after = [&](std::size_t from, const std::string& key) {
+    const auto at = o.output.find("\"" + key + "\": ", from);
+    return at == std::string::npos ? -1.0 : std::stod(o.output.substr(at + key.size() + 4));
+  };
+  const auto largest = o.output.find("\"d_model\": 12288");
+  ASSERT_NE(largest, std::string::npos);
+  EXPECT_EQ(number_after(largest, "engines"), 1);
+  EXPECT_DOUBLE_EQ(number_after(largest, "saturation"), number_after(0, "saturation_acceleration"));
+  // Leaner activations let an engine hold more tokens.
+  const Outcome lean = run("predict --json --activation-bytes 2");
+  ASSERT_EQ(lean.exit_code, 0);
+  EXPECT_EQ(run("predict --activation-bytes 0").exit_code, 2);
+  EXPECT_EQ(run("predict --activation-bytes x").exit_code, 2);
+}
+
+}  // namespace

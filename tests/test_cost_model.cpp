@@ -366,41 +366,85 @@ TEST(Wafer, KaplanCriticalBatch) {
     EXPECT_GT(k.critical_batch_tokens(family[i]), k.critical_batch_tokens(family[i - 1]));
 }
 
-TEST(Wafer, ReproducesTheSeedsClaims) {
+// The predictions' behaviour, whatever the parameters' values: every curve rises with
+// sparsity towards its saturation, which is dense time over the fixed per-output and
+// per-layer costs at the tokens the engine holds.
+TEST(Wafer, AccelerationRisesWithSparsityToDenseOverFixedCost) {
   const WaferSystem s = WaferSystem::wse2();
-  const auto sparsities = standard_sparsities();
-  ASSERT_EQ(sparsities.size(), 10u);
-  ASSERT_EQ(sparsities[3], 0.9);
-  // About 10x at 90% sparsity for GPT-3-size layers, on one engine and on sixteen.
-  for (const std::int32_t engines : {1, kSeedClusterEngines}) {
-    const auto curve = wafer_ffn_acceleration(s, gpt3_175b(), engines, sparsities);
-    EXPECT_GE(curve.accelerations[3], 7.0) << engines;
-    EXPECT_LE(curve.accelerations[3], 12.0) << engines;
-    for (std::size_t i = 1; i < curve.accelerations.size(); ++i)
-      EXPECT_GT(curve.accelerations[i], curve.accelerations[i - 1]);
-    EXPECT_GT(curve.saturation, curve.accelerations.back());
-  }
-  // Saturation in the low thousands (seed: "around 3,000x") for the GPT-3 layer on a
-  // sixteen-engine cluster.
-  const auto cluster = wafer_ffn_acceleration(s, gpt3_175b(), kSeedClusterEngines, {0.9});
-  EXPECT_GE(cluster.saturation, 1000);
-  EXPECT_LE(cluster.saturation, 6000);
-  // ... and it is the analytical limit: dense / (4 cycles per output + fill).
   const CostModel model = s.cost_model();
-  const double dense = model.dense_seconds(4 * 12288, 12288, cluster.tokens_per_engine);
-  const double fixed =
-      4 * 12288 * model.constants().partial_sum_fixed + model.constants().layer_fixed;
-  EXPECT_NEAR(cluster.saturation, dense / fixed, 1e-9 * cluster.saturation);
-  const double nearly =
-      model.acceleration(cluster.geometry, 4 * 12288, 12288, cluster.tokens_per_engine, 1 - 1e-9);
-  EXPECT_NEAR(nearly, cluster.saturation, 1e-3 * cluster.saturation);
+  const auto sparsities = standard_sparsities();
+  for (const double bytes : {34.0, 2.0}) {
+    ActivationMemory memory;
+    memory.bytes_per_token_layer_per_d_model = bytes;
+    for (const TransformerShape& shape : gpt3_family()) {
+      for (const std::int32_t engines : {1, kSeedClusterEngines}) {
+        const auto c = wafer_ffn_acceleration(s, shape, engines, sparsities, {}, memory);
+        for (std::size_t i = 1; i < c.accelerations.size(); ++i)
+          EXPECT_GT(c.accelerations[i], c.accelerations[i - 1]) << shape.name;
+        EXPECT_GT(c.saturation, c.accelerations.back()) << shape.name;
+        const std::int64_t outputs = 4 * shape.d_model;
+        const double dense = model.dense_seconds(outputs, shape.d_model, c.tokens_per_engine);
+        const double fixed =
+            outputs * model.constants().partial_sum_fixed + model.constants().layer_fixed;
+        EXPECT_NEAR(c.saturation, dense / fixed, 1e-9 * c.saturation) << shape.name;
+        const double nearly =
+            model.acceleration(c.geometry, outputs, shape.d_model, c.tokens_per_engine, 1 - 1e-9);
+        EXPECT_NEAR(nearly, c.saturation, 1e-3 * c.saturation) << shape.name;
+      }
+    }
+  }
+}
+
+// An engine holds no more tokens than its memory does: the cap binds where the batch
+// share is larger, holds the bytes within the memory, and moves with the bytes assumed.
+TEST(Wafer, MemoryCapsTheTokensAnEngineHolds) {
+  const WaferSystem s = WaferSystem::wse2();
+  const double memory_bytes = s.memory_bytes.value;
+  for (const TransformerShape& shape : gpt3_family()) {
+    for (const std::int32_t engines : {1, 4, kSeedClusterEngines, 1024}) {
+      const auto c = wafer_ffn_acceleration(s, shape, engines, {0.9});
+      const double share = c.batch_tokens / engines;
+      EXPECT_LE(c.tokens_per_engine, c.token_capacity);
+      EXPECT_LE(c.activation_bytes, memory_bytes) << shape.name;
+      EXPECT_NEAR(static_cast<double>(c.tokens_per_engine),
+                  std::min(share, static_cast<double>(c.token_capacity)), 1.0)
+          << shape.name << " " << engines;
+      EXPECT_DOUBLE_EQ(c.activation_bytes_per_token_layer, 34.0 * shape.d_model);
+    }
+  }
+  // GPT-3 on one engine: the critical batch (~2e7 tokens) is far beyond 40 GB.
+  const auto gpt3 = wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9});
+  EXPECT_LT(gpt3.tokens_per_engine, gpt3.batch_tokens / 100);
+  ActivationMemory lean;
+  lean.bytes_per_token_layer_per_d_model = 34.0 / 8;
+  const auto leaner = wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9}, {}, lean);
+  EXPECT_NEAR(static_cast<double>(leaner.tokens_per_engine), 8.0 * gpt3.tokens_per_engine, 8);
+  EXPECT_GT(leaner.saturation, gpt3.saturation);
+  ActivationMemory nothing;
+  nothing.bytes_per_token_layer_per_d_model = 0;
+  EXPECT_THROW(wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9}, {}, nothing), ShapeError);
+}
+
+// Sharing a batch over more engines leaves each fewer (or as many) tokens: its
+// saturation never rises.
+TEST(Wafer, MoreEnginesNeverRaiseSaturation) {
+  const WaferSystem s = WaferSystem::wse2();
+  for (const double bytes : {34.0, 2.0, 0.01}) {
+    ActivationMemory memory;
+    memory.bytes_per_token_layer_per_d_model = bytes;
+    for (const TransformerShape& shape : gpt3_family()) {
+      double previous = std::numeric_limits<double>::infinity();
+      for (std::int32_t engines = 1; engines <= 1024; engines *= 2) {
+        const auto c = wafer_ffn_acceleration(s, shape, engines, {0.9}, {}, memory);
+        EXPECT_LE(c.saturation, previous * (1 + 1e-12)) << shape.name << " " << engines;
+        previous = c.saturation;
+      }
+    }
+  }
   // Tens of thousands of non-zeros per engine row for 12288 x 49152 at 90%.
   const double per_row = s.nnz_per_engine_row(49152, 12288, 0.9);
   EXPECT_GE(per_row, 20000);
   EXPECT_LE(per_row, 100000);
-  // Smaller models and more engines per batch: Amdahl bites earlier.
-  const auto small = wafer_ffn_acceleration(s, gpt3_family().front(), kSeedClusterEngines, {0.99});
-  EXPECT_LT(small.saturation, cluster.saturation);
 }
 
 TEST(Wafer, ClusterScalingIsLinearLongerForBiggerModels) {

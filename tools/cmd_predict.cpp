@@ -1,6 +1,8 @@
 // sluice predict: the cost model with the wafer-scale system's published parameters.
-// Acceleration vs sparsity for the GPT-3 family on one and sixteen engines, the saturation
-// that Amdahl's law puts on it, and (--scaling) time per training step vs cluster size.
+// Acceleration vs sparsity for the GPT-3 family on one and sixteen engines, each engine
+// holding the tokens its memory can (the activation bytes assumed are printed), the
+// saturation that Amdahl's law puts on every configuration, and (--scaling) time per
+// training step vs cluster size.
 #include <unistd.h>
 
 #include <cerrno>
@@ -33,6 +35,7 @@ struct PredictOptions {
   bool json = false;
   std::string out_dir;
   double scaling_sparsity = 0.9;
+  ActivationMemory activations;
 };
 
 struct ScalingSeries {
@@ -43,8 +46,9 @@ struct ScalingSeries {
 struct Prediction {
   WaferSystem system;
   std::vector<AccelerationCurve> curves;
-  AccelerationCurve gpt3_single;   // GPT-3 175B, one engine
-  AccelerationCurve gpt3_cluster;  // GPT-3 175B, sixteen engines: the headline saturation
+  ActivationMemory activations;
+  AccelerationCurve gpt3_single;   // GPT-3 175B, one engine: the headline saturation
+  AccelerationCurve gpt3_cluster;  // GPT-3 175B, sixteen engines
   double nnz_per_row = 0;
   std::vector<ScalingSeries> scaling;
 };
@@ -69,17 +73,22 @@ std::vector<std::int32_t> engine_counts() {
 Prediction predict(const PredictOptions& options) {
   Prediction p;
   p.system = WaferSystem::wse2();
+  p.activations = options.activations;
   const auto sparsities = standard_sparsities();
+  const KaplanScaling kaplan;
   for (const auto& shape : gpt3_family())
     for (const std::int32_t engines : kCurveEngines)
-      p.curves.push_back(wafer_ffn_acceleration(p.system, shape, engines, sparsities));
-  p.gpt3_single = wafer_ffn_acceleration(p.system, gpt3_175b(), 1, sparsities);
-  p.gpt3_cluster = wafer_ffn_acceleration(p.system, gpt3_175b(), kSeedClusterEngines, sparsities);
+      p.curves.push_back(
+          wafer_ffn_acceleration(p.system, shape, engines, sparsities, kaplan, p.activations));
+  p.gpt3_single =
+      wafer_ffn_acceleration(p.system, gpt3_175b(), 1, sparsities, kaplan, p.activations);
+  p.gpt3_cluster = wafer_ffn_acceleration(p.system, gpt3_175b(), kSeedClusterEngines, sparsities,
+                                          kaplan, p.activations);
   p.nnz_per_row = p.system.nnz_per_engine_row(4 * 12288, 12288, 0.9);
   if (options.scaling) {
     for (const auto& shape : scaling_shapes())
       p.scaling.push_back({shape, predict_cluster_scaling(p.system, shape, options.scaling_sparsity,
-                                                          engine_counts())});
+                                                          engine_counts(), kaplan, p.activations)});
   }
   return p;
 }
@@ -119,8 +128,12 @@ void print_text(const Prediction& p, const PredictOptions& options) {
 
   out << "Acceleration over dense (" << general(s.peak_flops.value / 1e15, 0)
       << " PFLOP/s) of the FFN up-projection (4 d_model x d_model); each engine holds\n"
-      << "Kaplan's critical batch / engines tokens. Columns: sparsity.\n";
-  out << "d_model engines  tokens/eng  geometry  ";
+      << "Kaplan's critical batch / engines tokens, at most what its "
+      << general(s.memory_bytes.value / 1e9, 0) << " GB hold: activations of "
+      << general(p.activations.bytes_per_token_layer_per_d_model, 0)
+      << " bytes per token, layer and d_model\n(--activation-bytes; Korthikanti et al. 2022, "
+         "16-bit, nothing recomputed: 34; only layer inputs kept: 2). Columns: sparsity.\n";
+  out << "d_model engines  tokens/eng  act_GB  geometry  ";
   for (const double sp : standard_sparsities()) {
     char header[32];
     std::snprintf(header, sizeof header, "%7g", sp);
@@ -129,7 +142,8 @@ void print_text(const Prediction& p, const PredictOptions& options) {
   out << "  saturation\n";
   for (const auto& c : p.curves) {
     out << general(static_cast<double>(c.d_model), 7) << general(c.engines, 8)
-        << fixed(static_cast<double>(c.tokens_per_engine), 12, 0) << "  "
+        << fixed(static_cast<double>(c.tokens_per_engine), 12, 0)
+        << fixed(c.activation_bytes / 1e9, 8, 1) << "  "
         << (std::to_string(c.geometry.lanes) + "x" + std::to_string(c.geometry.blocks));
     const auto geometry_width =
         std::to_string(c.geometry.lanes).size() + std::to_string(c.geometry.blocks).size() + 1;
@@ -139,9 +153,12 @@ void print_text(const Prediction& p, const PredictOptions& options) {
   }
   out << "\nNon-zeros per engine row, GPT-3 FFN 12288 x 49152 (604M values) at 90% sparsity: "
       << fixed(p.nnz_per_row, 0, 0) << " (" << p.system.geometry_for(12288, 1).lanes << " rows)\n";
-  out << "Saturation (sparsity -> 1), GPT-3 175B FFN: " << fixed(p.gpt3_cluster.saturation, 0, 0)
-      << "x per engine of a " << kSeedClusterEngines << "-engine cluster, "
-      << fixed(p.gpt3_single.saturation, 0, 0) << "x on one engine\n";
+  out << "Saturation (sparsity -> 1), GPT-3 175B FFN: " << general(p.gpt3_single.saturation, 0)
+      << "x on one engine (" << p.gpt3_single.tokens_per_engine << " tokens of a "
+      << general(p.gpt3_single.batch_tokens, 0) << "-token batch at once, "
+      << general(p.gpt3_single.activation_bytes_per_token_layer / 1e3, 0)
+      << " kB per token and layer), " << general(p.gpt3_cluster.saturation, 0)
+      << "x per engine of a " << kSeedClusterEngines << "-engine cluster\n";
   out << "  ~ d_model * tokens per engine / (cores * " << general(s.partial_sum_cycles.value, 0)
       << " partial-sum cycles * " << fixed(s.token_lanes_per_core_cycle(), 0, 2)
       << " token lanes): Amdahl's serial fraction is the per-output partial sum.\n";
@@ -153,10 +170,12 @@ void print_text(const Prediction& p, const PredictOptions& options) {
       out << series.shape.name << " (d_model " << series.shape.d_model << ", "
           << series.shape.n_layers << " layers, batch "
           << fixed(KaplanScaling{}.critical_batch_tokens(series.shape), 0, 0) << " tokens)\n";
-      out << "  engines   step_s    speedup  compute_s  stream_s\n";
+      out << "  engines   step_s    speedup  compute_s  stream_s  tokens/eng  micro_batches\n";
       for (const auto& pt : series.points)
         out << general(pt.engines, 9) << general(pt.step_seconds, 9) << general(pt.speedup, 11)
-            << general(pt.compute_seconds, 11) << general(pt.stream_seconds, 10) << "\n";
+            << general(pt.compute_seconds, 11) << general(pt.stream_seconds, 10)
+            << general(static_cast<double>(pt.tokens_per_engine), 12)
+            << general(static_cast<double>(pt.micro_batches), 15) << "\n";
     }
   }
 }
@@ -171,6 +190,12 @@ std::string to_json(const Prediction& p) {
     w.begin_object();
     w.field("d_model", c.d_model);
     w.field("engines", c.engines);
+    w.field("tokens_per_engine", c.tokens_per_engine);
+    w.field("token_capacity", c.token_capacity);
+    w.field("batch_tokens", c.batch_tokens);
+    w.field("activation_bytes", c.activation_bytes);
+    w.field("activation_bytes_per_token_layer", c.activation_bytes_per_token_layer);
+    w.field("saturation", c.saturation);
     w.key("points").begin_array();
     for (std::size_t i = 0; i < c.sparsities.size(); ++i) {
       w.begin_object();
@@ -182,7 +207,11 @@ std::string to_json(const Prediction& p) {
     w.end_object();
   }
   w.end_array();
-  w.field("saturation_acceleration", p.gpt3_cluster.saturation);
+  // The headline: the largest model on one engine.
+  w.field("saturation_acceleration", p.gpt3_single.saturation);
+  w.field("saturation_acceleration_cluster", p.gpt3_cluster.saturation);
+  w.field("activation_bytes_per_token_layer_per_d_model",
+          p.activations.bytes_per_token_layer_per_d_model);
   w.field("nnz_per_engine_row_gpt3_ffn_90", p.nnz_per_row);
   if (!p.scaling.empty()) {
     w.key("scaling").begin_array();
@@ -195,6 +224,8 @@ std::string to_json(const Prediction& p) {
         w.field("engines", pt.engines);
         w.field("step_seconds", pt.step_seconds);
         w.field("speedup", pt.speedup);
+        w.field("tokens_per_engine", pt.tokens_per_engine);
+        w.field("micro_batches", pt.micro_batches);
         w.end_object();
       }
       w.end_array();
@@ -339,6 +370,11 @@ Command add_predict_command(CLI::App& app) {
                 "Also predict time per training step vs number of engines (1..1024)");
   sub->add_option("--scaling-sparsity", options->scaling_sparsity,
                   "Weight sparsity of the scaling prediction")
+      ->capture_default_str();
+  sub->add_option("--activation-bytes", options->activations.bytes_per_token_layer_per_d_model,
+                  "Activation bytes an engine holds per token, layer and d_model (34: 16-bit, "
+                  "nothing recomputed; 2: only each layer's input kept)")
+      ->check(CLI::Range(0.001, 1e6))
       ->capture_default_str();
   sub->add_flag("--json", options->json, "Print JSON instead of tables");
   sub->add_option("--out", options->out_dir,

@@ -40,17 +40,35 @@ struct KaplanScaling {
   }
 };
 
+/// What an engine's memory holds per token of a training step: the activations every
+/// layer keeps for its backward. Korthikanti et al. 2022 ("Reducing Activation
+/// Recomputation in Large Transformer Models", eq. 1 without the attention-score term):
+/// 34 bytes per token, layer and d_model in 16-bit, nothing recomputed. Recomputing all
+/// but each layer's input keeps 2. The weights are not held: they stream.
+struct ActivationMemory {
+  double bytes_per_token_layer_per_d_model = 34;
+  double bytes_per_token_layer(const TransformerShape& shape) const;
+  double bytes_per_token(const TransformerShape& shape) const;  ///< all layers
+  /// The tokens an engine with `memory_bytes` can hold (at least 1).
+  std::int64_t token_capacity(const TransformerShape& shape, double memory_bytes) const;
+};
+
 /// The sparsities of the acceleration table: 0, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995,
 /// 0.999, 0.9999.
 std::vector<double> standard_sparsities();
 
 /// Acceleration of a transformer's FFN up-projection (outputs 4 d_model, inputs d_model)
-/// on one engine of a cluster of `engines`: the critical batch is shared out, so each
-/// engine holds B_crit / engines tokens.
+/// on one engine of a cluster of `engines`: the critical batch is shared out, each engine
+/// taking B_crit / engines tokens at a time, but never more than its memory holds
+/// (ActivationMemory; the rest of the batch then comes as further micro-batches).
 struct AccelerationCurve {
   std::int64_t d_model = 0;
   std::int32_t engines = 1;
-  std::int64_t tokens_per_engine = 0;
+  std::int64_t tokens_per_engine = 0;  ///< min(batch / engines, token_capacity)
+  std::int64_t token_capacity = 0;     ///< what the engine's memory holds
+  double batch_tokens = 0;             ///< Kaplan's critical batch
+  double activation_bytes_per_token_layer = 0;
+  double activation_bytes = 0;  ///< held on the engine: tokens_per_engine * bytes per token
   Geometry geometry;
   double saturation = 0;
   std::vector<double> sparsities;
@@ -59,7 +77,8 @@ struct AccelerationCurve {
 AccelerationCurve wafer_ffn_acceleration(const WaferSystem& system, const TransformerShape& shape,
                                          std::int32_t engines,
                                          const std::vector<double>& sparsities,
-                                         const KaplanScaling& scaling = {});
+                                         const KaplanScaling& scaling = {},
+                                         const ActivationMemory& activations = {});
 
 /// The engine count of the seed's cluster figures (Figure 5: one engine and sixteen).
 inline constexpr std::int32_t kSeedClusterEngines = 16;
@@ -69,16 +88,21 @@ inline constexpr std::int32_t kSeedClusterEngines = 16;
 /// (4d x d) and down (d x 4d) are streamed; backward costs two forward passes (dX and
 /// the weight gradient). Weights stream while the engines compute, so each phase takes
 /// max(compute, SwarmX link time, MemoryX time) plus the tree's fill: 1 + ceil(log2 N)
-/// hops. Attention scores and other token-token work are not counted.
+/// hops. Attention scores and other token-token work are not counted. An engine takes as
+/// many tokens at a time as its memory holds (ActivationMemory): a batch larger than the
+/// engines hold runs as micro-batches, each streaming the weights again.
 struct ClusterStepPrediction {
   std::int32_t engines = 1;
   double step_seconds = 0;
-  double compute_seconds = 0;  ///< engines' time alone
-  double stream_seconds = 0;   ///< SwarmX/MemoryX time alone (incl. tree fill)
-  double speedup = 1;          ///< step_seconds(1 engine) / step_seconds
+  double compute_seconds = 0;          ///< engines' time alone
+  double stream_seconds = 0;           ///< SwarmX/MemoryX time alone (incl. tree fill)
+  double speedup = 1;                  ///< step_seconds(1 engine) / step_seconds
+  std::int64_t tokens_per_engine = 0;  ///< per micro-batch
+  std::int64_t micro_batches = 1;
 };
 std::vector<ClusterStepPrediction> predict_cluster_scaling(
     const WaferSystem& system, const TransformerShape& shape, double sparsity,
-    const std::vector<std::int32_t>& engine_counts, const KaplanScaling& scaling = {});
+    const std::vector<std::int32_t>& engine_counts, const KaplanScaling& scaling = {},
+    const ActivationMemory& activations = {});
 
 }  // namespace sluice
