@@ -8,6 +8,7 @@
 
 #include "kernels/gradient_layout.hpp"
 #include "sluice/isa.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
@@ -52,7 +53,7 @@ std::vector<Packet> reference(const std::vector<PacketT>& sent, const std::vecto
   return out;
 }
 
-class GradientLayoutTest : public ::testing::TestWithParam<Isa> {};
+class GradientLayoutTest : public testing::ByIsa {};
 
 // Runs `lay_out` into a buffer whose first packet is `offset` packets past a 64-byte
 // boundary, with guard packets on both sides, and compares bit for bit.
@@ -99,7 +100,7 @@ TEST_P(GradientLayoutTest, MatchesAPlainLoop) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryIsa, GradientLayoutTest, ::testing::ValuesIn(supported_isas()),
+INSTANTIATE_TEST_SUITE_P(EveryIsa, GradientLayoutTest, ::testing::ValuesIn(testing::kAllIsas),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace

@@ -412,10 +412,11 @@ bool plain_rules(const std::vector<PacketT>& p, std::uint32_t inputs, std::uint3
   return closed == outputs;
 }
 
-TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
-  std::vector<const detail::StreamScan*> scans = {&detail::kScalarStreamScan};
-  if (cpu_supports(Isa::avx2)) scans.push_back(&detail::kAvx2StreamScan);
-  if (cpu_supports(Isa::avx512)) scans.push_back(&detail::kAvx512StreamScan);
+// Each ISA's scan against the plain rules; an ISA this CPU cannot run is skipped.
+class StreamScanByIsa : public testing::ByIsa {};
+
+TEST_P(StreamScanByIsa, AgreesWithThePlainRulesOnRandomCorruptions) {
+  const std::vector<const detail::StreamScan*> scans = {&detail::stream_scan(GetParam())};
   std::mt19937 rng(11);
   int accepted_long = 0;
   for (int it = 0; it < 20000; ++it) {
@@ -480,10 +481,8 @@ TEST(StreamScan, EveryIsaAgreesWithThePlainRulesOnRandomCorruptions) {
 
 // The vector scan takes steps between neighbours as 32-bit differences, which it trusts
 // only up to 2^30 inputs: tags at the top of every range, and no inputs at all.
-TEST(StreamScan, EveryIsaAgreesOnTagsNearTheirLimit) {
-  std::vector<const detail::StreamScan*> scans = {&detail::kScalarStreamScan};
-  if (cpu_supports(Isa::avx2)) scans.push_back(&detail::kAvx2StreamScan);
-  if (cpu_supports(Isa::avx512)) scans.push_back(&detail::kAvx512StreamScan);
+TEST_P(StreamScanByIsa, AgreesOnTagsNearTheirLimit) {
+  const std::vector<const detail::StreamScan*> scans = {&detail::stream_scan(GetParam())};
   for (const std::uint32_t inputs : {0U, 1U, 1U << 30, (1U << 30) + 1, 0x7FFF'FFFFU}) {
     const std::uint32_t width = std::min<std::uint32_t>(inputs, 20);
     for (int fault = 0; fault < 4; ++fault) {
@@ -506,6 +505,9 @@ TEST(StreamScan, EveryIsaAgreesOnTagsNearTheirLimit) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, StreamScanByIsa, ::testing::ValuesIn(testing::kAllIsas),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(StreamChannel, HandsChunksOverInOrderAndBlocksWhenFull) {
   const WeightStream s = encode_stream(CsrMatrix::random(200, 50, 0.5, 2), StreamKind::weights, 8);

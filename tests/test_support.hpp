@@ -9,7 +9,17 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <ostream>
 #include <string>
+
+#include "sluice/isa.hpp"
+
+namespace sluice {
+/// Names an ISA in test output (test names, failure messages) instead of its bytes.
+inline void PrintTo(Isa isa, std::ostream* os) {
+  *os << to_string(isa);
+}
+}  // namespace sluice
 
 namespace sluice::testing {
 
@@ -67,5 +77,20 @@ inline CliOutcome run_cli(const std::string& cli, const std::string& args,
   out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return out;
 }
+
+/// Every ISA the kernels are written for, whatever this CPU runs: a suite over them shows
+/// an ISA the CPU lacks as skipped, never leaves it out unseen.
+inline constexpr std::array<Isa, 3> kAllIsas = {Isa::scalar, Isa::avx2, Isa::avx512};
+
+/// Base of the suites parameterised by ISA (over kAllIsas): skips the ISAs this CPU
+/// cannot run, saying so.
+class ByIsa : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!cpu_supports(GetParam())) {
+      GTEST_SKIP() << "this CPU cannot run the " << to_string(GetParam()) << " kernels";
+    }
+  }
+};
 
 }  // namespace sluice::testing
