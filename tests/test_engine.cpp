@@ -175,7 +175,7 @@ const Case kCases[] = {
     {200, 100, 129, 0.98, RowDistribution::powerlaw},
 };
 
-class EngineByIsa : public ::testing::TestWithParam<Isa> {};
+class EngineByIsa : public testing::ByIsa {};
 
 // Every case on every geometry lanes x blocks, chunks small (outputs spread over many
 // chunks) or of the default size.
@@ -372,13 +372,13 @@ TEST_P(EngineByIsa, Bf16HoldsActivationsRoundedToNearestEven) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, EngineByIsa, ::testing::ValuesIn(supported_isas()),
+INSTANTIATE_TEST_SUITE_P(AllIsas, EngineByIsa, ::testing::ValuesIn(testing::kAllIsas),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 // The one-token gathers take 32-bit offsets: from a column whose rows lie 2^23 floats
 // apart, inputs past 255 are out of their reach, and those steps are taken packet by
 // packet (the matrix spans 9.4 GiB of address space, of which 300 pages are touched).
-TEST(Engine, OneTokenFromRowsTooFarApartForGathers) {
+TEST_P(EngineByIsa, OneTokenFromRowsTooFarApartForGathers) {
   constexpr std::int64_t kInputs = 300, kStride = std::int64_t{1} << 23;
   const auto bytes = static_cast<std::size_t>(kInputs * kStride) * sizeof(float);
   void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
@@ -389,19 +389,17 @@ TEST(Engine, OneTokenFromRowsTooFarApartForGathers) {
   for (std::int64_t i = 0; i < kInputs; ++i) column[i * kStride] = x(i, 0);
   const ConstMatrixView far{column, kInputs, 1, kStride};
   const CsrMatrix w = CsrMatrix::random(5, kInputs, 0.0, 13);  // too sparse to pack: in place
-  for (const Isa isa : supported_isas()) {
-    for (const Precision precision : {Precision::fp32, Precision::bf16}) {
-      SCOPED_TRACE(std::string(to_string(isa)) + " " + to_string(precision));
-      EngineOptions options;
-      options.isa = isa;
-      CpuEngine engine(options);
-      DenseMatrix y(5, 1);
-      y.fill(NAN);
-      engine.forward(encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision),
-                     round_robin_placement(w, 1), far, y.view());
-      const CsrMatrix w_ref = precision == Precision::bf16 ? testing::rounded_to_bf16(w) : w;
-      EXPECT_LE(forward_error(w_ref, x.view(), y.view()), kTolerance);
-    }
+  for (const Precision precision : {Precision::fp32, Precision::bf16}) {
+    SCOPED_TRACE(to_string(precision));
+    EngineOptions options;
+    options.isa = GetParam();
+    CpuEngine engine(options);
+    DenseMatrix y(5, 1);
+    y.fill(NAN);
+    engine.forward(encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision),
+                   round_robin_placement(w, 1), far, y.view());
+    const CsrMatrix w_ref = precision == Precision::bf16 ? testing::rounded_to_bf16(w) : w;
+    EXPECT_LE(forward_error(w_ref, x.view(), y.view()), kTolerance);
   }
   munmap(memory, bytes);
 }
@@ -581,7 +579,7 @@ TEST(Engine, GeometryForIsTheGeometryALayerRunsWith) {
 }
 
 TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
-  // Any next-layer placement gives the same numbers (only where the sum ends changes).
+  // Any next-layer placement gives the same numbers, within rounding.
   const CsrMatrix w = CsrMatrix::random(50, 60, 0.5, 8);
   const DenseMatrix x = random_dense(60, 9, 9);
   CpuEngine engine;
@@ -590,6 +588,54 @@ TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
   DenseMatrix y(50, 9);
   engine.forward(encode_stream(w), placement, x.view(), y.view(), &next);
   EXPECT_LE(forward_error(w, x.view(), y.view()), kTolerance);
+
+  // Where the ring ends shows in the order of its additions: it starts one lane past the
+  // output's home lane and adds the home lane's partial sum last. Three lanes, one input
+  // each, X all ones: lane p's partial sum of output o is exactly w(o, p). Each output has
+  // 1 on one lane and +2^26, -2^26 on the others, so in float (2^26 + 1 == 2^26) the sum is
+  // 1 where the 1 is added last, on the home lane, and 0 wherever else the ring ends.
+  constexpr float kBig = 67108864.0F;  // 2^26
+  constexpr std::int64_t kOutputs = 7, kTokens = 5;
+  std::vector<std::int64_t> offsets{0};
+  std::vector<std::uint32_t> columns;
+  std::vector<float> values;
+  for (std::int64_t o = 0; o < kOutputs; ++o) {
+    const std::uint32_t one = o % 3;  // the lane whose partial sum is 1
+    for (std::uint32_t p = 0; p < 3; ++p) {
+      columns.push_back(p);
+      values.push_back(p == one ? 1.0F : p == (one + 1) % 3 ? kBig : -kBig);
+    }
+    offsets.push_back(static_cast<std::int64_t>(columns.size()));
+  }
+  const CsrMatrix ring(kOutputs, 3, offsets, columns, values);
+  Placement one_input_a_lane;
+  one_input_a_lane.lanes = 3;
+  one_input_a_lane.lane_of = {0, 1, 2};
+  one_input_a_lane.lane_nnz = {kOutputs, kOutputs, kOutputs};
+  DenseMatrix ones(3, kTokens);
+  for (std::int64_t i = 0; i < 3; ++i) {
+    for (std::int64_t t = 0; t < kTokens; ++t) ones(i, t) = 1.0F;
+  }
+  // The next layer wants output o on lane (o + shift) % 3; shift -1: no next placement,
+  // which means lane o % 3 (default_output_lane).
+  for (const std::int32_t shift : {0, 1, 2, -1}) {
+    Placement wants;
+    wants.lanes = 3;
+    wants.lane_nnz = {0, 0, 0};
+    for (std::int64_t o = 0; o < kOutputs; ++o) {
+      wants.lane_of.push_back(static_cast<std::int32_t>((o + shift + 3) % 3));
+    }
+    const float expected = shift <= 0 ? 1.0F : 0.0F;
+    DenseMatrix out(kOutputs, kTokens);
+    engine.forward(encode_stream(ring), one_input_a_lane, ones.view(), out.view(),
+                   shift < 0 ? nullptr : &wants);
+    for (std::int64_t o = 0; o < kOutputs; ++o) {
+      for (std::int64_t t = 0; t < kTokens; ++t) {
+        EXPECT_EQ(out(o, t), expected)
+            << "output " << o << ", token " << t << ", home shifted by " << shift;
+      }
+    }
+  }
 }
 
 TEST(Engine, Bf16KeepsTokensApart) {

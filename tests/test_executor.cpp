@@ -435,7 +435,21 @@ TEST(Executor, MemoryBudgetIsEnforcedBeforeAllocating) {
   ExecutorOptions roomy;
   roomy.memory_budget_bytes = exec.activation_bytes(kBatch);
   LayerStreamingExecutor fits(m, fabric, roomy);
-  EXPECT_NO_THROW(fits.train_step({data.x[0].view(), data.labels[0], {}}));
+  StepResult within;
+  ASSERT_NO_THROW(within = fits.train_step({data.x[0].view(), data.labels[0], {}}));
+  // The refused step left nothing behind, and a budget changes no number: the step is the
+  // one an executor without a budget takes on a twin of the model, bit for bit.
+  EXPECT_TRUE(within.report.applied);
+  EXPECT_EQ(m.step(), 1);
+  HostModelMemory twin;
+  build_sparse_mlp(twin, kSizes, 0.5, 1);
+  LayerStreamingExecutor unbounded(twin, fabric);
+  const StepResult plain = unbounded.train_step({data.x[0].view(), data.labels[0], {}});
+  EXPECT_EQ(within.loss, plain.loss);
+  for (std::int32_t l = 0; l < m.layer_count(); ++l) {
+    EXPECT_EQ(m.weights(l).values(), twin.weights(l).values()) << "layer " << l;
+    EXPECT_EQ(m.bias(l), twin.bias(l)) << "layer " << l;
+  }
 
   // Evaluation in batches of 32 within a budget for 32 tokens: a set of 33 samples leaves
   // one token, fewer than the engines; the last batches share the rest (17 + 16) rather
@@ -475,7 +489,13 @@ TEST(Executor, RefusesBadBatches) {
   EXPECT_THROW(exec.train_step({ok.view(), {0, 1}, {}}), ShapeError);
   EXPECT_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 0), ShapeError);
   EXPECT_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, -4), ShapeError);
-  EXPECT_NO_THROW(exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 1));  // at least 3 a batch
+  Evaluation small;  // batches of 1 token grow to 3, one per engine; all 6 tokens count
+  ASSERT_NO_THROW(small = exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 1));
+  const Evaluation whole = exec.evaluate({ok.view(), {0, 1, 2, 3, 4, 0}, {}}, 6);
+  EXPECT_EQ(small.tokens, 6);
+  EXPECT_TRUE(std::isfinite(small.loss));
+  EXPECT_NEAR(small.loss, whole.loss, 1e-6 * std::abs(whole.loss));
+  EXPECT_DOUBLE_EQ(small.accuracy, whole.accuracy);
 }
 
 // A step that fails half-way (here the schedule throws in the last layer's submit, after
@@ -545,7 +565,10 @@ TEST(Executor, RefusesAModelThatChangedUnderIt) {
   LocalFabric fabric(LocalFabricOptions{});
   LayerStreamingExecutor exec(m, fabric);
   DenseMatrix x(8, 4);
-  EXPECT_NO_THROW(exec.infer(x.view()));
+  DenseMatrix y;
+  ASSERT_NO_THROW(y = exec.infer(x.view()));  // the model as planned: 3 outputs x 4 tokens
+  EXPECT_EQ(y.rows(), 3);
+  EXPECT_EQ(y.cols(), 4);
   m.add_layer(CsrMatrix::random(2, 3, 0.5, 1), std::vector<float>(2, 0.0F));
   try {
     exec.infer(x.view());
