@@ -6,6 +6,9 @@
 #include <limits>
 #include <string>
 
+#include <oneapi/tbb/task_arena.h>
+
+#include "kernels/gradient_rows.hpp"
 #include "parallel.hpp"
 #include "sluice/error.hpp"
 
@@ -20,55 +23,54 @@ bool better(const ScoredPosition& a, const ScoredPosition& b) {
 // Columns per tile: the tile's slice of X^T (tokens x columns) stays in L1 while every
 // row of dY passes over it.
 constexpr std::int64_t kTileColumns = 128;
-// Column tiles go to at most this many tasks, each with a top-k of its own: more would
-// only cost memory (k entries each).
+// Column tiles go to one task per thread, at most this many: each task keeps a top-k of
+// its own (up to 2k entries), and every extra one takes in more candidates that the merge
+// throws away.
 constexpr std::int64_t kMaxTasks = 8;
 
 /// Scores the columns [c0, c1) of every row into `top`.
 void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
                    std::span<const ConstMatrixView> dys, std::int64_t c0, std::int64_t c1,
-                   std::vector<float>& xt, std::vector<float>& row, StreamingTopK& top) {
+                   GradientRowKernel kernel, std::vector<float>& xt, std::vector<float>& row,
+                   StreamingTopK& top) {
   const std::int64_t width = c1 - c0;
   std::int64_t tokens = 0;
-  for (const ConstMatrixView& x : xs) tokens += x.cols;
+  std::vector<std::int64_t> counts;
+  for (const ConstMatrixView& x : xs) {
+    tokens += x.cols;
+    counts.push_back(x.cols);
+  }
   // X^T for these columns, every engine's tokens in order: row t of xt is token t.
   xt.resize(static_cast<std::size_t>(tokens * width));
   std::int64_t t0 = 0;
   for (const ConstMatrixView& x : xs) {
     for (std::int64_t c = 0; c < width; ++c) {
       const float* src = x.row(c0 + c);
-      for (std::int64_t t = 0; t < x.cols; ++t)
-        xt[static_cast<std::size_t>((t0 + t) * width + c)] = src[t];
+      float* dst = xt.data() + t0 * width + c;
+      for (std::int64_t t = 0; t < x.cols; ++t) dst[t * width] = src[t];
     }
     t0 += x.cols;
   }
   row.resize(static_cast<std::size_t>(width));
+  std::vector<const float*> dy(dys.size());
   const auto& offsets = mask.row_offsets();
   const auto& indices = mask.col_indices();
   const std::int64_t cols = mask.cols();
   for (std::int64_t r = 0; r < mask.rows(); ++r) {
-    std::fill(row.begin(), row.end(), 0.0F);
-    float* acc = row.data();
-    std::int64_t t = 0;
-    for (const ConstMatrixView& dy : dys) {
-      const float* d = dy.row(r);
-      for (std::int64_t j = 0; j < dy.cols; ++j, ++t) {
-        const float a = d[j];
-        if (a == 0.0F) continue;  // (ReLU zeroes many)
-        const float* xr = xt.data() + t * width;
-        for (std::int64_t c = 0; c < width; ++c) acc[c] += a * xr[c];
-      }
-    }
-    // Offer the inactive columns: skip the row's active ones in [c0, c1).
+    for (std::size_t e = 0; e < dys.size(); ++e) dy[e] = dys[e].row(r);
+    kernel(dy.data(), counts.data(), static_cast<int>(dy.size()), xt.data(), width, row.data());
+    // Most scores fall short of the bar; only those that reach it are looked up in the
+    // row's mask (active positions are not candidates).
     const auto* first = indices.data() + offsets[r];
     const auto* last = indices.data() + offsets[r + 1];
-    const auto* active = std::lower_bound(first, last, static_cast<std::uint32_t>(c0));
+    float bar = top.bar();
     for (std::int64_t c = 0; c < width; ++c) {
-      if (active != last && *active == static_cast<std::uint32_t>(c0 + c)) {
-        ++active;
-        continue;
-      }
-      top.offer(r * cols + c0 + c, std::fabs(acc[c]));
+      const float score = std::fabs(row[static_cast<std::size_t>(c)]);
+      if (!(score >= bar)) continue;
+      const auto col = static_cast<std::uint32_t>(c0 + c);
+      if (std::binary_search(first, last, col)) continue;
+      top.offer(r * cols + col, score);
+      bar = top.bar();
     }
   }
 }
@@ -111,8 +113,8 @@ std::vector<ScoredPosition> StreamingTopK::ranked() {
 
 std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
                                                std::span<const ConstMatrixView> xs,
-                                               std::span<const ConstMatrixView> dys,
-                                               std::int64_t k) {
+                                               std::span<const ConstMatrixView> dys, std::int64_t k,
+                                               Isa isa) {
   if (xs.empty() || xs.size() != dys.size()) {
     throw ShapeError("dense_gradient_top_k: " + std::to_string(xs.size()) + " inputs and " +
                      std::to_string(dys.size()) + " output gradients (one each per engine)");
@@ -132,8 +134,10 @@ std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
   }
   if (k == 0) return {};
   const std::int64_t tiles = (mask.cols() + kTileColumns - 1) / kTileColumns;
-  const std::int64_t tasks = std::clamp<std::int64_t>(tiles, 1, kMaxTasks);
+  const std::int64_t threads = tbb::this_task_arena::max_concurrency();
+  const std::int64_t tasks = std::clamp<std::int64_t>(std::min(tiles, threads), 1, kMaxTasks);
   std::vector<StreamingTopK> tops(static_cast<std::size_t>(tasks), StreamingTopK(k));
+  const GradientRowKernel kernel = gradient_row_kernel(isa);
   parallel_for(
       std::int64_t{0}, tasks,
       [&](std::int64_t task) {
@@ -141,7 +145,8 @@ std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
         for (std::int64_t tile = task * tiles / tasks; tile < (task + 1) * tiles / tasks; ++tile) {
           const std::int64_t c0 = tile * kTileColumns;
           const std::int64_t c1 = std::min(mask.cols(), c0 + kTileColumns);
-          score_columns(mask, xs, dys, c0, c1, xt, row, tops[static_cast<std::size_t>(task)]);
+          score_columns(mask, xs, dys, c0, c1, kernel, xt, row,
+                        tops[static_cast<std::size_t>(task)]);
         }
       },
       true);

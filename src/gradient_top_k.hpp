@@ -17,6 +17,7 @@
 
 #include "sluice/csr_matrix.hpp"
 #include "sluice/dense.hpp"
+#include "sluice/isa.hpp"
 
 namespace sluice::detail {
 
@@ -35,6 +36,8 @@ class StreamingTopK {
   explicit StreamingTopK(std::int64_t k);
 
   std::int64_t capacity() const { return k_; }
+  /// The score to reach (or beat on position): the k-th best so far, -inf before k.
+  float bar() const { return bar_; }
   /// NaN scores are ignored.
   void offer(std::int64_t position, float score) {
     // Not better than the k-th best so far (NaN never is).
@@ -60,11 +63,11 @@ class StreamingTopK {
 /// The `k` positions inactive in `mask` with the largest |sum_e dys[e] xs[e]^T| (ties to
 /// the smaller position), in increasing order; fewer if fewer scores are finite. xs[e] is
 /// engine e's layer input (mask.cols() x its tokens), dys[e] its output gradient
-/// (mask.rows() x the same tokens). Tiles of columns run in parallel. ShapeError on
-/// shapes that do not fit or a k over the inactive positions.
+/// (mask.rows() x the same tokens). Tiles of columns run in parallel, their products with
+/// `isa`'s kernel. ShapeError on shapes that do not fit or a k over the inactive positions.
 std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
                                                std::span<const ConstMatrixView> xs,
-                                               std::span<const ConstMatrixView> dys,
-                                               std::int64_t k);
+                                               std::span<const ConstMatrixView> dys, std::int64_t k,
+                                               Isa isa = default_isa());
 
 }  // namespace sluice::detail

@@ -14,6 +14,7 @@
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"
+#include "sluice/isa.hpp"
 #include "sluice/model_memory.hpp"
 #include "sluice/stream.hpp"
 #include "test_support.hpp"
@@ -301,13 +302,17 @@ TEST(GradientTopK, MatchesADenseTopKAndIsTheSameOverOneOrTwoEngines) {
   std::sort(scores.begin(), scores.end(), [](const auto& a, const auto& b) {
     return a.score > b.score || (a.score == b.score && a.position < b.position);
   });
-  for (std::int64_t k : {1, 50, 400}) {
-    std::vector<std::int64_t> want;
-    for (std::int64_t j = 0; j < k; ++j)
-      want.push_back(scores[static_cast<std::size_t>(j)].position);
-    std::sort(want.begin(), want.end());
-    EXPECT_EQ(detail::dense_gradient_top_k(mask, one.xs, one.dys, k), want) << k;
-    EXPECT_EQ(detail::dense_gradient_top_k(mask, two.xs, two.dys, k), want) << k;
+  for (const Isa isa : supported_isas()) {
+    for (std::int64_t k : {1, 50, 400}) {
+      std::vector<std::int64_t> want;
+      for (std::int64_t j = 0; j < k; ++j)
+        want.push_back(scores[static_cast<std::size_t>(j)].position);
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(detail::dense_gradient_top_k(mask, one.xs, one.dys, k, isa), want)
+          << k << " " << to_string(isa);
+      EXPECT_EQ(detail::dense_gradient_top_k(mask, two.xs, two.dys, k, isa), want)
+          << k << " " << to_string(isa);
+    }
   }
   const std::int64_t inactive = rows * cols - mask.nnz();
   EXPECT_EQ(detail::dense_gradient_top_k(mask, one.xs, one.dys, inactive).size(),
@@ -345,10 +350,12 @@ TEST(GradientTopK, RealValuedScoresAgreeWithFloat64) {
   const std::int64_t k = 100;
   const double cut = inactive_scores[static_cast<std::size_t>(k - 1)];
   const std::vector<ConstMatrixView> xs{x.view()}, dys{dy.view()};
-  const auto got = detail::dense_gradient_top_k(mask, xs, dys, k);
-  ASSERT_EQ(got.size(), static_cast<std::size_t>(k));
-  for (std::int64_t p : got) {
-    EXPECT_GE(score[static_cast<std::size_t>(p)], cut * (1 - 1e-5)) << p;  // inactive: >= 0
+  for (const Isa isa : supported_isas()) {
+    const auto got = detail::dense_gradient_top_k(mask, xs, dys, k, isa);
+    ASSERT_EQ(got.size(), static_cast<std::size_t>(k));
+    for (std::int64_t p : got) {  // (an active position scores -1)
+      EXPECT_GE(score[static_cast<std::size_t>(p)], cut * (1 - 1e-5)) << p << " " << to_string(isa);
+    }
   }
 }
 
