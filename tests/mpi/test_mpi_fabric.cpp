@@ -143,6 +143,39 @@ TEST(MpiFabric, TrainingMatchesLocalFabric) {
   EXPECT_GT(on_mpi.totals().engine_busy_seconds, 0.0);  // the engine ranks' counters came back
 }
 
+// Masks that change (RigL and SET): every rank sees the new masks from the next stream
+// on, so the models, masks included, stay those of a LocalFabric.
+TEST(MpiFabric, DynamicSparsityMatchesLocalFabric) {
+  const std::vector<std::int64_t> sizes = {13, 17, 11, 5};
+  for (const MaskUpdateRule rule : {MaskUpdateRule::rigl, MaskUpdateRule::set}) {
+    ExecutorOptions eo;
+    eo.dynamic.rule = rule;
+    eo.dynamic.update_every = 2;
+    eo.dynamic.drop = 0.5;
+    eo.dynamic.total_steps = 8;
+    Twins twins(sizes, OptimizerKind::adam, eo);
+    std::vector<std::vector<std::uint32_t>> before;
+    for (std::int32_t l = 0; l < twins.remote.layer_count(); ++l) {
+      before.push_back(twins.remote.weights(l).col_indices());
+    }
+    for (int step = 0; step < 8; ++step) {
+      Data d =
+          make_data(sizes.front(), sizes.back(), 23 + step, 300 + static_cast<std::uint64_t>(step));
+      const Batch batch{d.x.view(), d.labels, {}};
+      const StepResult a = twins.on_mpi->train_step(batch);
+      const StepResult b = twins.on_local->train_step(batch);
+      EXPECT_EQ(a.loss, b.loss) << to_string(rule) << " step " << step;
+    }
+    EXPECT_EQ(twins.on_mpi->totals().mask_updates, 2) << to_string(rule);  // steps 2 and 4
+    for (std::int32_t l = 0; l < twins.remote.layer_count(); ++l) {
+      EXPECT_EQ(twins.remote.weights(l).row_offsets(), twins.local.weights(l).row_offsets());
+      EXPECT_EQ(twins.remote.weights(l).col_indices(), twins.local.weights(l).col_indices());
+      EXPECT_NE(twins.remote.weights(l).col_indices(), before[static_cast<std::size_t>(l)]);
+    }
+    expect_same_models(twins.remote, twins.local);
+  }
+}
+
 // bf16 layers stream their weights at half the bytes; the engines rebuild the chunks in
 // bf16 and the gradients come back in fp32, as in-process.
 TEST(MpiFabric, Bf16TrainingMatchesLocalFabric) {
