@@ -1,9 +1,9 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 1; also in docs/checkpoint_format.md). Little-endian throughout.
+// File format (version 2; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
-//   version    u32      1
+//   version    u32      2 (version 1 is still read: it lacks the epoch count, read as 0)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -16,7 +16,8 @@
 //       u32 optimizer kind (0 sgd, 1 adam, 2 adamw),
 //       f64 learning_rate, momentum, beta1, beta2, epsilon, weight_decay, clip_global_norm,
 //       u32 non-finite policy (0 skip_step, 1 error),
-//       u32 1 if a learning-rate schedule was set (the function itself is not saved)
+//       u32 1 if a learning-rate schedule was set (the function itself is not saved),
+//       i64 epochs (version 2 only: passes over the training data completed)
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -32,6 +33,7 @@
 // current one, so a failed load changes nothing. The learning-rate schedule is code,
 // not data: load keeps the schedule this ModelMemory already has.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -55,7 +57,12 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
 
 constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
-constexpr std::uint32_t kFormatVersion = 1;
+constexpr std::uint32_t kFormatVersion = 2;
+constexpr std::uint32_t kOldestReadableVersion = 1;
+/// Counters (steps, updates, epochs) above this are refused: they count up by one and
+/// reach the optimizer as doubles, which count exactly only this far, and a file that
+/// claims more was crafted, not trained (and would overflow a signed counter).
+constexpr std::int64_t kMaxCounter = std::int64_t{1} << 53;
 
 constexpr std::uint32_t fourcc(const char (&s)[5]) {
   return static_cast<std::uint32_t>(static_cast<unsigned char>(s[0])) |
@@ -68,7 +75,8 @@ constexpr std::uint32_t kLayerTag = fourcc("LAYR");
 constexpr std::uint32_t kEndTag = fourcc("END ");
 
 constexpr std::size_t kSectionHeaderBytes = 4 + 8 + 4;
-constexpr std::size_t kHeadBytes = 4 + 8 + 8 + 4 + 7 * 8 + 4 + 4;
+constexpr std::size_t kHeadBytesV1 = 4 + 8 + 8 + 4 + 7 * 8 + 4 + 4;
+constexpr std::size_t kHeadBytes = kHeadBytesV1 + 8;
 constexpr std::size_t kLayerFixedBytes = 4 + 8 + 8 + 8 + 8 + 4 + 8;
 
 std::string tag_name(std::uint32_t tag) {
@@ -209,7 +217,13 @@ void write_section(FileWriter& out, const Section& s) {
   for (const auto& a : s.arrays) out.write(a);
 }
 
-void write_checkpoint(FileWriter& out, const detail::HostState& st, std::uint64_t seed) {
+// What a checkpoint holds beside the State: the public fields of ModelMemory.
+struct Counters {
+  std::uint64_t seed = 0;
+  std::int64_t epochs = 0;
+};
+
+void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counters& counters) {
   out.write(std::as_bytes(std::span(kMagic)));
   out.put(kFormatVersion);
 
@@ -218,7 +232,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, std::uint64_
   const OptimizerConfig& c = st.config;
   head.fields.put(static_cast<std::uint32_t>(st.layers.size()));
   head.fields.put(st.step);
-  head.fields.put(seed);
+  head.fields.put(counters.seed);
   head.fields.put(encode_kind(c.kind));
   for (double x : {c.learning_rate, c.momentum, c.beta1, c.beta2, c.epsilon, c.weight_decay,
                    c.clip_global_norm}) {
@@ -226,6 +240,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, std::uint64_
   }
   head.fields.put(static_cast<std::uint32_t>(st.policy == NonFinitePolicy::error ? 1 : 0));
   head.fields.put(static_cast<std::uint32_t>(c.schedule ? 1 : 0));
+  head.fields.put(counters.epochs);
   write_section(out, head);
 
   const int slots = detail::optimizer_slot_count(c.kind);
@@ -417,7 +432,7 @@ void check_finite(const std::vector<float>& v, const SectionReader& s, const std
 }
 
 std::unique_ptr<detail::HostLayer> read_layer(FileReader& in, std::uint32_t index,
-                                              const OptimizerConfig& config) {
+                                              const OptimizerConfig& config, std::int64_t step) {
   SectionReader s(in, kLayerTag, "layer " + std::to_string(index));
   if (s.length() < kLayerFixedBytes) s.fail("too short for its fixed fields");
   const auto stored_index = s.get<std::uint32_t>("layer index");
@@ -431,6 +446,11 @@ std::unique_ptr<detail::HostLayer> read_layer(FileReader& in, std::uint32_t inde
   if (rows < 0 || cols < 0 || nnz < 0 || updates < 0) {
     s.fail("negative shape or count: " + std::to_string(rows) + "x" + std::to_string(cols) +
            ", nnz " + std::to_string(nnz) + ", updates " + std::to_string(updates));
+  }
+  // A layer is updated at most once a step.
+  if (updates > step) {
+    s.fail("updates " + std::to_string(updates) + " exceed the " + std::to_string(step) +
+           " steps taken");
   }
   if (bias_size != 0 && bias_size != rows) {
     s.fail("bias size " + std::to_string(bias_size) + " is neither 0 nor rows (" +
@@ -488,26 +508,28 @@ std::unique_ptr<detail::HostLayer> read_layer(FileReader& in, std::uint32_t inde
   return layer;
 }
 
-// Fills `st` (fresh) and `seed` from the file, or throws.
-void read_checkpoint(FileReader& in, detail::HostState& st, std::uint64_t& seed) {
+// Fills `st` (fresh) and `counters` from the file, or throws.
+void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) {
   char magic[8];
   in.read(std::as_writable_bytes(std::span(magic)), "magic");
   if (std::memcmp(magic, kMagic, sizeof magic) != 0) {
     in.fail("not a sluice checkpoint (magic is not SLUICECK)");
   }
   const auto version = in.get<std::uint32_t>("version");
-  if (version != kFormatVersion) {
-    in.fail("version " + std::to_string(version) + ", expected " + std::to_string(kFormatVersion));
+  if (version < kOldestReadableVersion || version > kFormatVersion) {
+    in.fail("version " + std::to_string(version) + ", expected " +
+            std::to_string(kOldestReadableVersion) + " to " + std::to_string(kFormatVersion));
   }
 
   SectionReader head(in, kHeadTag, "header section");
-  if (head.length() != kHeadBytes) {
+  const std::size_t head_bytes = version == 1 ? kHeadBytesV1 : kHeadBytes;
+  if (head.length() != head_bytes) {
     head.fail("length " + std::to_string(head.length()) + ", expected " +
-              std::to_string(kHeadBytes));
+              std::to_string(head_bytes));
   }
   const auto layer_count = head.get<std::uint32_t>("layer count");
   st.step = head.get<std::int64_t>("step");
-  seed = head.get<std::uint64_t>("seed");
+  counters.seed = head.get<std::uint64_t>("seed");
   const auto kind = head.get<std::uint32_t>("optimizer kind");
   OptimizerConfig& c = st.config;
   for (double* x : {&c.learning_rate, &c.momentum, &c.beta1, &c.beta2, &c.epsilon, &c.weight_decay,
@@ -515,14 +537,21 @@ void read_checkpoint(FileReader& in, detail::HostState& st, std::uint64_t& seed)
     *x = head.get<double>("optimizer config");
   }
   const auto policy = head.get<std::uint32_t>("non-finite policy");
-  head.get<std::uint32_t>("schedule flag");
+  const auto schedule = head.get<std::uint32_t>("schedule flag");
+  counters.epochs = version == 1 ? 0 : head.get<std::int64_t>("epochs");
   head.finish();
 
   if (kind > 2) head.fail("unknown optimizer kind " + std::to_string(kind));
   c.kind = kind == 0 ? OptimizerKind::sgd : kind == 1 ? OptimizerKind::adam : OptimizerKind::adamw;
   if (policy > 1) head.fail("unknown non-finite policy " + std::to_string(policy));
   st.policy = policy == 1 ? NonFinitePolicy::error : NonFinitePolicy::skip_step;
-  if (st.step < 0) head.fail("negative step " + std::to_string(st.step));
+  if (schedule > 1) head.fail("schedule flag " + std::to_string(schedule) + " is neither 0 nor 1");
+  if (st.step < 0 || st.step > kMaxCounter) {
+    head.fail("step " + std::to_string(st.step) + " out of range [0, 2^53]");
+  }
+  if (counters.epochs < 0 || counters.epochs > kMaxCounter) {
+    head.fail("epochs " + std::to_string(counters.epochs) + " out of range [0, 2^53]");
+  }
   if (layer_count > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max())) {
     head.fail("layer count " + std::to_string(layer_count));
   }
@@ -539,7 +568,8 @@ void read_checkpoint(FileReader& in, detail::HostState& st, std::uint64_t& seed)
   }
 
   st.layers.reserve(layer_count);
-  for (std::uint32_t i = 0; i < layer_count; ++i) st.layers.push_back(read_layer(in, i, c));
+  for (std::uint32_t i = 0; i < layer_count; ++i)
+    st.layers.push_back(read_layer(in, i, c, st.step));
 
   SectionReader end(in, kEndTag, "end section");
   end.finish();
@@ -548,16 +578,36 @@ void read_checkpoint(FileReader& in, detail::HostState& st, std::uint64_t& seed)
   }
 }
 
+// Removes "<path>.tmp.<pid>" files that savers killed mid-save left behind, when their
+// process is gone; a live process's (a concurrent save) is left alone.
+void remove_stale_temporaries(const std::filesystem::path& path) {
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+  const std::string prefix = path.filename().string() + ".tmp.";
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) return;  // the save itself will say what is wrong with the directory
+  for (const auto& entry : it) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const auto pid = static_cast<pid_t>(std::stol(digits));
+    if (pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(pid, 0) != 0 && errno == ESRCH) std::filesystem::remove(entry.path(), ec);
+  }
+}
+
 }  // namespace
 
 void HostModelMemory::save_impl(const std::filesystem::path& path) const {
+  remove_stale_temporaries(path);
   std::filesystem::path tmp = path;
   tmp += ".tmp." + std::to_string(::getpid());
   bool renamed = false;
   try {
     {
       FileWriter out(tmp);
-      write_checkpoint(out, *state_, seed);
+      write_checkpoint(out, *state_, {seed, epochs});
       out.commit();
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -575,13 +625,14 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
 
 void HostModelMemory::load_impl(const std::filesystem::path& path) {
   FileReader in(path);
-  std::uint64_t new_seed = 0;
+  Counters counters;
   auto loaded = std::make_unique<State>();
-  read_checkpoint(in, *loaded, new_seed);
+  read_checkpoint(in, *loaded, counters);
   // Everything checked out: from here on nothing can fail.
   loaded->config.schedule.swap(state_->config.schedule);
   state_ = std::move(loaded);
-  seed = new_seed;
+  seed = counters.seed;
+  epochs = counters.epochs;
 }
 
 }  // namespace sluice

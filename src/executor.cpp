@@ -552,16 +552,10 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
     : impl_(std::make_unique<Impl>(memory, fabric, std::move(options))) {
   Impl& m = *impl_;
   const std::int32_t layers = memory.layer_count();
-  if (layers < 1) throw ShapeError("executor: the ModelMemory holds no layers");
-  m.sizes.push_back(memory.weights(0).cols());
-  for (std::int32_t l = 0; l < layers; ++l) {
-    const CsrMatrix& w = memory.weights(l);
-    if (w.cols() != m.sizes.back()) {
-      throw ShapeError("executor: layer " + std::to_string(l) + " takes " +
-                       std::to_string(w.cols()) + " inputs but the layer below gives " +
-                       std::to_string(m.sizes.back()));
-    }
-    m.sizes.push_back(w.rows());
+  try {
+    m.sizes = mlp_sizes(memory);
+  } catch (const ShapeError& e) {
+    throw ShapeError(std::string("executor: ") + e.what());
   }
   if (m.options.activations.empty()) {
     m.options.activations.assign(static_cast<std::size_t>(layers), Activation::relu);
@@ -744,6 +738,21 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
   e.loss = total > 0 ? loss / static_cast<double>(total) : 0;
   e.accuracy = total > 0 ? static_cast<double>(correct) / static_cast<double>(total) : 0;
   return e;
+}
+
+std::vector<std::int64_t> mlp_sizes(const ModelMemory& memory) {
+  const std::int32_t layers = memory.layer_count();
+  if (layers < 1) throw ShapeError("the ModelMemory holds no layers");
+  std::vector<std::int64_t> sizes{memory.weights(0).cols()};
+  for (std::int32_t l = 0; l < layers; ++l) {
+    const CsrMatrix& w = memory.weights(l);
+    if (w.cols() != sizes.back()) {
+      throw ShapeError("layer " + std::to_string(l) + " takes " + std::to_string(w.cols()) +
+                       " inputs but the layer below gives " + std::to_string(sizes.back()));
+    }
+    sizes.push_back(w.rows());
+  }
+  return sizes;
 }
 
 void build_sparse_mlp(ModelMemory& memory, const std::vector<std::int64_t>& sizes, double sparsity,

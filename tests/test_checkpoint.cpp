@@ -340,10 +340,72 @@ TEST_F(CorruptCheckpoint, WrongMagic) {
 
 TEST_F(CorruptCheckpoint, WrongVersion) {
   std::vector<char> bad = good;
-  const std::uint32_t version = 2;
+  const std::uint32_t version = 3;
   std::memcpy(bad.data() + 8, &version, 4);
   const std::string message = expect_refused(bad);
-  EXPECT_NE(message.find("version 2, expected 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("version 3, expected 1 to 2"), std::string::npos) << message;
+}
+
+TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
+  const std::size_t head = section(good, "HEAD");
+  const std::size_t layer = section(good, "LAYR");
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+  std::vector<char> bad = good;  // the step count at INT64_MAX would overflow at the next step
+  std::memcpy(bad.data() + head + 16 + 4, &huge, 8);
+  fix_crc(bad, head);
+  EXPECT_NE(expect_refused(bad).find("step 9223372036854775807 out of range"), std::string::npos);
+
+  bad = good;  // the epochs, last in the header
+  std::uint64_t head_length = 0;
+  std::memcpy(&head_length, good.data() + head + 4, 8);
+  std::memcpy(bad.data() + head + 16 + head_length - 8, &huge, 8);
+  fix_crc(bad, head);
+  EXPECT_NE(expect_refused(bad).find("epochs"), std::string::npos);
+
+  bad = good;                      // a layer updated more often than there were steps
+  const std::int64_t updates = 3;  // two steps taken
+  std::memcpy(bad.data() + layer + 16 + 4 + 8 * 4 + 4, &updates, 8);
+  fix_crc(bad, layer);
+  EXPECT_NE(expect_refused(bad).find("updates 3 exceed the 2 steps"), std::string::npos);
+
+  bad = good;  // the schedule flag is 0 or 1
+  const std::uint32_t flag = 7;
+  std::memcpy(bad.data() + head + 16 + head_length - 12, &flag, 4);
+  fix_crc(bad, head);
+  EXPECT_NE(expect_refused(bad).find("schedule flag 7"), std::string::npos);
+}
+
+TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
+  // Version 1: the same, less the header's last 8 bytes (the epochs).
+  std::vector<char> old = good;
+  const std::uint32_t version = 1;
+  std::memcpy(old.data() + 8, &version, 4);
+  const std::size_t head = section(old, "HEAD");
+  std::uint64_t length = 0;
+  std::memcpy(&length, old.data() + head + 4, 8);
+  old.erase(old.begin() + static_cast<long>(head + 16 + length - 8),
+            old.begin() + static_cast<long>(head + 16 + length));
+  length -= 8;
+  std::memcpy(old.data() + head + 4, &length, 8);
+  fix_crc(old, head);
+  const fs::path p = temp_dir() / "v1.ck";
+  write_bytes(p, old);
+  HostModelMemory m;
+  m.epochs = 12;
+  m.load(p);
+  EXPECT_EQ(m.epochs, 0);
+  EXPECT_EQ(m.step(), 2);
+}
+
+TEST(Checkpoint, EpochsRoundTrip) {
+  HostModelMemory a;
+  build(a, 3, OptimizerConfig{});
+  a.epochs = 17;
+  const fs::path path = temp_dir() / "epochs.ck";
+  a.save(path);
+  HostModelMemory b;
+  b.load(path);
+  EXPECT_EQ(b.epochs, 17);
 }
 
 TEST_F(CorruptCheckpoint, TrailingBytes) {
@@ -452,6 +514,25 @@ TEST(Checkpoint, StrayTemporaryFileIsNotMistakenForTheCheckpoint) {
   expect_same(a, b);
   EXPECT_THROW(b.load(path.string() + ".tmp.999999"), FormatError);
   expect_same(a, b);
+}
+
+TEST(Checkpoint, SaveRemovesTemporaryFilesOfDeadSaversOnly) {
+  HostModelMemory a;
+  build(a, 11, OptimizerConfig{});
+  const fs::path path = temp_dir() / "stale.ck";
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_GT(dead, 0);
+  ::waitpid(dead, nullptr, 0);
+  const fs::path of_dead = path.string() + ".tmp." + std::to_string(dead);
+  const fs::path of_live = path.string() + ".tmp." + std::to_string(::getppid());
+  const fs::path other = temp_dir() / ("other.ck.tmp." + std::to_string(dead));
+  for (const auto& p : {of_dead, of_live, other}) write_bytes(p, {'x'});
+  a.save(path);
+  EXPECT_FALSE(fs::exists(of_dead));
+  EXPECT_TRUE(fs::exists(of_live)) << "a live process may be saving";
+  EXPECT_TRUE(fs::exists(other)) << "another checkpoint's file";
+  for (const auto& p : {of_live, other}) fs::remove(p);
 }
 
 // --- crash safety ---------------------------------------------------------------------------

@@ -22,12 +22,7 @@ Outcome run(const std::string& args, bool merge_stderr = true) {
   return sluice::testing::run_cli(SLUICE_CLI_PATH, args, merge_stderr);
 }
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using sluice::testing::read_file;
 
 std::vector<std::string> split(const std::string& text, char separator) {
   std::vector<std::string> parts;

@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <ostream>
+#include <sstream>
 #include <string>
 
 #include "sluice/isa.hpp"
@@ -57,6 +59,14 @@ class TempDirTest : public ::testing::Test {
   }
   std::filesystem::path dir_;
 };
+
+/// The whole content of a file ("" when it cannot be read).
+inline std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
 
 struct CliOutcome {
   int exit_code = -1;  // -1: killed by a signal (or timed out)

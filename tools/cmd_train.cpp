@@ -165,6 +165,142 @@ Dataset load_data(const TrainOptions& o, std::string& name) {
   return load_csv(o.dataset);
 }
 
+/// A new optimizer of `kind` as `sluice train` sets it up: SGD with momentum, AdamW with
+/// a little weight decay.
+OptimizerConfig new_optimizer(OptimizerKind kind, double learning_rate) {
+  OptimizerConfig config;
+  config.kind = kind;
+  config.learning_rate = learning_rate;
+  if (kind == OptimizerKind::sgd) config.momentum = 0.9;
+  if (kind == OptimizerKind::adamw) config.weight_decay = 1e-4;
+  return config;
+}
+
+/// Loads --resume into `memory` and returns the sizes of its layers; the checkpoint's
+/// seed becomes the run's, as it fixes the data, the split and the shuffles. A checkpoint
+/// whose layers do not make a network is bad data (exit 1), named.
+std::vector<std::int64_t> resume_model(HostModelMemory& memory, TrainOptions& o, bool seed_given) {
+  memory.load(o.resume);
+  std::vector<std::int64_t> sizes;
+  try {
+    sizes = mlp_sizes(memory);
+  } catch (const ShapeError& e) {
+    throw FormatError("checkpoint " + o.resume +
+                      " holds no network that can be trained: " + e.what());
+  }
+  if (seed_given && o.seed != memory.seed) {
+    throw UsageError("--seed " + std::to_string(o.seed) + " differs from the seed " +
+                     std::to_string(memory.seed) + " of checkpoint " + o.resume +
+                     ", which fixes the data, its split and its order (leave --seed out to "
+                     "resume)");
+  }
+  o.seed = memory.seed;
+  return sizes;
+}
+
+/// The optimizer of a resumed run: the checkpoint's, state and all, unless --optimizer or
+/// --lr say otherwise; what was chosen is said on `progress`.
+void resume_optimizer(HostModelMemory& memory, const TrainOptions& o, bool kind_given,
+                      bool lr_given, std::ostream& progress) {
+  const OptimizerConfig saved = memory.optimizer();
+  OptimizerConfig config = saved;
+  config.schedule = nullptr;
+  const OptimizerKind kind = parse_optimizer(o.optimizer);
+  std::string note = "the checkpoint's";
+  if (kind_given && kind != saved.kind) {
+    config = new_optimizer(kind, lr_given ? o.lr : saved.learning_rate);
+    note = std::string("--optimizer replaces the checkpoint's ") + to_string(saved.kind);
+  }
+  if (lr_given && o.lr != saved.learning_rate) {
+    config.learning_rate = o.lr;
+    note += ", --lr replaces its learning rate " + json_number(saved.learning_rate);
+  }
+  memory.set_optimizer(config);
+  progress << "resuming " << o.resume << " after " << memory.epochs << " epochs, " << memory.step()
+           << " steps: optimizer " << to_string(config.kind) << ", learning rate "
+           << json_number(config.learning_rate) << " (" << note << ")\n";
+}
+
+struct TrainTotals {
+  std::int64_t steps = 0, skipped = 0;
+  std::int32_t last_bad_layer = -1;
+  double final_loss = 0;
+};
+
+/// Trains `o.epochs` epochs after the `done` the model has had, each over the training
+/// set in an order shuffled from the seed: epoch k's order is the same whether or not the
+/// run was resumed in between.
+TrainTotals train_epochs(LayerStreamingExecutor& executor, const Dataset& train,
+                         const TrainOptions& o, std::int64_t done, std::ostream& progress) {
+  const std::int64_t n = train.samples();
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(o.seed + 17);
+  for (std::int64_t e = 0; e < done; ++e) std::shuffle(order.begin(), order.end(), rng);
+  DenseMatrix batch_x(train.features.rows(), std::min(o.batch, n));
+  TrainTotals t;
+  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+    std::shuffle(order.begin(), order.end(), rng);
+    const StepMetrics before = executor.totals();
+    double loss_sum = 0, correct = 0;
+    std::int64_t seen = 0, epoch_skipped = 0;
+    for (std::int64_t begin = 0; begin + o.engines <= n; begin += o.batch) {
+      const std::int64_t size = std::min(o.batch, n - begin);
+      DenseMatrix& x =
+          size == batch_x.cols() ? batch_x : (batch_x = DenseMatrix(train.features.rows(), size));
+      Batch b;
+      for (std::int64_t k = 0; k < size; ++k) {
+        const std::int64_t s = order[static_cast<std::size_t>(begin + k)];
+        for (std::int64_t f = 0; f < x.rows(); ++f) x(f, k) = train.features(f, s);
+        b.labels.push_back(train.labels[static_cast<std::size_t>(s)]);
+      }
+      b.features = x.view();
+      const StepResult r = executor.train_step(b);
+      loss_sum += r.loss * static_cast<double>(size);
+      correct += r.accuracy * static_cast<double>(size);
+      seen += size;
+      ++t.steps;
+      // A non-finite gradient skips the step (NonFinitePolicy::skip_step): say so.
+      if (!r.report.applied) {
+        ++epoch_skipped;
+        if (!r.report.bad_layers.empty()) t.last_bad_layer = r.report.bad_layers.back();
+      }
+    }
+    StepMetrics epoch_metrics = executor.totals();
+    epoch_metrics.wall_seconds -= before.wall_seconds;
+    epoch_metrics.engine_busy_seconds -= before.engine_busy_seconds;
+    epoch_metrics.engine_thread_seconds -= before.engine_thread_seconds;
+    epoch_metrics.tokens -= before.tokens;
+    t.final_loss = loss_sum / static_cast<double>(seen);
+    t.skipped += epoch_skipped;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "epoch %3lld  loss %.4f  train accuracy %.4f  %.0f tokens/s  engine busy %.1f%%",
+                  static_cast<long long>(done + epoch), t.final_loss,
+                  correct / static_cast<double>(seen), epoch_metrics.tokens_per_second(),
+                  100 * epoch_metrics.engine_busy());
+    progress << line;
+    if (epoch_skipped > 0) progress << "  " << epoch_skipped << " steps skipped";
+    progress << "\n" << std::flush;
+  }
+  return t;
+}
+
+/// A diverged model, or one no step of this run changed, is worth nothing: the run fails
+/// and an older checkpoint at the path is kept.
+void refuse_failed_training(const TrainTotals& t, const TrainOptions& o) {
+  const bool diverged = !std::isfinite(t.final_loss);
+  if (!diverged && t.skipped < t.steps) return;
+  std::string why = diverged ? "training diverged: the last epoch's loss is not finite; "
+                             : "training made no progress: ";
+  why += std::to_string(t.skipped) + " of " + std::to_string(t.steps) +
+         " steps were skipped for non-finite gradients";
+  if (t.last_bad_layer >= 0)
+    why += " (the last in layer " + std::to_string(t.last_bad_layer) + ", from 0)";
+  if (!o.checkpoint.empty()) why += "; " + o.checkpoint + " was not written";
+  throw NumericError(why + " (try a smaller --lr)");
+}
+
 }  // namespace
 
 Command add_train_command(CLI::App& app) {
@@ -186,9 +322,16 @@ Command add_train_command(CLI::App& app) {
   auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
                         ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
   auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(CLI::PositiveNumber);
-  cmd->add_option("--seed", o->seed, "Seed for weights, data split and shuffles");
-  cmd->add_option("--checkpoint", o->checkpoint, "Save the model here at the end");
-  cmd->add_option("--resume", o->resume, "Start from this checkpoint");
+  auto* seed = cmd->add_option("--seed", o->seed,
+                               "Seed for weights, data split and shuffles (a resumed run "
+                               "keeps its checkpoint's)")
+                   ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--checkpoint", o->checkpoint, "Save the model here at the end")
+      ->check(path_argument());
+  cmd->add_option("--resume", o->resume,
+                  "Continue from this checkpoint: its optimizer (unless --optimizer or --lr "
+                  "change it), seed and data order")
+      ->check(path_argument());
   cmd->add_option("--threads", o->threads, "Threads per engine (default: cores / engines)")
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--memory-budget", o->memory_budget,
@@ -222,7 +365,7 @@ Command add_train_command(CLI::App& app) {
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
 
   const std::vector<CLI::Option*> dynamic_options{update_every, drop, update_until};
-  return [o, optimizer, lr, sparsity, engines, dynamic_options] {
+  return [o, optimizer, lr, sparsity, engines, dynamic_options, seed] {
     // Options the run would silently ignore: refused before anything starts.
     if (o->fabric == "mpi" && engines->count() > 0) {
       throw UsageError(
@@ -237,6 +380,10 @@ Command add_train_command(CLI::App& app) {
     if (!(o->drop > 0)) throw UsageError("--drop must be in (0, 1]: a fraction of the weights");
     if (!o->resume.empty() && sparsity->count() > 0) {
       throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
+    }
+    if (!o->data.empty() && o->dataset != "auto" && o->dataset != "digits") {
+      throw UsageError("--data names the digits file; with --dataset " + o->dataset +
+                       " it would be ignored");
     }
 #ifdef SLUICE_HAVE_MPI
     // The fabric comes first: with MPI, the engine ranks serve it until rank 0 is done,
@@ -270,6 +417,12 @@ Command add_train_command(CLI::App& app) {
 #endif
     // Fail before minutes of training when the model could not be saved at the end.
     if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
+    std::ostream& progress = o->json ? std::cerr : std::cout;
+    // A resumed model comes first: its seed fixes the data, the split and the order.
+    HostModelMemory memory;
+    const bool resuming = !o->resume.empty();
+    const std::vector<std::int64_t> saved =
+        resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
     std::string dataset_name;
     Dataset all = load_data(*o, dataset_name);
     auto [train, test] = split_dataset(all, 0.2, o->seed);
@@ -286,42 +439,32 @@ Command add_train_command(CLI::App& app) {
     }
     standardize(train, test);
     const std::vector<std::int64_t> sizes =
-        o->layers.empty() ? std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes}
-                          : parse_layers(o->layers);
+        !o->layers.empty() ? parse_layers(o->layers)
+        : resuming         ? saved
+                           : std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes};
+    if (resuming && sizes != saved) {
+      throw UsageError("--layers " + join_sizes(sizes) + " differs from the layers " +
+                       join_sizes(saved) + " of checkpoint " + o->resume +
+                       " (leave --layers out to resume)");
+    }
     if (sizes.front() != all.features.rows() || sizes.back() < all.classes) {
-      throw UsageError("--layers " + o->layers +
-                       " does not fit the data: " + std::to_string(all.features.rows()) +
-                       " features, " + std::to_string(all.classes) + " classes");
+      const std::string what =
+          "that does not fit the data: " + std::to_string(all.features.rows()) + " features, " +
+          std::to_string(all.classes) + " classes";
+      if (resuming) {
+        throw FormatError("checkpoint " + o->resume + " holds a model with layers " +
+                          join_sizes(saved) + " " + what);
+      }
+      throw UsageError("--layers " + o->layers + " " + what);
     }
     if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
 
-    HostModelMemory memory;
-    memory.seed = o->seed;
-    build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
-    OptimizerConfig config;
-    config.kind = parse_optimizer(o->optimizer);
-    config.learning_rate = o->lr;
-    if (config.kind == OptimizerKind::sgd) config.momentum = 0.9;
-    if (config.kind == OptimizerKind::adamw) config.weight_decay = 1e-4;
-    memory.set_optimizer(config);
-    if (!o->resume.empty()) {
-      memory.load(o->resume);
-      std::vector<std::int64_t> saved{memory.weights(0).cols()};
-      for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
-        saved.push_back(memory.weights(l).rows());
-      }
-      if (!o->layers.empty() && saved != sizes) {
-        throw UsageError("--layers " + join_sizes(sizes) + " differs from the layers " +
-                         join_sizes(saved) + " of checkpoint " + o->resume +
-                         " (leave --layers out to resume)");
-      }
-      if (saved.front() != all.features.rows() || saved.back() < all.classes) {
-        throw FormatError("checkpoint " + o->resume + " holds a model with layers " +
-                          join_sizes(saved) +
-                          " that does not fit the data: " + std::to_string(all.features.rows()) +
-                          " features, " + std::to_string(all.classes) + " classes");
-      }
-      if (optimizer->count() > 0 || lr->count() > 0) memory.set_optimizer(config);
+    if (resuming) {
+      resume_optimizer(memory, *o, optimizer->count() > 0, lr->count() > 0, progress);
+    } else {
+      memory.seed = o->seed;
+      build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
+      memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
     }
 
     if (!fabric_owner) {
@@ -346,67 +489,9 @@ Command add_train_command(CLI::App& app) {
     eo.dynamic.total_steps = memory.step() + steps_per_epoch * o->epochs;
     LayerStreamingExecutor executor(memory, fabric, eo);
 
-    std::ostream& progress = o->json ? std::cerr : std::cout;
-    std::vector<std::int64_t> order(static_cast<std::size_t>(n));
-    std::iota(order.begin(), order.end(), 0);
-    std::mt19937_64 rng(o->seed + 17);
-    DenseMatrix batch_x(train.features.rows(), std::min(o->batch, n));
-    std::int64_t steps = 0, skipped = 0;
-    std::int32_t last_bad_layer = -1;
-    double final_loss = 0;
-    for (int epoch = 1; epoch <= o->epochs; ++epoch) {
-      std::shuffle(order.begin(), order.end(), rng);
-      const StepMetrics before = executor.totals();
-      double loss_sum = 0, correct = 0;
-      std::int64_t seen = 0, epoch_skipped = 0;
-      for (std::int64_t begin = 0; begin + o->engines <= n; begin += o->batch) {
-        const std::int64_t size = std::min(o->batch, n - begin);
-        DenseMatrix& x =
-            size == batch_x.cols() ? batch_x : (batch_x = DenseMatrix(train.features.rows(), size));
-        Batch b;
-        for (std::int64_t t = 0; t < size; ++t) {
-          const std::int64_t s = order[static_cast<std::size_t>(begin + t)];
-          for (std::int64_t f = 0; f < x.rows(); ++f) x(f, t) = train.features(f, s);
-          b.labels.push_back(train.labels[static_cast<std::size_t>(s)]);
-        }
-        b.features = x.view();
-        const StepResult r = executor.train_step(b);
-        loss_sum += r.loss * static_cast<double>(size);
-        correct += r.accuracy * static_cast<double>(size);
-        seen += size;
-        ++steps;
-        // A non-finite gradient skips the step (NonFinitePolicy::skip_step): say so.
-        if (!r.report.applied) {
-          ++epoch_skipped;
-          if (!r.report.bad_layers.empty()) last_bad_layer = r.report.bad_layers.back();
-        }
-      }
-      StepMetrics epoch_metrics = executor.totals();
-      epoch_metrics.wall_seconds -= before.wall_seconds;
-      epoch_metrics.engine_busy_seconds -= before.engine_busy_seconds;
-      epoch_metrics.engine_thread_seconds -= before.engine_thread_seconds;
-      epoch_metrics.tokens -= before.tokens;
-      final_loss = loss_sum / static_cast<double>(seen);
-      skipped += epoch_skipped;
-      char line[256];
-      std::snprintf(line, sizeof line,
-                    "epoch %3d  loss %.4f  train accuracy %.4f  %.0f tokens/s  engine busy %.1f%%",
-                    epoch, final_loss, correct / static_cast<double>(seen),
-                    epoch_metrics.tokens_per_second(), 100 * epoch_metrics.engine_busy());
-      progress << line;
-      if (epoch_skipped > 0) progress << "  " << epoch_skipped << " steps skipped";
-      progress << "\n" << std::flush;
-    }
-    // A diverged model is worth nothing: keep an older checkpoint at the path instead.
-    if (!std::isfinite(final_loss)) {
-      std::string why = "training diverged: the last epoch's loss is not finite; " +
-                        std::to_string(skipped) + " of " + std::to_string(steps) +
-                        " steps were skipped for non-finite gradients";
-      if (last_bad_layer >= 0)
-        why += " (the last in layer " + std::to_string(last_bad_layer) + ", from 0)";
-      if (!o->checkpoint.empty()) why += "; " + o->checkpoint + " was not written";
-      throw NumericError(why + " (try a smaller --lr)");
-    }
+    const TrainTotals t = train_epochs(executor, train, *o, memory.epochs, progress);
+    refuse_failed_training(t, *o);
+    memory.epochs += o->epochs;
     // Saved before evaluating, so a failing evaluation does not cost the trained model.
     if (!o->checkpoint.empty()) memory.save(o->checkpoint);
     // In batches of --batch tokens, so --memory-budget holds here too.
@@ -419,10 +504,13 @@ Command add_train_command(CLI::App& app) {
       j.field("dataset", dataset_name)
           .field("test_accuracy", e.accuracy)
           .field("test_loss", e.loss);
-      j.field("final_loss", final_loss).field("steps", steps).field("epochs", o->epochs);
-      j.field("skipped_steps", skipped);
+      j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", o->epochs);
+      j.field("skipped_steps", t.skipped);
       j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o));
       j.field("precision", o->precision);
+      j.field("optimizer", to_string(memory.optimizer().kind));
+      j.field("learning_rate", memory.optimizer().learning_rate);
+      j.field("seed", memory.seed).field("epochs_total", memory.epochs);
       j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
       j.field("train_seconds", total.wall_seconds);
       j.field("stream_packets_per_s", total.packets_per_second());
@@ -438,7 +526,7 @@ Command add_train_command(CLI::App& app) {
       std::printf(
           "test accuracy %.4f (loss %.4f) on %lld samples; %lld steps in %.2f s, "
           "%.0f tokens/s, engine busy %.1f%%, optimizer %.2f s, stream wait %.2f s\n",
-          e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(steps),
+          e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(t.steps),
           total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy(),
           total.optimizer_seconds, total.stream_wait_seconds);
       if (total.mask_updates > 0) {
@@ -446,9 +534,9 @@ Command add_train_command(CLI::App& app) {
                     static_cast<long long>(total.mask_updates), o->dynamic.c_str(),
                     total.mask_update_seconds);
       }
-      if (skipped > 0) {
+      if (t.skipped > 0) {
         std::printf("%lld of %lld steps skipped for non-finite gradients\n",
-                    static_cast<long long>(skipped), static_cast<long long>(steps));
+                    static_cast<long long>(t.skipped), static_cast<long long>(t.steps));
       }
     }
     return 0;

@@ -139,6 +139,11 @@ class LayerStreamingExecutor {
   StepMetrics totals_;
 };
 
+/// The sizes of the network `memory`'s layers make: its inputs, then each layer's
+/// outputs. ShapeError, naming the layer, unless there is at least one layer and each
+/// takes the outputs of the one below (what a LayerStreamingExecutor needs).
+std::vector<std::int64_t> mlp_sizes(const ModelMemory& memory);
+
 /// Adds a sparse MLP to `memory`: layer l is sizes[l+1] x sizes[l] at `sparsity`, random
 /// pattern, He-scaled uniform values (variance 2 / expected fan-in), zero biases. Seeded.
 void build_sparse_mlp(ModelMemory& memory, const std::vector<std::int64_t>& sizes, double sparsity,

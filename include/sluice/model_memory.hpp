@@ -115,6 +115,10 @@ class ModelMemory {
 
   /// A seed the model was built from, kept in checkpoints.
   std::uint64_t seed = 0;
+  /// Passes over the training data completed, kept in checkpoints: a resumed run
+  /// continues the data order from here. The trainer counts them; ModelMemory only keeps
+  /// them.
+  std::int64_t epochs = 0;
 
  protected:
   virtual std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) = 0;

@@ -1,0 +1,220 @@
+// `sluice train` end to end on the real binary: what a resumed run keeps (optimizer,
+// seed, data order), runs that must fail and keep the older checkpoint, checkpoints that
+// load but cannot be trained, and the CLI killed in the middle of a checkpoint save.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "sluice/csr_matrix.hpp"
+#include "sluice/model_memory.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Outcome = sluice::testing::CliOutcome;
+using nlohmann::json;
+
+Outcome run(const std::string& args, bool merge_stderr = true) {
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args, merge_stderr);
+}
+
+using sluice::testing::read_file;
+
+void expect_exit(const Outcome& o, int code, const std::string& words) {
+  EXPECT_EQ(o.exit_code, code) << o.output;
+  EXPECT_NE(o.output.find(words), std::string::npos) << "expected '" << words << "' in:\n"
+                                                     << o.output;
+}
+
+/// The --json object of a run that must succeed.
+json run_json(const std::string& args) {
+  const Outcome o = run(args + " --json", /*merge_stderr=*/false);
+  EXPECT_EQ(o.exit_code, 0) << args << "\n" << o.output;
+  if (o.exit_code != 0) return json::object();
+  return json::parse(o.output);
+}
+
+class CliTrain : public sluice::testing::TempDirTest {
+ protected:
+  void SetUp() override {
+    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
+    TempDirTest::SetUp();
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+};
+
+const std::string kTrain = "train --dataset synthetic --layers 64,24,10 ";
+
+TEST_F(CliTrain, ResumeKeepsTheCheckpointsOptimizerUnlessAFlagChangesIt) {
+  const std::string ckpt = path("sgd.ckpt");
+  json j = run_json(kTrain + "--epochs 1 --optimizer sgd --lr 0.01 --checkpoint " + ckpt);
+  EXPECT_EQ(j["optimizer"], "sgd");
+  EXPECT_EQ(j["learning_rate"], 0.01);
+
+  j = run_json(kTrain + "--epochs 1 --resume " + ckpt);
+  EXPECT_EQ(j["optimizer"], "sgd");
+  EXPECT_EQ(j["learning_rate"], 0.01);
+
+  // --lr alone changes the rate, not the optimizer (nor its momentum and state).
+  Outcome o = run(kTrain + "--epochs 1 --lr 0.005 --json --resume " + ckpt);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--lr replaces its learning rate 0.01"), std::string::npos) << o.output;
+  j = json::parse(o.output.substr(o.output.find('{')));
+  EXPECT_EQ(j["optimizer"], "sgd");
+  EXPECT_EQ(j["learning_rate"], 0.005);
+
+  o = run(kTrain + "--epochs 1 --optimizer adamw --json --resume " + ckpt);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--optimizer replaces the checkpoint's sgd"), std::string::npos)
+      << o.output;
+  j = json::parse(o.output.substr(o.output.find('{')));
+  EXPECT_EQ(j["optimizer"], "adamw");
+  EXPECT_EQ(j["learning_rate"], 0.01);
+}
+
+// Two epochs, a checkpoint, two more from it: the same model, bit for bit, as four in one
+// run, with the optimizer of the checkpoint and no --seed on the resumed run.
+void expect_resume_equals_uninterrupted(const std::string& train, const fs::path& dir) {
+  const std::string whole = (dir / "whole.ckpt").string(), half = (dir / "half.ckpt").string(),
+                    resumed = (dir / "resumed.ckpt").string();
+  const json four = run_json(train + " --seed 5 --epochs 4 --checkpoint " + whole);
+  run_json(train + " --seed 5 --epochs 2 --checkpoint " + half);
+  const json two_more =
+      run_json(train + " --epochs 2 --resume " + half + " --checkpoint " + resumed);
+  EXPECT_EQ(four["final_loss"], two_more["final_loss"]);
+  EXPECT_EQ(four["test_loss"], two_more["test_loss"]);
+  EXPECT_EQ(two_more["seed"], 5);
+  EXPECT_EQ(two_more["epochs_total"], 4);
+  EXPECT_TRUE(read_file(whole) == read_file(resumed))
+      << "the resumed checkpoint differs from the uninterrupted one";
+}
+
+TEST_F(CliTrain, ResumedTwoPlusTwoEpochsEqualFourOnSyntheticData) {
+  expect_resume_equals_uninterrupted(kTrain + "--batch 64 --optimizer sgd --lr 0.02", dir_);
+}
+
+TEST_F(CliTrain, ResumedTwoPlusTwoEpochsEqualFourOnACsvSplit) {
+  // Real data: the split comes from the seed too, so a resumed run must not see test
+  // samples in training. 2 engines, Adam.
+  std::string text;
+  for (int r = 0; r < 300; ++r) {
+    text += std::to_string(r % 7) + "," + std::to_string((r * 13) % 11) + "," +
+            std::to_string(r % 5) + "," + std::to_string((r / 3) % 3) + "\n";
+  }
+  std::ofstream(dir_ / "d.csv") << text;
+  expect_resume_equals_uninterrupted(
+      "train --dataset " + path("d.csv") + " --layers 3,16,3 --engines 2 --batch 16", dir_);
+}
+
+TEST_F(CliTrain, ResumeRefusesASeedThatIsNotTheCheckpoints) {
+  const std::string ckpt = path("m.ckpt");
+  run_json(kTrain + "--epochs 1 --seed 3 --checkpoint " + ckpt);
+  expect_exit(run(kTrain + "--epochs 1 --seed 4 --resume " + ckpt), 2,
+              "--seed 4 differs from the seed 3");
+  EXPECT_EQ(run_json(kTrain + "--epochs 1 --seed 3 --resume " + ckpt)["seed"], 3);
+}
+
+TEST_F(CliTrain, ARunWhoseEveryStepWasSkippedFailsAndKeepsTheOlderCheckpoint) {
+  const fs::path ckpt = dir_ / "good.ckpt";
+  std::ofstream(ckpt) << "an older checkpoint";
+  const Outcome o = run(kTrain + "--epochs 1 --lr 1e300 --checkpoint " + ckpt.string());
+  expect_exit(o, 1, "no progress");
+  EXPECT_NE(o.output.find("steps were skipped"), std::string::npos) << o.output;
+  EXPECT_EQ(read_file(ckpt), "an older checkpoint");
+}
+
+TEST_F(CliTrain, EmptyPathsAndBadNumbersAreBadArguments) {
+  expect_exit(run(kTrain + "--epochs 1 --resume ''"), 2, "--resume");
+  expect_exit(run(kTrain + "--epochs 1 --checkpoint ''"), 2, "--checkpoint");
+  expect_exit(run(kTrain + "--epochs 1 --checkpoint " + "'a\nb'"), 2, "control character");
+  expect_exit(run(kTrain + "--epochs 1 --seed -1"), 2, "--seed");
+  expect_exit(run(kTrain + "--epochs 1 --data " + path("x.csv")), 2, "--data");
+}
+
+TEST_F(CliTrain, ACheckpointWithNoNetworkIsBadDataNamed) {
+  const std::string empty = path("empty.ckpt");
+  sluice::HostModelMemory none;
+  none.save(empty);
+  expect_exit(run(kTrain + "--epochs 1 --resume " + empty), 1, empty);
+
+  const std::string broken = path("broken.ckpt");
+  sluice::HostModelMemory m;
+  m.add_layer(sluice::CsrMatrix::random(24, 64, 0.5, 1));
+  m.add_layer(sluice::CsrMatrix::random(10, 23, 0.5, 2));  // takes 23, given 24
+  m.save(broken);
+  const Outcome o = run(kTrain + "--epochs 1 --resume " + broken);
+  expect_exit(o, 1, broken);
+  EXPECT_NE(o.output.find("layer 1 takes 23 inputs"), std::string::npos) << o.output;
+}
+
+/// Runs the CLI with `args` (split on spaces) in a child; returns its pid.
+pid_t spawn_cli(const std::string& args) {
+  std::vector<std::string> words{SLUICE_CLI_PATH};
+  std::istringstream in(args);
+  for (std::string w; in >> w;) words.push_back(w);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (auto& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    ::dup2(devnull, 1);
+    ::dup2(devnull, 2);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+TEST_F(CliTrain, KillingTheCliDuringACheckpointSaveKeepsTheOlderOne) {
+  // A model big enough that its save takes a while (tens of MB, fsynced), trained for a
+  // moment; the CLI is killed as soon as its temporary file appears.
+  const std::string ckpt = path("m.ckpt");
+  const std::string train =
+      "train --dataset synthetic --layers 64,2048,1024,10 --sparsity 0.5 --epochs 1 --batch 512 "
+      "--checkpoint " +
+      ckpt;
+  ASSERT_EQ(run(train).exit_code, 0);
+  const std::string older = read_file(ckpt);
+  int caught = 0;
+  for (int attempt = 0; attempt < 6 && caught == 0; ++attempt) {
+    const pid_t pid = spawn_cli(train);
+    ASSERT_GT(pid, 0);
+    const fs::path tmp = ckpt + ".tmp." + std::to_string(pid);
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (fs::exists(tmp)) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        caught += WIFSIGNALED(status) ? 1 : 0;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    // Whatever the moment, the path holds a whole checkpoint that loads.
+    sluice::HostModelMemory loaded;
+    EXPECT_NO_THROW(loaded.load(ckpt));
+    if (caught > 0) {
+      EXPECT_TRUE(read_file(ckpt) == older) << "the killed save replaced the checkpoint";
+      EXPECT_TRUE(fs::exists(tmp)) << "the killed save's temporary file is expected behind";
+      // The next save removes the dead process's leftover.
+      ASSERT_EQ(run(train).exit_code, 0);
+      EXPECT_FALSE(fs::exists(tmp)) << "a dead saver's temporary file was not cleaned up";
+      EXPECT_NO_THROW(loaded.load(ckpt));
+    }
+  }
+  EXPECT_GT(caught, 0) << "no save was caught in the act in 6 tries";
+}
+
+}  // namespace
