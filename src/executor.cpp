@@ -189,6 +189,7 @@ StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   tokens += o.tokens;
   mask_updates += o.mask_updates;
   mask_update_seconds += o.mask_update_seconds;
+  mask_score_seconds += o.mask_score_seconds;
   return *this;
 }
 
@@ -459,7 +460,9 @@ struct LayerStreamingExecutor::Impl {
     const CsrMatrix& w = memory.weights(l);
     const std::int64_t k = options.dynamic.swap_count(growth_step, w.nnz(), w.rows() * w.cols());
     (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
-    metrics.mask_update_seconds += since(t0);
+    const double seconds = since(t0);
+    metrics.mask_update_seconds += seconds;
+    metrics.mask_score_seconds += seconds;
   }
 
   // After update step `step`'s commit: every layer drops its smallest weights and grows

@@ -274,7 +274,10 @@ struct Shards {
   }
 };
 
-TEST(GradientTopK, MatchesADenseTopKAndIsTheSameOverOneOrTwoEngines) {
+class GradientTopK : public testing::ByIsa {};
+
+TEST_P(GradientTopK, MatchesADenseTopKAndIsTheSameOverOneOrTwoEngines) {
+  const Isa isa = GetParam();
   // 37 x 300: three column tiles, the last partial; 13 tokens, split 13 or 6 + 7.
   const std::int64_t rows = 37, cols = 300;
   const CsrMatrix mask = layer(rows, cols, 0.9, 21);
@@ -302,17 +305,13 @@ TEST(GradientTopK, MatchesADenseTopKAndIsTheSameOverOneOrTwoEngines) {
   std::sort(scores.begin(), scores.end(), [](const auto& a, const auto& b) {
     return a.score > b.score || (a.score == b.score && a.position < b.position);
   });
-  for (const Isa isa : supported_isas()) {
-    for (std::int64_t k : {1, 50, 400}) {
-      std::vector<std::int64_t> want;
-      for (std::int64_t j = 0; j < k; ++j)
-        want.push_back(scores[static_cast<std::size_t>(j)].position);
-      std::sort(want.begin(), want.end());
-      EXPECT_EQ(detail::dense_gradient_top_k(mask, one.xs, one.dys, k, isa), want)
-          << k << " " << to_string(isa);
-      EXPECT_EQ(detail::dense_gradient_top_k(mask, two.xs, two.dys, k, isa), want)
-          << k << " " << to_string(isa);
-    }
+  for (std::int64_t k : {1, 50, 400}) {
+    std::vector<std::int64_t> want;
+    for (std::int64_t j = 0; j < k; ++j)
+      want.push_back(scores[static_cast<std::size_t>(j)].position);
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(detail::dense_gradient_top_k(mask, one.xs, one.dys, k, isa), want) << k;
+    EXPECT_EQ(detail::dense_gradient_top_k(mask, two.xs, two.dys, k, isa), want) << k;
   }
   const std::int64_t inactive = rows * cols - mask.nnz();
   EXPECT_EQ(detail::dense_gradient_top_k(mask, one.xs, one.dys, inactive).size(),
@@ -322,7 +321,8 @@ TEST(GradientTopK, MatchesADenseTopKAndIsTheSameOverOneOrTwoEngines) {
   EXPECT_THROW(detail::dense_gradient_top_k(mask, wrong.xs, wrong.dys, 1), ShapeError);
 }
 
-TEST(GradientTopK, RealValuedScoresAgreeWithFloat64) {
+TEST_P(GradientTopK, RealValuedScoresAgreeWithFloat64) {
+  const Isa isa = GetParam();
   // Real values: float sums may differ from double in the last bits, so only positions
   // clearly inside the reference top-k are required (a near-tie at the cut may go either way).
   const std::int64_t rows = 20, cols = 150, tokens = 9;
@@ -350,14 +350,15 @@ TEST(GradientTopK, RealValuedScoresAgreeWithFloat64) {
   const std::int64_t k = 100;
   const double cut = inactive_scores[static_cast<std::size_t>(k - 1)];
   const std::vector<ConstMatrixView> xs{x.view()}, dys{dy.view()};
-  for (const Isa isa : supported_isas()) {
-    const auto got = detail::dense_gradient_top_k(mask, xs, dys, k, isa);
-    ASSERT_EQ(got.size(), static_cast<std::size_t>(k));
-    for (std::int64_t p : got) {  // (an active position scores -1)
-      EXPECT_GE(score[static_cast<std::size_t>(p)], cut * (1 - 1e-5)) << p << " " << to_string(isa);
-    }
+  const auto got = detail::dense_gradient_top_k(mask, xs, dys, k, isa);
+  ASSERT_EQ(got.size(), static_cast<std::size_t>(k));
+  for (std::int64_t p : got) {  // (an active position scores -1)
+    EXPECT_GE(score[static_cast<std::size_t>(p)], cut * (1 - 1e-5)) << p;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, GradientTopK, ::testing::ValuesIn(testing::kAllIsas),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace
 }  // namespace sluice

@@ -519,6 +519,7 @@ Command add_train_command(CLI::App& app) {
       j.field("optimizer_seconds", total.optimizer_seconds);
       j.field("dynamic", o->dynamic).field("mask_updates", total.mask_updates);
       j.field("mask_update_seconds", total.mask_update_seconds);
+      j.field("mask_score_seconds", total.mask_score_seconds);
       j.field("peak_rss_bytes", peak_resident_bytes());
       j.end_object();
       std::cout << j.str() << "\n";

@@ -79,6 +79,7 @@ struct StepMetrics {
   std::int64_t tokens = 0;
   std::int64_t mask_updates = 0;   ///< steps after which the masks changed
   double mask_update_seconds = 0;  ///< RigL's scores and the regrowth (in wall_seconds)
+  double mask_score_seconds = 0;   ///< of which RigL's scores (the streaming top-k)
 
   double engine_busy() const {
     return engine_thread_seconds > 0 ? engine_busy_seconds / engine_thread_seconds : 0;
