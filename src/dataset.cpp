@@ -16,6 +16,7 @@
 
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
+#include "splitmix.hpp"
 
 namespace sluice {
 namespace {
@@ -53,13 +54,6 @@ std::vector<std::string> read_lines(const std::filesystem::path& path) {
     start = end + 1;
   }
   return lines;
-}
-
-std::uint64_t mix(std::uint64_t x) {  // splitmix64: portable seeded shuffles
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
 }
 
 Dataset subset(const Dataset& data, const std::vector<std::int64_t>& order, std::size_t begin,
@@ -245,7 +239,7 @@ std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fract
   for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<std::int64_t>(i);
   std::uint64_t state = seed;
   for (std::size_t i = n; i > 1; --i) {  // Fisher-Yates, own generator: same split everywhere
-    state = mix(state);
+    state = detail::splitmix64(state);
     std::swap(order[i - 1], order[state % i]);
   }
   const auto test_n =
