@@ -2,6 +2,8 @@
 #include "gradient_top_k.hpp"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -32,7 +34,7 @@ constexpr std::int64_t kMaxTasks = 8;
 void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
                    std::span<const ConstMatrixView> dys, std::int64_t c0, std::int64_t c1,
                    GradientRowKernel kernel, std::vector<float>& xt, std::vector<float>& row,
-                   StreamingTopK& top) {
+                   StreamingTopK& top, std::atomic<float>& shared_bar) {
   const std::int64_t width = c1 - c0;
   std::int64_t tokens = 0;
   std::vector<std::int64_t> counts;
@@ -60,6 +62,7 @@ void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
   // scores scale with its |dY|, so the first rows seen set a bar that is representative
   // of the layer, and fewer candidates from later rows reach it.
   constexpr std::int64_t kInterleave = 8;
+  std::array<std::int32_t, kTileColumns> reaching;
   for (std::int64_t phase = 0; phase < kInterleave; ++phase) {
     for (std::int64_t r = phase; r < mask.rows(); r += kInterleave) {
       for (std::size_t e = 0; e < dys.size(); ++e) dy[e] = dys[e].row(r);
@@ -70,15 +73,32 @@ void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
           std::lower_bound(indices.data() + offsets[r], indices.data() + offsets[r + 1],
                            static_cast<std::uint32_t>(c0));
       const auto* last = indices.data() + offsets[r + 1];
-      float bar = top.bar();
+      // Every task's k-th best bounds the layer's from below: a score under the best of
+      // the tasks' bars cannot be in the top-k (ties still go through, to the exact check).
+      float bar = std::max(top.bar(), shared_bar.load(std::memory_order_relaxed));
+      // First the columns that reach the bar, without branches; then only those.
+      const float* scores = row.data();
+      std::int64_t candidates = 0;
       for (std::int64_t c = 0; c < width; ++c) {
-        const float score = std::fabs(row[static_cast<std::size_t>(c)]);
-        if (!(score >= bar)) continue;
+        reaching[static_cast<std::size_t>(candidates)] = static_cast<std::int32_t>(c);
+        candidates += std::fabs(scores[c]) >= bar ? 1 : 0;
+      }
+      for (std::int64_t i = 0; i < candidates; ++i) {
+        const std::int32_t c = reaching[static_cast<std::size_t>(i)];
+        const float score = std::fabs(scores[c]);
+        if (!(score >= bar)) continue;  // the bar rose since
         const auto col = static_cast<std::uint32_t>(c0 + c);
         while (active != last && *active < col) ++active;
         if (active != last && *active == col) continue;
+        const float before = top.bar();
         top.offer(r * cols + col, score);
-        bar = top.bar();
+        if (top.bar() != before) {  // a cut raised it: share it
+          float seen = shared_bar.load(std::memory_order_relaxed);
+          while (top.bar() > seen &&
+                 !shared_bar.compare_exchange_weak(seen, top.bar(), std::memory_order_relaxed)) {
+          }
+          bar = std::max(top.bar(), seen);
+        }
       }
     }
   }
@@ -147,6 +167,7 @@ std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
   const std::int64_t tasks = std::clamp<std::int64_t>(std::min(tiles, threads), 1, kMaxTasks);
   std::vector<StreamingTopK> tops(static_cast<std::size_t>(tasks), StreamingTopK(k));
   const GradientRowKernel kernel = gradient_row_kernel(isa);
+  std::atomic<float> shared_bar{-std::numeric_limits<float>::infinity()};
   parallel_for(
       std::int64_t{0}, tasks,
       [&](std::int64_t task) {
@@ -155,7 +176,7 @@ std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
           const std::int64_t c0 = tile * kTileColumns;
           const std::int64_t c1 = std::min(mask.cols(), c0 + kTileColumns);
           score_columns(mask, xs, dys, c0, c1, kernel, xt, row,
-                        tops[static_cast<std::size_t>(task)]);
+                        tops[static_cast<std::size_t>(task)], shared_bar);
         }
       },
       true);
