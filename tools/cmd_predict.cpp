@@ -334,9 +334,11 @@ void plot(const Prediction& p, const fs::path& dir, std::size_t curves_per_panel
 void write_outputs(const Prediction& p, const fs::path& dir) {
   create_output_directory(dir);
   std::vector<std::size_t> order;
-  write_atomically(dir / "acceleration.csv", acceleration_csv(p, order));
-  write_atomically(dir / "saturation.csv", saturation_csv(p));
-  if (!p.scaling.empty()) write_atomically(dir / "scaling.csv", scaling_csv(p));
+  std::vector<std::pair<fs::path, std::string>> files{
+      {dir / "acceleration.csv", acceleration_csv(p, order)},
+      {dir / "saturation.csv", saturation_csv(p)}};
+  if (!p.scaling.empty()) files.emplace_back(dir / "scaling.csv", scaling_csv(p));
+  write_all_atomically(files);
   plot(p, dir, order.size() / std::size(kCurveEngines));
 }
 
@@ -378,7 +380,8 @@ Command add_predict_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--json", options->json, "Print JSON instead of tables");
   sub->add_option("--out", options->out_dir,
-                  "Directory for CSV files (and PNG plots when gnuplot is on PATH)");
+                  "Directory for CSV files (and PNG plots when gnuplot is on PATH)")
+      ->check(path_argument());
   return [options] { return run_predict(*options); };
 }
 

@@ -427,9 +427,8 @@ int run_sweep(const SweepOptions& o) {
   calibrate_sweep(s, runs);
 
   const fs::path dir = o.out_dir;
-  write_atomically(dir / "sweep.csv", to_csv(s));
   const std::string json = to_json(s);
-  write_atomically(dir / "sweep.json", json + "\n");
+  write_all_atomically({{dir / "sweep.csv", to_csv(s)}, {dir / "sweep.json", json + "\n"}});
   const bool plotted = plot(s, dir);
 
   if (o.json) {
@@ -470,7 +469,8 @@ Command add_sweep_command(CLI::App& app) {
   cmd->add_option(
          "--out", o->out_dir,
          "Directory for sweep.csv, sweep.json and sweep.png (plot when gnuplot is on PATH)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(path_argument());
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
   return [o] { return run_sweep(*o); };
 }

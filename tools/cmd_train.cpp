@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "measure.hpp"
+#include "output_files.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"

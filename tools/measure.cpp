@@ -49,21 +49,6 @@ std::vector<double> parse_sparsities(const std::string& text) {
   return out;
 }
 
-CLI::Validator path_argument() {
-  return CLI::Validator(
-      [](std::string& path) -> std::string {
-        if (path.empty()) return "an empty path (is a shell variable unset?)";
-        for (const char c : path) {
-          const auto byte = static_cast<unsigned char>(c);
-          if (byte < 0x20 || byte == 0x7f) {
-            return "the path has a control character (byte " + std::to_string(byte) + ")";
-          }
-        }
-        return {};
-      },
-      "PATH");
-}
-
 std::int64_t peak_resident_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);

@@ -55,10 +55,6 @@ std::vector<std::string> split_list(const std::string& text);
 /// "0,0.5,0.9" -> {0, 0.5, 0.9}; UsageError unless each is in [0, 1).
 std::vector<double> parse_sparsities(const std::string& text);
 
-/// A validator for an option naming a file: refuses an empty path (an unset shell
-/// variable) and control characters (a newline would end a line of a plot script).
-CLI::Validator path_argument();
-
 /// Peak resident memory of this process (bytes), from getrusage.
 std::int64_t peak_resident_bytes();
 

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "commands.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice::cli {
@@ -23,26 +24,78 @@ void create_output_directory(const fs::path& dir) {
                   (ec ? ": " + ec.message() : std::string(": not a directory")));
 }
 
+namespace {
+
+fs::path temporary_name(const fs::path& path) {
+  return path.string() + ".tmp." + std::to_string(::getpid());
+}
+
+// Writes `content` to `path` (created or truncated); IoError, and nothing left, on failure.
+void write_whole(const fs::path& path, const std::string& content) {
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  if (!file) throw IoError("cannot create " + path.string() + ": " + std::strerror(errno));
+  file << content;
+  file.close();
+  if (!file) {
+    std::error_code ignored;
+    fs::remove(path, ignored);
+    throw IoError("cannot write " + path.string());
+  }
+}
+
+}  // namespace
+
 void write_atomically(const fs::path& path, const std::string& content) {
-  const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
-    if (!file) throw IoError("cannot create " + tmp.string() + ": " + std::strerror(errno));
-    file << content;
-    file.close();
-    if (!file) {
-      std::error_code ignored;
-      fs::remove(tmp, ignored);
-      throw IoError("cannot write " + tmp.string());
+  write_all_atomically({{path, content}});
+}
+
+void write_all_atomically(const std::vector<std::pair<fs::path, std::string>>& files) {
+  // What would make a rename fail once others are done is refused before writing any.
+  for (const auto& file : files) {
+    std::error_code ec;
+    if (fs::is_directory(file.first, ec)) {
+      throw IoError("cannot write " + file.first.string() + ": a directory has that name");
     }
   }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
+  std::vector<fs::path> written;
+  auto remove_written = [&written] {
     std::error_code ignored;
-    fs::remove(tmp, ignored);
-    throw IoError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
+    for (const auto& tmp : written) fs::remove(tmp, ignored);
+  };
+  try {
+    for (const auto& [path, content] : files) {
+      write_whole(temporary_name(path), content);
+      written.push_back(temporary_name(path));
+    }
+  } catch (...) {
+    remove_written();
+    throw;
   }
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    std::error_code ec;
+    fs::rename(written[i], files[i].first, ec);
+    if (ec) {
+      written.erase(written.begin(), written.begin() + static_cast<long>(i));
+      remove_written();
+      throw IoError("cannot rename " + temporary_name(files[i].first).string() + " to " +
+                    files[i].first.string() + ": " + ec.message());
+    }
+  }
+}
+
+CLI::Validator path_argument() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        if (path.empty()) return "an empty path (is a shell variable unset?)";
+        for (const char c : path) {
+          const auto byte = static_cast<unsigned char>(c);
+          if (byte < 0x20 || byte == 0x7f) {
+            return "the path has a control character (byte " + std::to_string(byte) + ")";
+          }
+        }
+        return {};
+      },
+      "PATH");
 }
 
 bool on_path(const std::string& program) {
@@ -67,7 +120,14 @@ std::string shell_quote(const std::string& text) {
 
 std::string gnuplot_quote(const std::string& text) {
   std::string out = "'";
-  for (const char c : text) out += (c == '\'') ? std::string("''") : std::string(1, c);
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      throw UsageError("a path or title for gnuplot has a control character (byte " +
+                       std::to_string(byte) + ")");
+    }
+    out += (c == '\'') ? std::string("''") : std::string(1, c);
+  }
   return out + "'";
 }
 
@@ -84,8 +144,9 @@ bool run_gnuplot(const std::string& script, const fs::path& dir, const std::vect
     std::cerr << who << ": gnuplot not on PATH; the CSV files are written, the plots are not\n";
     return false;
   }
+  // Written in place (not through write_atomically): it is a temporary file already.
   const fs::path script_path = dir / ("plot.gp.tmp." + std::to_string(::getpid()));
-  write_atomically(script_path, script);
+  write_whole(script_path, script);
   const std::string command = "gnuplot " + shell_quote(script_path.string()) + " 1>&2";
   const int status = std::system(command.c_str());
   fs::remove(script_path, ignored);

@@ -1,0 +1,89 @@
+// The output files of `sluice sweep` and `sluice predict`: a path cannot smuggle commands
+// into the gnuplot script, a run that fails leaves none of its files, and the plot script
+// has one temporary name.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "test_support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Outcome = sluice::testing::CliOutcome;
+using sluice::testing::read_file;
+
+Outcome run(const std::string& args) {
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args);
+}
+
+class CliOutputs : public sluice::testing::TempDirTest {
+ protected:
+  void SetUp() override {
+    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
+    TempDirTest::SetUp();
+  }
+  /// A `gnuplot` on a PATH of its own that records the script it is given, and runs it
+  /// through the real gnuplot when there is one.
+  std::string fake_gnuplot_path() {
+    const fs::path bin = dir_ / "bin";
+    fs::create_directories(bin);
+    const fs::path fake = bin / "gnuplot";
+    std::ofstream(fake) << "#!/bin/sh\necho \"$1\" >> " << (dir_ / "scripts").string()
+                        << "\ncp \"$1\" " << (dir_ / "last.gp").string() << "\nexit 0\n";
+    fs::permissions(fake, fs::perms::owner_all);
+    return "env PATH=" + bin.string() + ":/usr/bin:/bin ";
+  }
+};
+
+constexpr const char* kTiny = "sweep --shape 64x48 --tokens 16 --threads 1 --repeat 1 --seed 3 ";
+
+TEST_F(CliOutputs, APathWithANewlineIsRefusedBeforeAnyScriptIsWritten) {
+  const std::string evil = "'out\nsystem(\"touch " + (dir_ / "pwned").string() + "\")\n#'";
+  const std::string cli = fake_gnuplot_path() + SLUICE_CLI_PATH;
+  Outcome o = sluice::testing::run_cli(cli, std::string(kTiny) + "--sparsities 0.5 --out " + evil);
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+  EXPECT_NE(o.output.find("control character"), std::string::npos) << o.output;
+  o = sluice::testing::run_cli(cli, "predict --out " + evil);
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+  EXPECT_FALSE(fs::exists(dir_ / "pwned"));
+  EXPECT_FALSE(fs::exists(dir_ / "scripts")) << "gnuplot ran";
+}
+
+TEST_F(CliOutputs, ThePlotScriptHasOneTemporarySuffixAndQuotesThePath) {
+  const fs::path out = dir_ / "it's here";
+  const Outcome o = sluice::testing::run_cli(
+      fake_gnuplot_path() + SLUICE_CLI_PATH,
+      std::string(kTiny) + "--sparsities 0.5 --out \"" + out.string() + "\"");
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  const std::string scripts = read_file(dir_ / "scripts");
+  ASSERT_FALSE(scripts.empty()) << o.output;
+  EXPECT_EQ(scripts.find(".tmp."), scripts.rfind(".tmp.")) << scripts;
+  EXPECT_NE(read_file(dir_ / "last.gp").find("it''s here"), std::string::npos);
+}
+
+TEST_F(CliOutputs, AFailedSweepLeavesNoneOfItsFilesAndTheEarlierOnes) {
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out / "sweep.json" / "keep");  // sweep.json cannot be replaced
+  std::ofstream(out / "sweep.csv") << "an earlier sweep";
+  const Outcome o = run(std::string(kTiny) + "--sparsities 0.5 --out " + out.string());
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_EQ(read_file(out / "sweep.csv"), "an earlier sweep");
+  EXPECT_TRUE(fs::is_directory(out / "sweep.json" / "keep"));
+  for (const auto& entry : fs::directory_iterator(out)) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
+  }
+}
+
+TEST_F(CliOutputs, AFailedPredictLeavesNoneOfItsFiles) {
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out / "saturation.csv" / "keep");
+  const Outcome o = run("predict --out " + out.string());
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_FALSE(fs::exists(out / "acceleration.csv"));
+}
+
+}  // namespace
