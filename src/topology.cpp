@@ -1,8 +1,11 @@
 #include "sluice/topology.hpp"
 
 #include <hwloc.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -38,7 +41,56 @@ std::int64_t cache_size(hwloc_topology_t t, hwloc_obj_type_t type) {
                                                 : 0;
 }
 
+std::int32_t mask_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+  return CPU_COUNT(&set);
+}
+
+// True when the environment tells an OpenMP runtime to bind its threads: it then binds the
+// main thread too, to the first place, when it loads (before any code of ours runs).
+bool openmp_binds() {
+  const char* bind = std::getenv("OMP_PROC_BIND");
+  const char* places = std::getenv("OMP_PLACES");
+  if (bind != nullptr) return std::strcmp(bind, "false") != 0 && std::strcmp(bind, "FALSE") != 0;
+  return places != nullptr && *places != '\0';
+}
+
+// The process's CPUs, settled once as the library loads: an OpenMP runtime's binding of
+// the main thread is undone (the thread is widened to the cgroup's allowed set) before
+// oneTBB starts and copies the main thread's mask to its workers. A mask the process was
+// started with (taskset) is kept: without OpenMP binding, the mask is the user's.
+std::int32_t settle_process_cpus() {
+  const std::int32_t now = mask_cpus();
+  if (!openmp_binds()) return now;
+  hwloc_topology_t h = hwloc().handle;
+  if (h == nullptr) return now;
+  hwloc_const_cpuset_t allowed = hwloc_topology_get_allowed_cpuset(h);
+  const int count = allowed != nullptr ? hwloc_bitmap_weight(allowed) : -1;
+  if (count <= now) return now;
+  if (hwloc_set_cpubind(h, allowed, HWLOC_CPUBIND_THREAD) != 0) return now;
+  return count;
+}
+
+const std::int32_t kProcessCpus = settle_process_cpus();
+
 }  // namespace
+
+std::int32_t process_cpus() {
+  return kProcessCpus > 0 ? kProcessCpus : mask_cpus();
+}
+
+std::int32_t thread_cpus() {
+  return mask_cpus();
+}
+
+std::int32_t allowed_cpus() {
+  hwloc_topology_t h = hwloc().handle;
+  hwloc_const_cpuset_t allowed = h != nullptr ? hwloc_topology_get_allowed_cpuset(h) : nullptr;
+  const int count = allowed != nullptr ? hwloc_bitmap_weight(allowed) : -1;
+  return count > 0 ? count : topology().hardware_threads;
+}
 
 std::int64_t Topology::cache_share_bytes() const {
   // No core has more than 12 MiB of L3 to itself (the most shipping so far: 96 MiB over 8

@@ -14,6 +14,7 @@
 #include "sluice/json.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
+#include "sluice/topology.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -198,6 +199,10 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
     j.key("max_rel_error_bwd");
     r.max_rel_error_bwd ? j.value(*r.max_rel_error_bwd) : j.null();
   }
+  // An affinity mask (taskset, mpirun's binding) that leaves fewer CPUs than the machine
+  // lets this process have limits the threads: said, so a slow run is not a mystery.
+  j.field("cpus_allowed", process_cpus())
+      .field("affinity_limited", process_cpus() < allowed_cpus());
   j.field("peak_rss_bytes", peak_resident_bytes());
   j.end_object();
 }
@@ -209,6 +214,10 @@ void print_table(const std::vector<SpmmResult>& results, bool backward, bool che
       static_cast<long long>(first.out), static_cast<long long>(first.in),
       static_cast<long long>(first.tokens), first.threads, first.isa.c_str(),
       first.precision.c_str(), first.geometry.c_str());
+  if (process_cpus() < allowed_cpus()) {
+    std::printf("affinity mask: this process may run on %d of the %d CPUs it is allowed\n",
+                process_cpus(), allowed_cpus());
+  }
   std::printf("dense: %s in the same precision; best: the fastest oneDNN product of any\n",
               first.dense_kind.c_str());
   std::printf("%9s %10s %10s %10s %9s %8s %10s %8s %8s", "sparsity", "nnz", "sparse_ms", "dense_ms",

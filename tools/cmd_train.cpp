@@ -469,6 +469,7 @@ Command add_train_command(CLI::App& app) {
     }
 
     if (!fabric_owner) {
+      o->threads = o->threads > 0 ? runnable_threads(o->threads, "train") : 0;
       LocalFabricOptions fo;
       fo.engines = o->engines;
       fo.engine.threads = o->threads;

@@ -24,6 +24,17 @@ struct Topology {
 /// reports nothing (e.g. in a restricted container).
 const Topology& topology();
 
+/// CPUs (hardware threads) this process may run on: its cgroup's allowed set, or, when
+/// the process was started with a narrower affinity mask (taskset, mpirun --bind-to), that
+/// mask. An OpenMP runtime told to bind (OMP_PROC_BIND, OMP_PLACES) narrows the main
+/// thread to one place as it loads; sluice widens it back to this set when it loads, so
+/// its thread pool (which takes the mask it finds) can use every core.
+std::int32_t process_cpus();
+/// CPUs the calling thread's affinity mask allows now.
+std::int32_t thread_cpus();
+/// CPUs of the cgroup's allowed set: what an affinity mask may at most allow.
+std::int32_t allowed_cpus();
+
 /// Binds the calling thread to core `core % cores`; returns false if the OS refused.
 bool pin_current_thread_to_core(std::int32_t core);
 
