@@ -5,12 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
-#include <random>
 #include <string>
 #include <unordered_set>
 
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
+#include "splitmix.hpp"
 
 namespace sluice {
 
@@ -73,13 +73,9 @@ std::int64_t DynamicSparsity::swap_count(std::int64_t step, std::int64_t nnz,
 }
 
 std::uint64_t mask_update_seed(std::uint64_t seed, std::int64_t step, std::int32_t layer) {
-  auto mix = [](std::uint64_t x) {  // splitmix64
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-  };
-  return mix(mix(mix(seed) ^ static_cast<std::uint64_t>(step)) ^ static_cast<std::uint32_t>(layer));
+  using detail::splitmix64;
+  return splitmix64(splitmix64(splitmix64(seed) ^ static_cast<std::uint64_t>(step)) ^
+                    static_cast<std::uint32_t>(layer));
 }
 
 std::vector<std::int64_t> random_inactive_positions(const CsrMatrix& mask, std::int64_t count,
@@ -91,12 +87,17 @@ std::vector<std::int64_t> random_inactive_positions(const CsrMatrix& mask, std::
                      std::to_string(inactive) + " inactive positions asked for");
   }
   // Floyd's sampling of `count` distinct ranks among the inactive positions: no dense
-  // mask, memory in the count only.
-  std::mt19937_64 rng(seed);
+  // mask, memory in the count only. The draws are splitmix64's (the same positions on
+  // every platform and standard library), reduced modulo j + 1: a bias under j / 2^64.
+  std::uint64_t state = seed;
+  auto draw = [&state](std::int64_t j) {
+    return static_cast<std::int64_t>(detail::splitmix64(state++) %
+                                     static_cast<std::uint64_t>(j + 1));
+  };
   std::unordered_set<std::int64_t> chosen;
   chosen.reserve(static_cast<std::size_t>(count));
   for (std::int64_t j = inactive - count; j < inactive; ++j) {
-    const std::int64_t t = std::uniform_int_distribution<std::int64_t>(0, j)(rng);
+    const std::int64_t t = draw(j);
     chosen.insert(chosen.count(t) != 0 ? j : t);
   }
   std::vector<std::int64_t> ranks(chosen.begin(), chosen.end());
