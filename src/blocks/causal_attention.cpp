@@ -1,7 +1,9 @@
 // Causal multi-head self-attention arithmetic: the part between the Q, K, V projections and
-// the output projection. One task per (sequence, head): it copies its head's slices of Q, K,
-// V into token-major buffers (the activations are feature-major, a token's head vector would
-// otherwise be strided), works there, and writes back rows no other task writes.
+// the output projection. One task per (sequence, head), writing rows no other task writes.
+// Each product is arranged so its inner loop runs over contiguous floats without a reduction
+// (which would stay serial): a token's scores against all earlier tokens read K's (or V's)
+// feature-major rows as they lie; sums of token vectors (P V, dV, dQ, dK) use token-major
+// copies of the head's slices.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -53,10 +55,17 @@ void scatter(const std::vector<float>& buffer, const HeadTask& task, MutableMatr
   }
 }
 
-float dot(const float* a, const float* b, std::int64_t n) {
-  float s = 0;
-  for (std::int64_t f = 0; f < n; ++f) s += a[f] * b[f];
-  return s;
+/// row[j] = sum_f vector[f] * m(first_row + f, first_token + j) for j < n: the head's rows of
+/// the feature-major m read as they lie (tokens contiguous), so the loop over j vectorises
+/// where a dot product per j would be a serial reduction.
+void dot_with_rows(const float* vector, ConstMatrixView m, const HeadTask& task, std::int64_t n,
+                   float* row) {
+  std::fill(row, row + n, 0.0F);
+  for (std::int64_t f = 0; f < task.d_head; ++f) {
+    const float x = vector[f];
+    const float* m_row = m.row(task.first_row + f) + task.first_token;
+    for (std::int64_t j = 0; j < n; ++j) row[j] += x * m_row[j];
+  }
 }
 
 /// fn(task) for every (sequence, head) of a batch, one task each in parallel.
@@ -90,17 +99,17 @@ void causal_attention_forward(ConstMatrixView q, ConstMatrixView k, ConstMatrixV
   detail::require_shape(block, "out", out, q.rows, q.cols);
   for_each_head(q.rows, q.cols, shape, [&](const HeadTask& task) {
     const std::int64_t c = task.context, dh = task.d_head;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(dh));
-    std::vector<float> qt, kt, vt, ot(static_cast<std::size_t>(c * dh));
+    const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dh)));
+    std::vector<float> qt, vt, ot(static_cast<std::size_t>(c * dh));
     gather(q, task, qt);
-    gather(k, task, kt);
     gather(v, task, vt);
     for (std::int64_t i = 0; i < c; ++i) {
       float* p = probabilities.data() + task.probabilities_offset + i * c;
       // Max-subtracted softmax over the tokens j <= i; the masked ones are exactly zero.
+      dot_with_rows(&qt[i * dh], k, task, i + 1, p);
       float max_score = -INFINITY;
       for (std::int64_t j = 0; j <= i; ++j) {
-        p[j] = static_cast<float>(dot(&qt[i * dh], &kt[j * dh], dh) * scale);
+        p[j] *= scale;
         max_score = std::max(max_score, p[j]);
       }
       double sum = 0;
@@ -137,18 +146,17 @@ void causal_attention_backward(ConstMatrixView q, ConstMatrixView k, ConstMatrix
     const std::int64_t c = task.context, dh = task.d_head;
     const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dh)));
     const auto size = static_cast<std::size_t>(c * dh);
-    std::vector<float> qt, kt, vt, dot_buffer, dqt(size), dkt(size), dvt(size);
+    std::vector<float> qt, kt, dot_buffer, dqt(size), dkt(size), dvt(size);
     std::vector<float> dp(static_cast<std::size_t>(c));
     gather(q, task, qt);
     gather(k, task, kt);
-    gather(v, task, vt);
     gather(d_out, task, dot_buffer);
     for (std::int64_t i = 0; i < c; ++i) {
       const float* p = probabilities.data() + task.probabilities_offset + i * c;
       const float* doi = &dot_buffer[i * dh];
+      dot_with_rows(doi, v, task, i + 1, dp.data());
       double row_dot = 0;  // sum_j P(i, j) dP(i, j): the softmax's Jacobian term
       for (std::int64_t j = 0; j <= i; ++j) {
-        dp[j] = dot(doi, &vt[j * dh], dh);
         row_dot += static_cast<double>(p[j]) * dp[j];
         float* dvj = &dvt[j * dh];
         for (std::int64_t f = 0; f < dh; ++f) dvj[f] += p[j] * doi[f];
