@@ -28,7 +28,8 @@ bool is_text_member(const std::filesystem::directory_entry& entry) {
   const std::string name = entry.path().filename().string();
   if (name.empty() || name.front() == '.') return false;
   if (name.size() > 4 && name.ends_with(".dat")) return false;
-  return !entry.is_symlink() && entry.is_regular_file();
+  std::error_code ec;  // an entry that vanished or cannot be examined is not read
+  return !entry.is_symlink(ec) && !ec && entry.is_regular_file(ec) && !ec;
 }
 
 std::string read_directory(const std::filesystem::path& dir) {

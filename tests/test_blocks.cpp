@@ -142,6 +142,11 @@ TEST(LayerNormArguments, RefuseWrongSizes) {
   testing::thrown_message<ShapeError>([&] {
     layer_norm_forward(x, gain, bias, y, {mean, inv_std});
   });
+  mean.resize(10);
+  std::vector<float> d_gain(12), d_bias(13);
+  const auto backward_message = testing::thrown_message<ShapeError>(
+      [&] { layer_norm_backward(x, gain, mean, inv_std, x, y, d_gain, d_bias); });
+  EXPECT_CONTAINS(backward_message, "layer_norm_backward: d_bias has 13 elements, expected 12");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ void for_each_token_chunk(std::int64_t features, std::int64_t tokens, Fn&& fn) {
 }
 
 void check_parameters(const char* block, std::int64_t d_model, std::span<const float> gain,
-                      std::size_t bias_size) {
+                      const char* bias_name, std::size_t bias_size) {
   if (d_model <= 0) throw ShapeError(std::string(block) + ": no features to normalise");
   detail::require_size(block, "gain", gain.size(), d_model);
-  detail::require_size(block, "bias", bias_size, d_model);
+  detail::require_size(block, bias_name, bias_size, d_model);
 }
 
 }  // namespace
@@ -34,7 +34,7 @@ void check_parameters(const char* block, std::int64_t d_model, std::span<const f
 void layer_norm_forward(ConstMatrixView x, std::span<const float> gain, std::span<const float> bias,
                         MutableMatrixView y, LayerNormStatistics stats, float epsilon) {
   const char* block = "layer_norm_forward";
-  check_parameters(block, x.rows, gain, bias.size());
+  check_parameters(block, x.rows, gain, "bias", bias.size());
   detail::require_shape(block, "x", x, x.rows, x.cols);
   detail::require_shape(block, "y", y, x.rows, x.cols);
   detail::require_size(block, "mean", stats.mean.size(), x.cols);
@@ -79,7 +79,7 @@ void layer_norm_backward(ConstMatrixView x, std::span<const float> gain,
                          ConstMatrixView dy, MutableMatrixView dx, std::span<float> d_gain,
                          std::span<float> d_bias) {
   const char* block = "layer_norm_backward";
-  check_parameters(block, x.rows, gain, d_bias.size());
+  check_parameters(block, x.rows, gain, "d_bias", d_bias.size());
   detail::require_size(block, "d_gain", d_gain.size(), x.rows);
   detail::require_shape(block, "x", x, x.rows, x.cols);
   detail::require_shape(block, "dy", dy, x.rows, x.cols);
