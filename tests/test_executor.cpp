@@ -759,5 +759,61 @@ TEST(Fabric, BroadcastForwardMatchesOneEngine) {
   }
 }
 
+// Masks changed between steps (ModelMemory::regrow, dynamic sparsity): the executor must
+// stream the new masks, by output and, through the rebuilt transposed pattern, by input,
+// and the optimizer state must follow the weights (kept for kept weights, zero for grown
+// ones). The reference applies the same change to its dense mask.
+TEST(Executor, MatchesReferenceAcrossMaskChanges) {
+  const Data data = make_data(kSizes.front(), static_cast<int>(kSizes.back()), 8);
+  HostModelMemory memory;
+  build_sparse_mlp(memory, kSizes, 0.5, 42);
+  memory.set_optimizer(sgd_momentum());
+  Reference ref(memory, kRelu, sgd_momentum());
+  LocalFabricOptions fo;
+  fo.engines = 2;
+  fo.engine.geometry = Geometry{3, 1, 8};  // three lanes: placements matter
+  fo.engine.threads = 1;
+  LocalFabric fabric(fo);
+  ExecutorOptions eo;
+  eo.chunk_packets = 16;
+  LayerStreamingExecutor exec(memory, fabric, eo);
+  for (int s = 0; s < 6; ++s) {
+    if (s == 2 || s == 4) {
+      for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+        const CsrMatrix before = memory.weights(l);
+        memory.regrow(l, random_inactive_positions(before, before.nnz() / 4, 7 + s + l));
+        // The same change in the reference: positions that left the mask and positions
+        // that joined it both start (or stay) at 0 with zero state.
+        RefLayer& L = ref.layers[static_cast<std::size_t>(l)];
+        std::vector<double> mask(L.mask.size(), 0);
+        const CsrMatrix& after = memory.weights(l);
+        for (std::int64_t o = 0; o < after.rows(); ++o) {
+          for (auto k = after.row_offsets()[o]; k < after.row_offsets()[o + 1]; ++k) {
+            mask[static_cast<std::size_t>(o * L.in + after.col_indices()[k])] = 1;
+          }
+        }
+        for (std::size_t p = 0; p < mask.size(); ++p) {
+          if (mask[p] != L.mask[p]) L.w[p] = L.state_w1[p] = L.state_w2[p] = 0;
+        }
+        L.mask = mask;
+      }
+    }
+    const double want = ref.train_step(data.x[s], data.labels[s]);
+    const StepResult got = exec.train_step({data.x[s].view(), data.labels[s], {}});
+    ASSERT_NEAR(got.loss, want, 1e-4 * std::abs(want)) << "step " << s;
+  }
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+    const CsrMatrix& w = memory.weights(l);
+    const RefLayer& L = ref.layers[static_cast<std::size_t>(l)];
+    for (std::int64_t o = 0; o < w.rows(); ++o) {
+      for (auto k = w.row_offsets()[o]; k < w.row_offsets()[o + 1]; ++k) {
+        const double want = L.w[static_cast<std::size_t>(o * L.in + w.col_indices()[k])];
+        ASSERT_NEAR(w.values()[k], want, 1e-4 * std::max(1.0, std::abs(want)))
+            << "layer " << l << " row " << o;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sluice
