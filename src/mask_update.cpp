@@ -52,6 +52,11 @@ void DynamicSparsity::validate() const {
     throw ShapeError("dynamic sparsity: total_steps must be >= 0, got " +
                      std::to_string(total_steps));
   }
+  if (rule != MaskUpdateRule::none && total_steps == 0) {
+    // The schedule is a fraction of the run: without its length no mask would ever change.
+    throw ShapeError(std::string("dynamic sparsity: rule ") + to_string(rule) +
+                     " needs total_steps, the run's length, for its schedule");
+  }
 }
 
 double DynamicSparsity::drop_fraction(std::int64_t step) const {

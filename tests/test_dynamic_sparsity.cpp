@@ -73,6 +73,11 @@ TEST(DynamicSparsitySchedule, BadSettingsAreRefused) {
   d = {};
   d.update_until = 1.5;
   EXPECT_CONTAINS(thrown_message<ShapeError>([&] { d.validate(); }), "update_until");
+  d = {};
+  d.rule = MaskUpdateRule::set;  // and no run length
+  EXPECT_CONTAINS(thrown_message<ShapeError>([&] { d.validate(); }), "total_steps");
+  d.total_steps = 10;
+  EXPECT_NO_THROW(d.validate());
   EXPECT_EQ(parse_mask_update_rule("rigl"), MaskUpdateRule::rigl);
   EXPECT_STREQ(to_string(MaskUpdateRule::set), "set");
   EXPECT_CONTAINS(thrown_message<ShapeError>([] { parse_mask_update_rule("topkast"); }), "topkast");

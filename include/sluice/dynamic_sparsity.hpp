@@ -38,7 +38,7 @@ struct DynamicSparsity {
   std::uint64_t seed = 1;           ///< SET's draws (one stream per step and layer)
 
   /// ShapeError naming the field: update_every >= 1, drop in (0, 1], update_until in
-  /// [0, 1], total_steps >= 0.
+  /// [0, 1], total_steps >= 0 and, unless the rule is none, > 0.
   void validate() const;
   /// Whether the masks change after step `step` (a multiple of update_every before
   /// update_until * total_steps; never with rule none).
