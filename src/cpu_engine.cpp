@@ -27,11 +27,13 @@
 #include <type_traits>
 
 #include "chunk_pool.hpp"
+#include "engine/dense_path.hpp"
 #include "huge_pages.hpp"
 #include "kernels/lane_kernels.hpp"
 #include "parallel.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
+#include "sluice/path_cost.hpp"
 #include "sluice/topology.hpp"
 #include "stream_check.hpp"
 
@@ -663,9 +665,20 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
   }
 }
 
+ProductPath CpuEngine::path_for(const StreamHeader& header, std::int64_t tokens) const {
+  if (impl_->options.path != ProductPath::automatic) return impl_->options.path;
+  return PathCosts::for_this_cpu().choose(header.layer_outputs(), header.layer_inputs(),
+                                          static_cast<double>(header.nnz), tokens, header.precision,
+                                          impl_->threads);
+}
+
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                              MutableMatrixView y, const Placement* next_placement) {
   Impl& m = *impl_;
+  if (path_for(weights.header(), x.cols) == ProductPath::dense) {
+    detail::DensePath(m.arena).forward(weights, x, y, counters_);
+    return;
+  }
   const std::int32_t P = placement.lanes;
   // (Plain bools, not a structured binding: lambdas below capture them, which Clang 14,
   // the sanitizer and fuzz builds' compiler, cannot do with bindings.)
@@ -859,6 +872,9 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
                                       MutableMatrixView* dx) {
   Impl& m = *impl_;
   const StreamHeader header = weights.header();
+  if (path_for(header, dy.cols) == ProductPath::dense) {
+    return detail::DensePath(m.arena).backward(weights, x, dy, dx, counters_);
+  }
   const bool want_grad = x != nullptr;
   // By output, the lanes hold rows of dX or X, the stream's tags; by input, one lane holds
   // all of dY, the stream's tags again, and walks the input features as the runs. A bf16

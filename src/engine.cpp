@@ -171,3 +171,26 @@ void Engine::backward_data(StreamSource& weights, const Placement& placement, Co
 }
 
 }  // namespace sluice
+
+namespace sluice {
+
+const char* to_string(ProductPath path) {
+  switch (path) {
+    case ProductPath::automatic:
+      return "auto";
+    case ProductPath::sparse:
+      return "sparse";
+    case ProductPath::dense:
+      return "dense";
+  }
+  return "unknown";
+}
+
+ProductPath parse_product_path(const std::string& name) {
+  if (name == "auto") return ProductPath::automatic;
+  if (name == "sparse") return ProductPath::sparse;
+  if (name == "dense") return ProductPath::dense;
+  throw ShapeError("unknown path '" + name + "' (expected auto, sparse or dense)");
+}
+
+}  // namespace sluice

@@ -192,6 +192,7 @@ void check_geometries(Isa isa, std::initializer_list<std::int32_t> lane_counts,
         options.geometry.blocks = blocks;
         options.geometry.shares = shares;
         options.threads = 2;
+        options.path = ProductPath::sparse;  // the streamed kernels on this geometry
         CpuEngine engine(options);
         for (const Case& c : cases) {
           check_engine(engine, c, lanes, (seed % 2 == 0) ? 7 : kDefaultChunkPackets, seed,
@@ -295,6 +296,7 @@ TEST_P(EngineByIsa, Bf16TileWidthsCoverEveryTail) {
     EngineOptions options;
     options.isa = GetParam();
     options.geometry.tile_tokens = tile;
+    options.path = ProductPath::sparse;
     CpuEngine engine(options);
     check_engine(engine, {64, 41, 300, 0.5}, 1 + tile % 2, 64, 200 + tile, Precision::bf16);
   }
@@ -795,9 +797,12 @@ TEST(Engine, RefusesCorruptStreamsAtIntake) {
   const CsrMatrix w = CsrMatrix::random(20, 10, 0.5, 2);
   EngineOptions small_caches;
   small_caches.tile_cache_bytes = 1;
-  for (const EngineOptions& options : {EngineOptions{}, small_caches}) {
+  EngineOptions dense;  // the dense path checks what it densifies just as well
+  dense.path = ProductPath::dense;
+  for (const EngineOptions& options : {EngineOptions{}, small_caches, dense}) {
     CpuEngine engine(options);
-    SCOPED_TRACE("tile cache " + std::to_string(options.tile_cache_bytes));
+    SCOPED_TRACE("tile cache " + std::to_string(options.tile_cache_bytes) + ", path " +
+                 to_string(options.path));
     DenseMatrix x = random_dense(10, 3, 1), y(20, 3), dy = random_dense(20, 3, 3), dx(10, 3);
     StreamOrder order = StreamOrder::by_output;
     auto corrupt = [&](auto mutate) {

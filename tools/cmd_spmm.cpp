@@ -33,6 +33,7 @@ struct SpmmOptions {
   bool backward = false;
   std::string backward_order = "by_input";
   std::string precision = "fp32";
+  std::string path = "auto";
   Geometry geometry;
 };
 
@@ -41,6 +42,7 @@ struct SpmmResult {
   double sparsity = 0;
   int threads = 0;
   std::string isa, geometry, precision;
+  std::string path, backward_path;  ///< the path the engine took: sparse or dense
   double sparse_ms = 0, dense_ms = 0, prepare_ms = 0, balance = 1;
   // dense_ms is oneDNN's matmul in the same precision; the best is the fastest of any.
   std::string dense_kind, dense_best_kind, backward_dense_best_kind;
@@ -64,6 +66,7 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   EngineOptions eo;
   eo.threads = o.threads;
   eo.geometry = o.geometry;
+  eo.path = parse_product_path(o.path);
   CpuEngine engine(eo);
   baseline::set_dense_threads(engine.threads());
   const DenseMatrix x = testing::random_dense(w.cols(), o.tokens, o.seed + 101);
@@ -88,7 +91,11 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   // catches kernel
   // bugs at fp32 tolerances.
   const bool bf16 = precision == Precision::bf16;
-  const bool x_in_bf16 = bf16 && CpuEngine::holds_bf16(g.lanes, w.nnz(), w.cols(), o.tokens);
+  // The dense path holds every activation in bf16.
+  const bool dense_forward = engine.path_for(stream_header_for(w, StreamKind::weights, precision),
+                                             o.tokens) == ProductPath::dense;
+  const bool x_in_bf16 =
+      bf16 && (dense_forward || CpuEngine::holds_bf16(g.lanes, w.nnz(), w.cols(), o.tokens));
   const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();
   const CsrMatrix& w_ref = bf16 ? w_held : w;
   const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
@@ -96,8 +103,18 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   // By input the lane holds dY (in bf16 where it packs the rows) and reads X in place, in
   // fp32.
   const bool by_input = o.backward_order == "by_input";
-  const ConstMatrixView x_ref_bwd = by_input ? x.view() : x_ref;
-  const bool dy_in_bf16 = bf16 && by_input && CpuEngine::holds_bf16(1, w.nnz(), w.rows(), o.tokens);
+  const bool dense_backward =
+      engine.path_for(stream_header_for(w, StreamKind::weights, precision,
+                                        by_input ? StreamOrder::by_input : StreamOrder::by_output),
+                      o.tokens) == ProductPath::dense;
+  const DenseMatrix x_held_bwd =
+      bf16 && dense_backward ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
+  const ConstMatrixView x_ref_bwd = bf16 && dense_backward ? x_held_bwd.view()
+                                    : by_input             ? x.view()
+                                                           : x_ref;
+  const bool dy_in_bf16 =
+      bf16 &&
+      (dense_backward || (by_input && CpuEngine::holds_bf16(1, w.nnz(), w.rows(), o.tokens)));
 
   // Preparing the layer (planning + encoding the streams) happens in ModelMemory, so it is
   // reported apart from the products. The backward reads the layer by input, as training
@@ -117,6 +134,8 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
                 },
                 1);
   r.balance = placement.balance();
+  r.path = to_string(engine.path_for(stream.header, o.tokens));
+  if (o.backward) r.backward_path = to_string(engine.path_for(backward_stream.header, o.tokens));
   // The engine's products are timed in turn, round by round (see
   // median_seconds_interleaved), so backward/forward holds even while the machine's
   // speed drifts. oneDNN's are timed apart: its OpenMP threads spin after each call and
@@ -179,7 +198,7 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
   j.begin_object();
   j.field("out", r.out).field("in", r.in).field("tokens", r.tokens).field("nnz", r.nnz);
   j.field("sparsity", r.sparsity).field("threads", r.threads).field("isa", r.isa);
-  j.field("precision", r.precision);
+  j.field("precision", r.precision).field("path", r.path);
   j.field("geometry", r.geometry).field("sparse_ms", r.sparse_ms).field("dense_ms", r.dense_ms);
   j.field("prepare_ms", r.prepare_ms).field("useful_gflops", r.useful_gflops());
   j.field("acceleration", r.acceleration()).field("balance", r.balance);
@@ -192,7 +211,7 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
     j.field("backward_ms", r.backward_ms).field("bwd_data_ms", r.bwd_data_ms);
     j.field("bwd_weight_ms", r.bwd_weight_ms).field("dense_backward_ms", r.dense_backward_ms);
     j.field("backward_acceleration", r.dense_backward_ms / r.backward_ms);
-    j.field("backward_dense_ms", r.dense_backward_ms);
+    j.field("backward_dense_ms", r.dense_backward_ms).field("backward_path", r.backward_path);
     j.field("backward_dense_best_ms", r.backward_dense_best_ms);
     j.field("backward_dense_best_kind", r.backward_dense_best_kind);
     j.field("backward_acceleration_vs_best", r.backward_dense_best_ms / r.backward_ms);
@@ -218,6 +237,12 @@ void print_table(const std::vector<SpmmResult>& results, bool backward, bool che
     std::printf("affinity mask: this process may run on %d of the %d CPUs it is allowed\n",
                 process_cpus(), allowed_cpus());
   }
+  std::printf("path (sparse: streamed; dense: densified tiles, oneDNN matmul):");
+  for (const SpmmResult& r : results) {
+    std::printf(" %s", r.path.c_str());
+    if (backward) std::printf("/%s", r.backward_path.c_str());
+  }
+  std::printf("\n");
   std::printf("dense: %s in the same precision; best: the fastest oneDNN product of any\n",
               first.dense_kind.c_str());
   std::printf("%9s %10s %10s %10s %9s %8s %10s %8s %8s", "sparsity", "nnz", "sparse_ms", "dense_ms",
@@ -278,6 +303,10 @@ Command add_spmm_command(CLI::App& app) {
   cmd->add_option("--precision", o->precision,
                   "fp32, or bf16: weights streamed and activations held in bf16, fp32 sums")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_option("--path", o->path,
+                  "auto (the cost model's choice per layer), sparse (streamed) or dense "
+                  "(packets densified into tiles, oneDNN's matmul)")
+      ->check(CLI::IsMember({"auto", "sparse", "dense"}));
   cmd->add_flag("--check", o->check,
                 "Check against a float64 reference (of the bf16-rounded operands in bf16); exit "
                 "code 1 if a relative error exceeds 1e-5");

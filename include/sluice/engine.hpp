@@ -41,6 +41,15 @@ struct Geometry {
   std::string to_string() const;  // "PxQ/tile", or "PxQxS/tile" when S > 1
 };
 
+/// How the engine multiplies a layer: streamed sparse (every packet one AXPY), or dense
+/// (the arriving packets scattered into dense tiles multiplied by oneDNN's matmul, AMX in
+/// bf16 where the CPU has it; docs/dense_path.md). `automatic` asks the cost model
+/// (PathCosts, sluice/path_cost.hpp) per layer. The stream is sparse either way.
+enum class ProductPath { automatic, sparse, dense };
+const char* to_string(ProductPath path);  ///< "auto", "sparse", "dense"
+/// "auto", "sparse" or "dense"; ShapeError otherwise.
+ProductPath parse_product_path(const std::string& name);
+
 struct EngineOptions {
   Geometry geometry;         ///< fixed geometry, or zeros to choose per layer
   std::int32_t threads = 0;  ///< worker threads; 0 = every core of this process
@@ -52,6 +61,7 @@ struct EngineOptions {
   /// product's stream larger than all threads' shares of it is checked chunk by chunk by
   /// the task about to compute each (read once from memory, not twice).
   std::int64_t tile_cache_bytes = 0;
+  ProductPath path = ProductPath::automatic;  ///< see ProductPath
 };
 
 /// Time spent by the engine's lanes, for metrics (seconds, summed over lanes).
@@ -144,6 +154,9 @@ class CpuEngine final : public Engine {
   /// Else they hold them in fp32 as given, and only the weights are bf16.
   static bool holds_bf16(std::int32_t lanes, std::uint64_t nnz, std::int64_t inputs,
                          std::int64_t tokens);
+  /// The path a product of this stream over `tokens` tokens takes (sparse or dense): the
+  /// one the options force, else the faster by the cost model.
+  ProductPath path_for(const StreamHeader& header, std::int64_t tokens) const;
 
  protected:
   void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,

@@ -4,6 +4,7 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
+#include <vector>
 
 #include "sluice/error.hpp"
 
@@ -47,7 +48,11 @@ DenseMatmul::DenseMatmul(DenseType type, std::int64_t m, std::int64_t n, std::in
     impl_->b = plain(type, k, n, transpose_b, ldb);
     impl_->c = plain(DenseType::f32, m, n, false, ldc);
     const dnnl::matmul::desc desc(impl_->a, impl_->b, impl_->c);
-    impl_->pd = dnnl::matmul::primitive_desc(desc, cpu_engine());
+    // The caller's scratchpad: one primitive then runs on several threads at once (the
+    // engine's dense path calls it from each of its tasks).
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    impl_->pd = dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
     impl_->primitive = dnnl::matmul(impl_->pd);
   } catch (const dnnl::error& e) {
     throw Error(std::string("oneDNN matmul could not be set up: ") + e.what());
@@ -67,7 +72,14 @@ void DenseMatmul::run(const void* a, const void* b, float* c, int threads) const
     dnnl::memory ma(m.a, cpu_engine(), const_cast<void*>(a));
     dnnl::memory mb(m.b, cpu_engine(), const_cast<void*>(b));
     dnnl::memory mc(m.c, cpu_engine(), c);
-    m.primitive.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+    thread_local std::vector<char> scratch;
+    const dnnl::memory::desc scratch_desc = m.pd.scratchpad_desc();
+    if (scratch.size() < scratch_desc.get_size()) scratch.resize(scratch_desc.get_size());
+    dnnl::memory ms(scratch_desc, cpu_engine(), scratch.data());
+    m.primitive.execute(stream, {{DNNL_ARG_SRC, ma},
+                                 {DNNL_ARG_WEIGHTS, mb},
+                                 {DNNL_ARG_DST, mc},
+                                 {DNNL_ARG_SCRATCHPAD, ms}});
     stream.wait();
   } catch (const dnnl::error& e) {
     if (threads > 0) omp_set_num_threads(before);

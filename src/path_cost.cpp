@@ -1,0 +1,62 @@
+#include "sluice/path_cost.hpp"
+
+#include <algorithm>
+
+#include "engine/dense_matmul.hpp"
+
+namespace sluice {
+namespace {
+std::size_t index_of(Precision precision) {
+  return precision == Precision::bf16 ? 1 : 0;
+}
+}  // namespace
+
+PathCosts PathCosts::for_this_cpu() {
+  PathCosts c;
+  c.sparse_per_nnz_token = {7.1e-11, 3.7e-11};
+  c.dense_per_mac = {1.4e-11, 2.6e-12};
+  c.densify_per_slot = {3.3e-9, 1.1e-9};
+  c.densify_per_packet = {4.6e-9, 2.0e-9};
+  if (!detail::DenseMatmul::bf16_native()) {
+    c.dense_per_mac[1] = c.dense_per_mac[0];
+    c.densify_per_slot[1] = c.densify_per_slot[0];
+  }
+  return c;
+}
+
+double PathCosts::sparse_seconds(double nnz, std::int64_t tokens, Precision precision,
+                                 std::int32_t threads) const {
+  return nnz * static_cast<double>(tokens) * sparse_per_nnz_token[index_of(precision)] /
+         std::max(1, threads);
+}
+
+double PathCosts::dense_seconds(std::int64_t outputs, std::int64_t inputs, double nnz,
+                                std::int64_t tokens, Precision precision,
+                                std::int32_t threads) const {
+  const std::size_t p = index_of(precision);
+  const double slots = static_cast<double>(outputs) * static_cast<double>(inputs);
+  return (slots * (static_cast<double>(tokens) * dense_per_mac[p] + densify_per_slot[p]) +
+          nnz * densify_per_packet[p]) /
+         std::max(1, threads);
+}
+
+ProductPath PathCosts::choose(std::int64_t outputs, std::int64_t inputs, double nnz,
+                              std::int64_t tokens, Precision precision,
+                              std::int32_t threads) const {
+  if (outputs <= 0 || inputs <= 0 || tokens <= 0) return ProductPath::sparse;
+  return dense_seconds(outputs, inputs, nnz, tokens, precision, threads) <
+                 sparse_seconds(nnz, tokens, precision, threads)
+             ? ProductPath::dense
+             : ProductPath::sparse;
+}
+
+double PathCosts::crossover_sparsity(std::int64_t tokens, Precision precision) const {
+  const std::size_t p = index_of(precision);
+  const double t = static_cast<double>(tokens);
+  const double saved = t * sparse_per_nnz_token[p] - densify_per_packet[p];  // per non-zero
+  if (!(saved > 0) || tokens <= 0) return 0;
+  const double density = (t * dense_per_mac[p] + densify_per_slot[p]) / saved;
+  return std::clamp(1.0 - density, 0.0, 1.0);
+}
+
+}  // namespace sluice
