@@ -27,6 +27,7 @@
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
 #include "sluice/json.hpp"
+#include "sluice/path_cost.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
 #include "sluice/topology.hpp"
@@ -139,6 +140,9 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   require_dense_baseline_memory(outputs, inputs, o.training);
   EngineOptions eo;
   eo.threads = runnable_threads(o.threads, "sweep");
+  // The points calibrate the streamed product's model: every one runs sparse, also where
+  // the engine would take the dense path (whose model, PathCosts, the table reports).
+  eo.path = ProductPath::sparse;
   CpuEngine engine(eo);
   baseline::set_dense_threads(engine.threads());
 
@@ -323,6 +327,11 @@ std::string to_json(const Sweep& s) {
   w.field("repeat", s.repeat).field("dense_ms", 1e3 * s.dense_seconds);
   w.field("dense_kind", s.dense_kind).field("dense_best_ms", 1e3 * s.dense_best_seconds);
   w.field("dense_best_kind", s.dense_best_kind);
+  // The engine's path model: above these sparsities the streamed product is faster than
+  // the dense path of the same precision.
+  const PathCosts paths = PathCosts::for_this_cpu();
+  w.field("crossover_sparsity_fp32", paths.crossover_sparsity(s.tokens, Precision::fp32));
+  w.field("crossover_sparsity_bf16", paths.crossover_sparsity(s.tokens, Precision::bf16));
   w.key("points").begin_array();
   for (const auto& p : s.points) {
     w.begin_object();
@@ -365,6 +374,15 @@ std::string title(const Sweep& s) {
                 static_cast<long long>(s.inputs), static_cast<long long>(s.tokens), s.threads,
                 s.geometry.to_string().c_str());
   return text;
+}
+
+void print_crossovers(const Sweep& s) {
+  const PathCosts paths = PathCosts::for_this_cpu();
+  std::printf(
+      "path model (PathCosts): the streamed product beats the dense path above sparsity %.3f "
+      "in fp32, %.3f in bf16 (%lld tokens); below, --path auto multiplies dense\n",
+      paths.crossover_sparsity(s.tokens, Precision::fp32),
+      paths.crossover_sparsity(s.tokens, Precision::bf16), static_cast<long long>(s.tokens));
 }
 
 void print_table(const Sweep& s) {
@@ -435,6 +453,7 @@ int run_sweep(const SweepOptions& o) {
     std::cout << json << "\n";
   } else {
     print_table(s);
+    print_crossovers(s);
     std::cout << "Wrote " << (dir / "sweep.csv").string() << ", sweep.json"
               << (plotted ? ", sweep.png" : "") << "\n";
   }
