@@ -294,3 +294,23 @@ TEST_F(Cli, PredictHeadlinesOneEngineOfTheLargestModel) {
 }
 
 }  // namespace
+
+namespace {
+
+// Training on the dense path computes the same step as on the sparse one (the same sums,
+// in another order): the losses agree to rounding.
+TEST_F(Cli, TrainOnEitherPathGivesTheSameLoss) {
+  auto loss = [&](const char* path) {
+    const Outcome o =
+        run(std::string("train --dataset synthetic --epochs 1 --json --path ") + path);
+    EXPECT_EQ(o.exit_code, 0) << o.output;
+    const auto at = o.output.find("\"final_loss\": ");
+    return at == std::string::npos ? -1.0 : std::stod(o.output.substr(at + 14));
+  };
+  const double sparse = loss("sparse"), dense = loss("dense");
+  EXPECT_GT(sparse, 0);
+  EXPECT_NEAR(dense, sparse, 1e-5 * sparse);
+  EXPECT_EQ(run("train --dataset synthetic --epochs 1 --path fast").exit_code, 2);
+}
+
+}  // namespace

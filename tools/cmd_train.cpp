@@ -45,6 +45,7 @@ struct TrainOptions {
   std::string checkpoint, resume;
   bool json = false;
   int threads = 0;
+  std::string path = "auto";
   std::int64_t memory_budget = 0;
   std::size_t prefetch = 4;
   std::string fabric = "local";
@@ -335,6 +336,10 @@ Command add_train_command(CLI::App& app) {
       ->check(path_argument());
   cmd->add_option("--threads", o->threads, "Threads per engine (default: cores / engines)")
       ->check(CLI::Range(1, 4096));
+  cmd->add_option("--path", o->path,
+                  "How the engines multiply each layer: auto (the cost model's choice), sparse "
+                  "(streamed) or dense (packets densified into tiles, oneDNN's matmul)")
+      ->check(CLI::IsMember({"auto", "sparse", "dense"}));
   cmd->add_option("--memory-budget", o->memory_budget,
                   "Bytes the activations may take (0: no limit)")
       ->check(CLI::NonNegativeNumber);
@@ -400,6 +405,7 @@ Command add_train_command(CLI::App& app) {
       }
       MpiFabricOptions mo;
       mo.engine.threads = o->threads;
+      mo.engine.path = parse_product_path(o->path);
       auto mpi_fabric = std::make_unique<MpiFabric>(mo);
       if (!mpi_fabric->is_driver()) {
         mpi_fabric->serve();
@@ -473,6 +479,7 @@ Command add_train_command(CLI::App& app) {
       LocalFabricOptions fo;
       fo.engines = o->engines;
       fo.engine.threads = o->threads;
+      fo.engine.path = parse_product_path(o->path);
       fabric_owner = std::make_unique<LocalFabric>(fo);
     }
     Fabric& fabric = *fabric_owner;
