@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -12,7 +13,6 @@
 
 #include "cost_model_checks.hpp"
 #include "sluice/error.hpp"
-#include "sluice/json.hpp"
 
 namespace sluice {
 
@@ -378,48 +378,52 @@ CalibrationResult calibrate(const std::vector<MeasuredRun>& runs,
   return result;
 }
 
-void write_json(JsonWriter& writer, const CostConstants& constants) {
-  writer.begin_object();
+namespace {
+
+nlohmann::ordered_json constants_json(const CostConstants& constants) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
   const auto values = constants.terms();
-  for (int t = 0; t < kCostTerms; ++t) writer.field(kTermNames[t], values[t]);
-  writer.field("dense_flops", constants.dense_flops);
-  writer.end_object();
+  for (int t = 0; t < kCostTerms; ++t) j[kTermNames[t]] = values[t];
+  j["dense_flops"] = constants.dense_flops;
+  return j;
 }
 
+/// NaN (a residual that was not computed) as JSON's null.
+nlohmann::ordered_json number(double value) {
+  return std::isfinite(value) ? nlohmann::ordered_json(value) : nlohmann::ordered_json(nullptr);
+}
+
+}  // namespace
+
 std::string CalibrationResult::to_json(int indent) const {
-  JsonWriter w(indent);
-  w.begin_object();
-  w.field("model",
-          "t = max_lane_nnz * (a0 + a1*T_q) + n_out * (b0 + b1*T_q) + c_layer, "
-          "summed over passes of tile_tokens");
-  w.key("constants");
-  write_json(w, constants);
-  w.field("r_squared", r_squared);
-  w.field("rms_relative_residual", rms_relative_residual);
-  w.field("condition_number", condition_number);
-  w.key("held_at_zero").begin_array();
-  for (const auto& name : held_at_zero) w.value(name);
-  w.end_array();
-  w.key("points").begin_array();
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  j["model"] =
+      "t = max_lane_nnz * (a0 + a1*T_q) + n_out * (b0 + b1*T_q) + c_layer, "
+      "summed over passes of tile_tokens";
+  j["constants"] = constants_json(constants);
+  j["r_squared"] = number(r_squared);
+  j["rms_relative_residual"] = number(rms_relative_residual);
+  j["condition_number"] = number(condition_number);
+  j["held_at_zero"] = held_at_zero;
+  j["points"] = nlohmann::ordered_json::array();
   for (std::size_t i = 0; i < runs.size(); ++i) {
     const LayerWork& work = runs[i].work;
-    w.begin_object();
-    w.field("outputs", work.outputs);
-    w.field("inputs", work.inputs);
-    w.field("tokens", work.tokens);
-    w.field("lanes", work.geometry.lanes);
-    w.field("blocks", work.geometry.blocks);
-    w.field("tile_tokens", work.geometry.tile_tokens);
-    w.field("shares", std::max(1, work.geometry.shares));
-    w.field("max_lane_nnz", work.max_lane_nnz);
-    w.field("measured_seconds", runs[i].seconds);
-    w.field("predicted_seconds", i < predicted_seconds.size() ? predicted_seconds[i] : NAN);
-    w.field("relative_residual", i < relative_residuals.size() ? relative_residuals[i] : NAN);
-    w.end_object();
+    nlohmann::ordered_json p = nlohmann::ordered_json::object();
+    p["outputs"] = work.outputs;
+    p["inputs"] = work.inputs;
+    p["tokens"] = work.tokens;
+    p["lanes"] = work.geometry.lanes;
+    p["blocks"] = work.geometry.blocks;
+    p["tile_tokens"] = work.geometry.tile_tokens;
+    p["shares"] = std::max(1, work.geometry.shares);
+    p["max_lane_nnz"] = work.max_lane_nnz;
+    p["measured_seconds"] = number(runs[i].seconds);
+    p["predicted_seconds"] = number(i < predicted_seconds.size() ? predicted_seconds[i] : NAN);
+    p["relative_residual"] = number(i < relative_residuals.size() ? relative_residuals[i] : NAN);
+    j["points"].push_back(std::move(p));
   }
-  w.end_array();
-  w.end_object();
-  return w.str();
+  return j.dump(indent > 0 ? indent : -1, ' ', false,
+                nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace sluice

@@ -158,6 +158,19 @@ TEST_F(CliTrain, ACheckpointWithNoNetworkIsBadDataNamed) {
   EXPECT_NE(o.output.find("layer 1 takes 23 inputs"), std::string::npos) << o.output;
 }
 
+TEST_F(CliTrain, AFileNameThatIsNotUtf8GivesValidJson) {
+  std::string text;
+  for (int r = 0; r < 60; ++r) text += std::to_string(r % 7) + "," + std::to_string(r % 2) + "\n";
+  const std::string name = path("caf\xe9.csv");  // Latin-1
+  std::ofstream(name) << text;
+  const Outcome o = run("train --dataset '" + name + "' --layers 1,4,2 --epochs 1 --json",
+                        /*merge_stderr=*/false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  json j;
+  ASSERT_NO_THROW(j = json::parse(o.output)) << o.output;
+  EXPECT_NE(j["dataset"].get<std::string>().find("caf\xef\xbf\xbd.csv"), std::string::npos);
+}
+
 /// Runs the CLI with `args` (split on spaces) in a child; returns its pid.
 pid_t spawn_cli(const std::string& args) {
   std::vector<std::string> words{SLUICE_CLI_PATH};

@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "json_writer.hpp"
 #include "commands.hpp"
 #include "output_files.hpp"
 #include "sluice/cost_model.hpp"
 #include "sluice/error.hpp"
-#include "sluice/json.hpp"
 
 namespace sluice::cli {
 namespace {

@@ -5,13 +5,13 @@
 #include <iostream>
 #include <optional>
 
+#include "json_writer.hpp"
 #include "dense_baseline.hpp"
 #include "measure.hpp"
 #include "reference.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
-#include "sluice/json.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
 #include "sluice/topology.hpp"

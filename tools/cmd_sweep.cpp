@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dense_baseline.hpp"
+#include "json_writer.hpp"
 #include "measure.hpp"
 #include "output_files.hpp"
 #include "reference.hpp"
@@ -26,7 +27,6 @@
 #include "sluice/csr_matrix.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
-#include "sluice/json.hpp"
 #include "sluice/path_cost.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
@@ -301,8 +301,11 @@ void write_fit_json(JsonWriter& w, const Sweep& s) {
   w.field("model",
           "t = max_lane_nnz * (a0 + a1*T_q) + n_out * (b0 + b1*T_q) + c_layer, "
           "summed over passes of tile_tokens");
-  w.key("constants");
-  write_json(w, f.constants);
+  w.key("constants").begin_object();
+  const auto terms = f.constants.terms();
+  for (int t = 0; t < kCostTerms; ++t) w.field(cost_term_name(t), terms[t]);
+  w.field("dense_flops", f.constants.dense_flops);
+  w.end_object();
   w.field("r_squared", f.r_squared);
   w.field("rms_relative_residual", f.rms_relative_residual);
   w.field("condition_number", f.condition_number);

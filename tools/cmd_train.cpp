@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 
+#include "json_writer.hpp"
 #include "measure.hpp"
 #include "output_files.hpp"
 #include "sluice/dataset.hpp"
@@ -22,7 +23,6 @@
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
-#include "sluice/json.hpp"
 #include "sluice/model_memory.hpp"
 #ifdef SLUICE_HAVE_MPI
 #include "sluice/mpi_fabric.hpp"

@@ -9,8 +9,6 @@
 
 namespace sluice {
 
-class JsonWriter;
-
 struct MeasuredRun {
   LayerWork work;
   double seconds = 0;  ///< measured wall time of the layer; must be positive
@@ -53,8 +51,5 @@ struct CalibrationResult {
 /// never exercised, or the runs cannot separate the constants (condition number).
 CalibrationResult calibrate(const std::vector<MeasuredRun>& runs,
                             const CalibrationOptions& options = {});
-
-/// Writes the constants as a JSON object (term names as keys, plus "dense_flops").
-void write_json(JsonWriter& writer, const CostConstants& constants);
 
 }  // namespace sluice
