@@ -1,0 +1,163 @@
+#pragma once
+// sluice's sparse layer inside libtorch: `sluice::torch::SparseLinear`, a module a libtorch
+// trainer drops in for torch::nn::Linear, and the autograd function under it.
+//
+// Tensors are [tokens, features] as for torch::nn::Linear (any leading dimensions), fp32
+// or bf16 (the weights are then streamed in bf16; activations are computed in fp32).
+// float64 tensors run a float64 reference forward (dense, for checking gradients against
+// finite differences); their backward runs on the engine in fp32.
+//
+// Layout: the engine reads and writes feature rows of contiguous tokens. A result is
+// returned as the transpose of a feature-major tensor (a strided view, no copy), and an
+// input given so — another SparseLinear's output, through elementwise functions — is read
+// in place. A contiguous [tokens, features] input is transposed once (and kept for the
+// backward pass).
+//
+// Weights: by default the values (one per mask position, in the order of
+// `sluice::SparseLinear::weights()`) and the bias are torch parameters, for any torch
+// optimizer. With WeightOwner::sluice they stay in the ModelMemory, whose optimizer
+// updates them: backward() submits the gradient and step() commits it.
+//
+// Thread-safety: a module runs one product at a time on its engine (calls that share an
+// engine are serialised); as for torch::nn modules, do not change it while it runs.
+#include <torch/arg.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "sluice/engine.hpp"
+#include "sluice/model_memory.hpp"
+#include "sluice/optimizer.hpp"
+#include "sluice/sparse_linear.hpp"
+
+namespace sluice::torch {
+
+/// Who keeps and updates the values and the bias.
+enum class WeightOwner {
+  torch,   ///< torch parameters: a torch optimizer updates them
+  sluice,  ///< the ModelMemory: its optimizer updates them at step()
+};
+
+/// The core layer, its engine and who owns its weights: what the autograd function needs,
+/// kept alive by the module and by every graph that used it.
+class LayerBinding : public ::torch::CustomClassHolder {
+ public:
+  LayerBinding(sluice::SparseLinear layer, std::shared_ptr<Engine> engine, WeightOwner owner);
+
+  sluice::SparseLinear& layer() { return layer_; }
+  const sluice::SparseLinear& layer() const { return layer_; }
+  Engine& engine() { return *engine_; }
+  const std::shared_ptr<Engine>& engine_shared() const { return engine_; }
+  /// Held while a product runs on engine(): an engine runs one product at a time.
+  std::mutex& engine_mutex() { return *engine_mutex_; }
+  WeightOwner owner() const { return owner_; }
+
+  /// Copies of the ModelMemory's values and bias (undefined without one), fp32.
+  ::torch::Tensor values() const;
+  ::torch::Tensor bias() const;
+  /// The mask as a dense [out, in] bool tensor; `values` (one per mask position) scattered
+  /// into a dense [out, in] tensor of their dtype.
+  ::torch::Tensor mask() const;
+  ::torch::Tensor dense(const ::torch::Tensor& values) const;
+
+ private:
+  sluice::SparseLinear layer_;
+  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<std::mutex> engine_mutex_;
+  WeightOwner owner_;
+};
+
+/// One CpuEngine for the process (every core), created on first use.
+std::shared_ptr<Engine> default_engine();
+
+/// Y = X W^T + b through the layer. `values` and `bias` are the torch parameters
+/// (WeightOwner::torch; `bias` empty for none: libtorch 1.13's Function takes no
+/// undefined tensors). WeightOwner::sluice: `values` is an empty tensor that requires
+/// grad (so that autograd calls backward, which submits the gradient to the
+/// ModelMemory), `bias` empty.
+struct SparseLinearFunction : public ::torch::autograd::Function<SparseLinearFunction> {
+  static ::torch::Tensor forward(::torch::autograd::AutogradContext* ctx, const ::torch::Tensor& x,
+                                 const ::torch::Tensor& values, const ::torch::Tensor& bias,
+                                 const c10::intrusive_ptr<LayerBinding>& binding);
+  static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext* ctx,
+                                                   ::torch::autograd::variable_list grads);
+};
+
+struct SparseLinearOptions {
+  SparseLinearOptions(std::int64_t in_features, std::int64_t out_features);
+  TORCH_ARG(std::int64_t, in_features);
+  TORCH_ARG(std::int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  /// Fraction of weights that are zero; the mask is drawn at random from `seed`.
+  TORCH_ARG(double, sparsity) = 0.9;
+  TORCH_ARG(std::uint64_t, seed) = 1;
+  TORCH_ARG(WeightOwner, weights) = WeightOwner::torch;
+  /// The ModelMemory's optimizer (WeightOwner::sluice), set on a ModelMemory of its own.
+  TORCH_ARG(OptimizerConfig, optimizer) = {};
+  /// Where the layer lives; null: a HostModelMemory of its own. A shared one lets many
+  /// layers commit their steps at once (ModelMemory::commit_step).
+  TORCH_ARG(std::shared_ptr<ModelMemory>, memory) = nullptr;
+  /// The engine the products run on; null: default_engine().
+  TORCH_ARG(std::shared_ptr<Engine>, engine) = nullptr;
+};
+
+/// The ModelMemory a layer of these options lives in: options.memory(), or a new
+/// HostModelMemory with options.optimizer() (then kept in the options).
+std::shared_ptr<ModelMemory> memory_for(SparseLinearOptions& options);
+
+class SparseLinearImpl : public ::torch::nn::Module {
+ public:
+  /// A random mask at options.sparsity(); values uniform in +-1/sqrt(fan-in kept) and the
+  /// bias uniform in +-1/sqrt(in_features), drawn from options.seed().
+  explicit SparseLinearImpl(const SparseLinearOptions& options);
+  SparseLinearImpl(std::int64_t in_features, std::int64_t out_features)
+      : SparseLinearImpl(SparseLinearOptions(in_features, out_features)) {}
+  /// `weight` [out, in] where `mask` is non-zero; `bias` [out] or undefined. The sizes,
+  /// sparsity and seed of `options` are taken from these.
+  SparseLinearImpl(const ::torch::Tensor& weight, const ::torch::Tensor& mask,
+                   const ::torch::Tensor& bias, SparseLinearOptions options);
+  /// Magnitude pruning of a dense Linear: its largest (1 - sparsity) weights, and its bias.
+  static std::shared_ptr<SparseLinearImpl> pruned(const ::torch::nn::Linear& dense, double sparsity,
+                                                  SparseLinearOptions options);
+  /// A layer already built (its ModelMemory is options.memory(), or a new one is made).
+  SparseLinearImpl(SparseLinearOptions options, sluice::SparseLinear layer);
+
+  ::torch::Tensor forward(const ::torch::Tensor& x);
+  /// WeightOwner::sluice: commits the ModelMemory's step (every layer that submitted).
+  StepReport step();
+
+  /// The values, one per mask position (the parameter, or a copy of the ModelMemory's).
+  ::torch::Tensor values() const;
+  /// The bias (the parameter, or a copy of the ModelMemory's); undefined without one.
+  ::torch::Tensor bias() const;
+  /// W as a dense [out, in] fp32 tensor (zeros off the mask), and the mask as bool.
+  ::torch::Tensor dense_weight() const;
+  ::torch::Tensor mask() const;
+  sluice::SparseLinear& layer() const { return binding_->layer(); }
+  const c10::intrusive_ptr<LayerBinding>& binding() const { return binding_; }
+  const SparseLinearOptions& options() const { return options_; }
+
+ private:
+  void init(sluice::SparseLinear layer);
+
+  SparseLinearOptions options_;
+  c10::intrusive_ptr<LayerBinding> binding_;
+  ::torch::Tensor values_;  // the parameter, or (WeightOwner::sluice) the empty stand-in
+  ::torch::Tensor bias_;    // WeightOwner::torch only
+  ::torch::Tensor no_bias_ = ::torch::empty({0});
+};
+
+/// The module holder, as TORCH_MODULE(SparseLinear) would declare it (spelled out: inside
+/// sluice::torch the macro's unqualified `torch::` would name this namespace).
+class SparseLinear : public ::torch::nn::ModuleHolder<SparseLinearImpl> {
+ public:
+  using ::torch::nn::ModuleHolder<SparseLinearImpl>::ModuleHolder;
+  using Impl = SparseLinearImpl;
+};
+
+}  // namespace sluice::torch

@@ -1,0 +1,84 @@
+// The Python module's native part: the layer as a TorchScript custom class
+// (torch.classes.sluice.Layer) and the op torch.ops.sluice.sparse_linear, whose autograd
+// is SparseLinearFunction's. python/sluice_torch/__init__.py loads it with
+// torch.ops.load_library; no pybind11 and no Python headers are needed.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "sluice/error.hpp"
+#include "sluice/optimizer.hpp"
+#include "sluice/torch/sparse_linear.hpp"
+
+namespace sluice::torch {
+namespace {
+
+using ::torch::Tensor;
+
+/// A layer from a dense weight [out, in]: under `mask` if given, else pruned by magnitude
+/// to `sparsity`. `optimizer` ("sgd", "adam", "adamw") runs in the ModelMemory when the
+/// weights are sluice's; with `sluice_owned` false they are the caller's torch parameters.
+c10::intrusive_ptr<LayerBinding> make_layer(const Tensor& weight, const c10::optional<Tensor>& mask,
+                                            double sparsity, const c10::optional<Tensor>& bias,
+                                            bool sluice_owned, const std::string& optimizer,
+                                            double learning_rate, double weight_decay) {
+  if (weight.dim() != 2) throw ShapeError("sluice_torch: weight must be [out, in]");
+  SparseLinearOptions options(weight.size(1), weight.size(0));
+  OptimizerConfig config;
+  config.kind = parse_optimizer(optimizer);
+  config.learning_rate = learning_rate;
+  config.weight_decay = weight_decay;
+  options.optimizer(config).weights(sluice_owned ? WeightOwner::sluice : WeightOwner::torch);
+  const Tensor b = bias.has_value() ? *bias : Tensor();
+  ::torch::nn::Linear dense(
+      ::torch::nn::LinearOptions(weight.size(1), weight.size(0)).bias(b.defined()));
+  {
+    ::torch::NoGradGuard no_grad;
+    dense->weight.copy_(weight);
+    if (b.defined()) dense->bias.copy_(b);
+  }
+  const auto module = mask.has_value()
+                          ? std::make_shared<SparseLinearImpl>(weight, *mask, b, options)
+                          : SparseLinearImpl::pruned(dense, sparsity, options);
+  return module->binding();
+}
+
+Tensor sparse_linear(const Tensor& x, const c10::optional<Tensor>& values,
+                     const c10::optional<Tensor>& bias,
+                     const c10::intrusive_ptr<LayerBinding>& layer) {
+  // libtorch 1.13's Function takes no undefined tensors: an empty one means none.
+  const Tensor none = ::torch::empty({0});
+  return SparseLinearFunction::apply(x, values.value_or(none), bias.value_or(none), layer);
+}
+
+}  // namespace
+}  // namespace sluice::torch
+
+TORCH_LIBRARY(sluice, m) {
+  using sluice::torch::LayerBinding;
+  m.class_<LayerBinding>("Layer")
+      .def("values", &LayerBinding::values)
+      .def("bias", &LayerBinding::bias)
+      .def("mask", &LayerBinding::mask)
+      .def("dense", &LayerBinding::dense)
+      .def("in_features",
+           [](const c10::intrusive_ptr<LayerBinding>& self) { return self->layer().in_features(); })
+      .def(
+          "out_features",
+          [](const c10::intrusive_ptr<LayerBinding>& self) { return self->layer().out_features(); })
+      .def("nnz", [](const c10::intrusive_ptr<LayerBinding>& self) { return self->layer().nnz(); })
+      .def("sluice_owned",
+           [](const c10::intrusive_ptr<LayerBinding>& self) {
+             return self->owner() == sluice::torch::WeightOwner::sluice;
+           })
+      .def("step", [](const c10::intrusive_ptr<LayerBinding>& self) {
+        if (self->owner() != sluice::torch::WeightOwner::sluice) {
+          throw sluice::Error(
+              "sluice_torch: this layer's weights are torch parameters; step a torch optimizer");
+        }
+        return self->layer().step().applied;
+      });
+  m.def("make_layer", &sluice::torch::make_layer);
+  m.def("sparse_linear", &sluice::torch::sparse_linear);
+}

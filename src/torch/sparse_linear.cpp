@@ -1,0 +1,374 @@
+// The libtorch face of SparseLinear: the autograd function and the module. All
+// torch-facing code of the library is in this one file (torch's headers are slow to
+// compile).
+#include "sluice/torch/sparse_linear.hpp"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+
+#include "sluice/error.hpp"
+
+namespace sluice::torch {
+namespace {
+
+using ::torch::Tensor;
+
+std::string sizes_of(const Tensor& t) {
+  std::string s = "[";
+  for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+/// One mutex per engine: products that share an engine take turns.
+std::shared_ptr<std::mutex> mutex_for(const Engine* engine) {
+  static std::mutex registry_mutex;
+  static std::map<const Engine*, std::shared_ptr<std::mutex>> registry;
+  std::lock_guard lock(registry_mutex);
+  auto& m = registry[engine];
+  if (!m) m = std::make_shared<std::mutex>();
+  return m;
+}
+
+/// A [tokens, features] fp32 tensor whose transpose is contiguous in tokens, as the
+/// engine's feature-major view (no copy); nullopt for any other.
+std::optional<ConstMatrixView> feature_major_view(const Tensor& t) {
+  if (t.scalar_type() != ::torch::kFloat || t.dim() != 2) return std::nullopt;
+  const std::int64_t tokens = t.size(0), features = t.size(1);
+  const bool unit_tokens = t.stride(0) == 1 || tokens == 1;
+  if (!unit_tokens || t.stride(1) < tokens || t.storage_offset() < 0) return std::nullopt;
+  return ConstMatrixView{t.data_ptr<float>(), features, tokens,
+                         std::max<std::int64_t>(t.stride(1), 1)};
+}
+
+/// `t` [tokens, features] in feature-major fp32: `t` itself when it can be viewed so,
+/// else one copy that transposes (and widens). Returned as [tokens, features], so that
+/// feature_major_view() of it always succeeds.
+Tensor feature_major(const Tensor& t) {
+  if (feature_major_view(t)) return t;
+  Tensor fm = ::torch::empty({t.size(1), t.size(0)}, t.options().dtype(::torch::kFloat));
+  fm.copy_(t.t());
+  return fm.t();
+}
+
+MutableMatrixView mutable_view(Tensor& fm) {  // a contiguous [features, tokens] fp32 tensor
+  return {fm.data_ptr<float>(), fm.size(0), fm.size(1), fm.size(1)};
+}
+
+/// The tensor's data as a span (`t` contiguous fp32, or undefined: empty).
+std::span<const float> span_of(const Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  return {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())};
+}
+
+Tensor fp32_contiguous(const Tensor& t) {
+  if (t.numel() == 0) return Tensor();
+  return t.defined() ? t.to(::torch::kFloat).contiguous() : t;
+}
+
+/// The weights a product reads, in fp32, and the options that point at them.
+struct ProductWeights {
+  Tensor values, bias;
+  ProductOptions options;
+};
+ProductWeights product_weights(c10::ScalarType dtype, const Tensor& values, const Tensor& bias) {
+  ProductWeights w{fp32_contiguous(values), fp32_contiguous(bias), {}};
+  w.options.precision = dtype == ::torch::kBFloat16 ? Precision::bf16 : Precision::fp32;
+  w.options.values = span_of(w.values);
+  w.options.bias = span_of(w.bias);
+  return w;
+}
+
+Tensor tensor_of(std::vector<float> v) {
+  auto* owned = new std::vector<float>(std::move(v));
+  return ::torch::from_blob(
+      owned->data(), {static_cast<std::int64_t>(owned->size())}, [owned](void*) { delete owned; },
+      ::torch::kFloat);
+}
+
+/// float64: W x + b computed densely, in float64 (a reference for gradient checks).
+Tensor reference_forward(LayerBinding& b, const Tensor& x2, const Tensor& values,
+                         const Tensor& bias) {
+  const bool own = b.owner() == WeightOwner::sluice;
+  const Tensor w = b.dense(own ? b.values() : values).to(::torch::kDouble);
+  Tensor y = ::torch::matmul(x2, w.t());
+  const Tensor bb = own ? b.bias() : bias;
+  if (bb.defined() && bb.numel() > 0) y = y + bb.to(::torch::kDouble);
+  return y;
+}
+
+void check_input(const LayerBinding& b, const Tensor& x) {
+  const auto& layer = b.layer();
+  if (x.dim() < 1 || x.size(-1) != layer.in_features()) {
+    throw ShapeError("sluice SparseLinear: input of size " + sizes_of(x) + ", expected [..., " +
+                     std::to_string(layer.in_features()) + "]");
+  }
+  const auto dtype = x.scalar_type();
+  if (dtype != ::torch::kFloat && dtype != ::torch::kBFloat16 && dtype != ::torch::kDouble) {
+    throw ShapeError(std::string("sluice SparseLinear: input of dtype ") + c10::toString(dtype) +
+                     "; float32, bfloat16 or float64 (reference) only");
+  }
+  if (!x.device().is_cpu()) throw ShapeError("sluice SparseLinear: input not on the CPU");
+}
+
+std::vector<std::int64_t> with_last(const Tensor& x, std::int64_t last) {
+  std::vector<std::int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = last;
+  return sizes;
+}
+
+}  // namespace
+
+LayerBinding::LayerBinding(sluice::SparseLinear layer, std::shared_ptr<Engine> engine,
+                           WeightOwner owner)
+    : layer_(std::move(layer)),
+      engine_(engine ? std::move(engine) : default_engine()),
+      engine_mutex_(mutex_for(engine_.get())),
+      owner_(owner) {}
+
+Tensor LayerBinding::values() const {
+  return tensor_of(layer_.weights().values());
+}
+
+Tensor LayerBinding::bias() const {
+  return layer_.bias().empty() ? Tensor() : tensor_of(layer_.bias());
+}
+
+Tensor LayerBinding::mask() const {
+  return dense(::torch::ones({layer_.nnz()}, ::torch::kFloat)).to(::torch::kBool);
+}
+
+Tensor LayerBinding::dense(const Tensor& values) const {
+  const CsrMatrix& w = layer_.weights();
+  if (values.dim() != 1 || values.size(0) != w.nnz()) {
+    throw ShapeError("sluice SparseLinear: values of size " + sizes_of(values) + " for a mask of " +
+                     std::to_string(w.nnz()));
+  }
+  std::vector<std::int64_t> flat(static_cast<std::size_t>(w.nnz()));
+  for (std::int64_t r = 0; r < w.rows(); ++r) {
+    for (std::int64_t k = w.row_offsets()[r]; k < w.row_offsets()[r + 1]; ++k) {
+      flat[static_cast<std::size_t>(k)] = r * w.cols() + w.col_indices()[k];
+    }
+  }
+  Tensor out = ::torch::zeros({w.rows() * w.cols()}, values.options());
+  out.index_put_({::torch::tensor(flat, ::torch::kLong)}, values.detach());
+  return out.view({w.rows(), w.cols()});
+}
+
+std::shared_ptr<Engine> default_engine() {
+  static std::shared_ptr<Engine> engine = std::make_shared<CpuEngine>();
+  return engine;
+}
+
+Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                     const Tensor& values, const Tensor& bias,
+                                     const c10::intrusive_ptr<LayerBinding>& binding) {
+  LayerBinding& b = *binding;
+  check_input(b, x);
+  const sluice::SparseLinear& layer = b.layer();
+  const Tensor x2 = x.reshape({-1, layer.in_features()});
+  const auto dtype = x.scalar_type();
+  Tensor saved_x, y2;
+  if (dtype == ::torch::kDouble) {
+    saved_x = x2;
+    y2 = reference_forward(b, x2, values, bias);
+  } else {
+    saved_x = feature_major(x2);
+    const ProductWeights w = product_weights(dtype, values, bias);
+    Tensor y_fm =
+        ::torch::empty({layer.out_features(), x2.size(0)}, x.options().dtype(::torch::kFloat));
+    {
+      std::lock_guard lock(b.engine_mutex());
+      layer.forward(b.engine(), *feature_major_view(saved_x), mutable_view(y_fm), w.options);
+    }
+    y2 = y_fm.t();
+    if (dtype != ::torch::kFloat) y2 = y2.to(dtype);
+  }
+  ctx->save_for_backward({saved_x, values, bias});
+  ctx->saved_data["binding"] = c10::IValue::make_capsule(binding);
+  ctx->saved_data["shape"] = x.sizes().vec();
+  ctx->saved_data["dtype"] = static_cast<std::int64_t>(dtype);
+  return y2.reshape(with_last(x, layer.out_features()));
+}
+
+::torch::autograd::variable_list SparseLinearFunction::backward(
+    ::torch::autograd::AutogradContext* ctx, ::torch::autograd::variable_list grads) {
+  auto binding =
+      c10::static_intrusive_pointer_cast<LayerBinding>(ctx->saved_data["binding"].toCapsule());
+  LayerBinding& b = *binding;
+  const sluice::SparseLinear& layer = b.layer();
+  const ::torch::autograd::variable_list saved = ctx->get_saved_variables();
+  const Tensor& values = saved[1];
+  const Tensor& bias = saved[2];
+  const auto shape = ctx->saved_data["shape"].toIntVector();
+  const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+  const Tensor x_fm = feature_major(saved[0]);
+  const Tensor dy_fm = feature_major(grads[0].reshape({-1, layer.out_features()}));
+  const std::int64_t tokens = x_fm.size(0);
+
+  const bool want_dx = ctx->needs_input_grad(0);
+  Tensor dx_fm;
+  MutableMatrixView dx_view;
+  if (want_dx) {
+    dx_fm = ::torch::empty({layer.in_features(), tokens}, x_fm.options());
+    dx_view = mutable_view(dx_fm);
+  }
+  const ProductWeights w = product_weights(dtype, values, bias);
+  const ProductOptions& options = w.options;
+  Tensor d_values, d_bias;
+  {
+    std::lock_guard lock(b.engine_mutex());
+    if (b.owner() == WeightOwner::sluice) {
+      layer.submit_backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
+                            want_dx ? &dx_view : nullptr, options);
+    } else {
+      LayerGradient g =
+          layer.backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
+                         want_dx ? &dx_view : nullptr, options);
+      if (values.numel() > 0) d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
+      if (bias.numel() > 0) d_bias = tensor_of(std::move(g.bias)).to(bias.scalar_type());
+    }
+  }
+  Tensor dx;
+  if (want_dx) {
+    dx = dx_fm.t();
+    if (dtype != ::torch::kFloat) dx = dx.to(dtype);
+    dx = dx.reshape(shape);
+  }
+  return {dx, d_values, d_bias, Tensor()};
+}
+
+SparseLinearOptions::SparseLinearOptions(std::int64_t in_features, std::int64_t out_features)
+    : in_features_(in_features), out_features_(out_features) {}
+
+std::shared_ptr<ModelMemory> memory_for(SparseLinearOptions& options) {
+  if (!options.memory()) {
+    auto memory = std::make_shared<HostModelMemory>();
+    memory->set_optimizer(options.optimizer());
+    options.memory(memory);
+  }
+  return options.memory();
+}
+
+namespace {
+
+sluice::SparseLinear random_layer(SparseLinearOptions& options) {
+  const std::int64_t in = options.in_features(), out = options.out_features();
+  if (in <= 0 || out <= 0) {
+    throw ShapeError("sluice SparseLinear: " + std::to_string(in) + " inputs and " +
+                     std::to_string(out) + " outputs");
+  }
+  if (!(options.sparsity() >= 0.0 && options.sparsity() < 1.0)) {
+    throw ShapeError("sluice SparseLinear: sparsity " + std::to_string(options.sparsity()) +
+                     " is not in [0, 1)");
+  }
+  CsrMatrix w = CsrMatrix::random(out, in, options.sparsity(), options.seed());
+  // As torch::nn::Linear (uniform in +-1/sqrt(fan-in)), over the inputs a row keeps.
+  const double kept = std::max(1.0, static_cast<double>(in) * (1.0 - options.sparsity()));
+  w.fill_values(options.seed() + 1, static_cast<float>(1.0 / std::sqrt(kept)));
+  std::vector<float> bias;
+  if (options.bias()) {
+    std::mt19937_64 rng(options.seed() + 2);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    std::uniform_real_distribution<double> u(-bound, bound);
+    for (std::int64_t o = 0; o < out; ++o) bias.push_back(static_cast<float>(u(rng)));
+  }
+  return {memory_for(options), std::move(w), std::move(bias)};
+}
+
+/// A 2-D fp32 contiguous copy of `t` and its view.
+struct Matrix2d {
+  Tensor data;
+  ConstMatrixView view;
+};
+Matrix2d matrix_of(const Tensor& t, const char* what) {
+  if (t.dim() != 2)
+    throw ShapeError(std::string("sluice SparseLinear: ") + what + " of size " + sizes_of(t));
+  Tensor c = t.detach().to(::torch::kFloat).contiguous();
+  return {c, {c.data_ptr<float>(), c.size(0), c.size(1), c.size(1)}};
+}
+
+std::vector<float> vector_of(const Tensor& t) {
+  if (!t.defined()) return {};
+  const Tensor c = t.detach().to(::torch::kFloat).contiguous();
+  return {c.data_ptr<float>(), c.data_ptr<float>() + c.numel()};
+}
+
+}  // namespace
+
+SparseLinearImpl::SparseLinearImpl(const SparseLinearOptions& options) : options_(options) {
+  init(random_layer(options_));
+}
+
+SparseLinearImpl::SparseLinearImpl(const Tensor& weight, const Tensor& mask, const Tensor& bias,
+                                   SparseLinearOptions options)
+    : options_(std::move(options)) {
+  const Matrix2d w = matrix_of(weight, "weight"), m = matrix_of(mask, "mask");
+  init(sluice::SparseLinear::from_dense(memory_for(options_), w.view, m.view, vector_of(bias)));
+}
+
+SparseLinearImpl::SparseLinearImpl(SparseLinearOptions options, sluice::SparseLinear layer)
+    : options_(std::move(options)) {
+  init(std::move(layer));
+}
+
+std::shared_ptr<SparseLinearImpl> SparseLinearImpl::pruned(const ::torch::nn::Linear& dense,
+                                                           double sparsity,
+                                                           SparseLinearOptions options) {
+  const Matrix2d w = matrix_of(dense->weight, "weight");
+  sluice::SparseLinear layer =
+      sluice::SparseLinear::pruned(memory_for(options), w.view, sparsity, vector_of(dense->bias));
+  return std::make_shared<SparseLinearImpl>(std::move(options), std::move(layer));
+}
+
+void SparseLinearImpl::init(sluice::SparseLinear layer) {
+  options_.in_features(layer.in_features())
+      .out_features(layer.out_features())
+      .bias(!layer.bias().empty())
+      .sparsity(layer.weights().sparsity());
+  binding_ =
+      c10::make_intrusive<LayerBinding>(std::move(layer), options_.engine(), options_.weights());
+  options_.engine(binding_->engine_shared());
+  if (options_.weights() == WeightOwner::torch) {
+    values_ = register_parameter("values", binding_->values());
+    if (options_.bias()) bias_ = register_parameter("bias", binding_->bias());
+  } else {
+    // No parameters: an empty tensor that wants a gradient stands in for the values, so
+    // that autograd runs the backward (which submits the gradient) whatever X is.
+    values_ = ::torch::empty({0}).requires_grad_(true);
+  }
+}
+
+Tensor SparseLinearImpl::forward(const Tensor& x) {
+  return SparseLinearFunction::apply(x, values_, bias_.defined() ? bias_ : no_bias_, binding_);
+}
+
+StepReport SparseLinearImpl::step() {
+  if (options_.weights() != WeightOwner::sluice) {
+    throw Error("sluice SparseLinear: its weights are torch parameters; step a torch optimizer");
+  }
+  return binding_->layer().step();
+}
+
+Tensor SparseLinearImpl::values() const {
+  return options_.weights() == WeightOwner::torch ? values_ : binding_->values();
+}
+
+Tensor SparseLinearImpl::bias() const {
+  return options_.weights() == WeightOwner::torch ? bias_ : binding_->bias();
+}
+
+Tensor SparseLinearImpl::dense_weight() const {
+  return binding_->dense(values().detach().to(::torch::kFloat));
+}
+
+Tensor SparseLinearImpl::mask() const {
+  return binding_->mask();
+}
+
+}  // namespace sluice::torch

@@ -1,0 +1,209 @@
+// sluice::torch::SparseLinear inside libtorch: forward and both gradients against a
+// masked dense torch::nn::Linear, fp32 and bf16, every layout; weights kept by sluice;
+// magnitude pruning; and an MLP trained on digits against the same masked dense model.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "sluice/dataset.hpp"
+#include "sluice/error.hpp"
+#include "sluice/torch/sparse_linear.hpp"
+
+namespace {
+
+using sluice::torch::SparseLinear;
+using sluice::torch::SparseLinearImpl;
+using sluice::torch::SparseLinearOptions;
+using sluice::torch::WeightOwner;
+using torch::Tensor;
+
+/// max |got - want| / max |want|: 1e-5 is fp32's rounding over sums of this length.
+double relative(const Tensor& got, const Tensor& want) {
+  const double scale = want.abs().max().item<double>();
+  return (got.to(torch::kDouble) - want.to(torch::kDouble)).abs().max().item<double>() /
+         std::max(scale, 1e-30);
+}
+
+struct Reference {
+  Tensor y, dx, dw, db;
+};
+
+/// The masked dense Linear's output and gradients for a loss sum(y * g).
+Reference masked_dense(const Tensor& w, const Tensor& mask, const Tensor& b, const Tensor& x,
+                       const Tensor& g) {
+  Tensor wd = w.detach().clone().requires_grad_(true);
+  Tensor bd = b.detach().clone().requires_grad_(true);
+  Tensor xd = x.detach().clone().requires_grad_(true);
+  Tensor y = torch::nn::functional::linear(xd, wd * mask, bd);
+  (y * g).sum().backward();
+  return {y.detach(), xd.grad(), wd.grad(), bd.grad()};
+}
+
+class TorchSparseLinear : public ::testing::TestWithParam<int> {};
+
+// 0: token-major [tokens, in]; 1: feature-major (a transposed view); 2: [2, tokens/2, in].
+TEST_P(TorchSparseLinear, MatchesMaskedDenseLinear) {
+  torch::manual_seed(1);
+  const std::int64_t in = 67, out = 45, tokens = 30;
+  const Tensor w = torch::randn({out, in}), b = torch::randn({out});
+  const Tensor mask = (torch::rand({out, in}) < 0.3).to(torch::kFloat);
+  Tensor x = torch::randn({tokens, in});
+  if (GetParam() == 1) x = torch::randn({in, tokens}).t();
+  const Tensor g = torch::randn({tokens, out});
+  const Reference ref = masked_dense(w, mask, b, x, g);
+
+  SparseLinear layer(w, mask, b, SparseLinearOptions(in, out));
+  Tensor xs = x.detach().clone().requires_grad_(true);
+  if (GetParam() == 1) xs = x.detach().t().contiguous().t().requires_grad_(true);
+  Tensor input = GetParam() == 2 ? xs.view({2, tokens / 2, in}) : xs;
+  Tensor y = layer(input);
+  ASSERT_EQ(y.sizes(), (GetParam() == 2 ? std::vector<std::int64_t>{2, tokens / 2, out}
+                                        : std::vector<std::int64_t>{tokens, out}));
+  (y * g.view(y.sizes())).sum().backward();
+  EXPECT_LT(relative(y.reshape({tokens, out}), ref.y), 1e-5);
+  EXPECT_LT(relative(xs.grad(), ref.dx), 1e-5);
+  const Tensor dw = layer->layer().weights().nnz() > 0
+                        ? layer->binding()->dense(layer->values().grad())
+                        : Tensor();
+  EXPECT_LT(relative(dw, ref.dw * mask), 1e-5);
+  EXPECT_LT(relative(layer->bias().grad(), ref.db), 1e-5);
+  EXPECT_TRUE(torch::equal(layer->mask(), mask.to(torch::kBool)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, TorchSparseLinear, ::testing::Values(0, 1, 2));
+
+TEST(TorchSparseLinearBf16, CloseToFp32) {
+  torch::manual_seed(2);
+  SparseLinear layer(SparseLinearOptions(96, 80).sparsity(0.8).seed(3));
+  const Tensor x = torch::randn({40, 96});
+  const Tensor want = layer(x).detach();
+  Tensor xb = x.to(torch::kBFloat16).requires_grad_(true);
+  Tensor y = layer(xb);
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(relative(y.to(torch::kFloat), want), 2e-2);
+  y.sum().backward();
+  EXPECT_EQ(xb.grad().scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(layer->values().grad().scalar_type(), torch::kFloat);
+}
+
+TEST(TorchSparseLinearSluiceOwned, StepAppliesTheGradient) {
+  torch::manual_seed(4);
+  const Tensor w = torch::randn({20, 30}), b = torch::randn({20});
+  const Tensor mask = (torch::rand({20, 30}) < 0.5).to(torch::kFloat);
+  sluice::OptimizerConfig sgd;
+  sgd.kind = sluice::OptimizerKind::sgd;
+  sgd.learning_rate = 0.1;
+  SparseLinear owned(w, mask, b,
+                     SparseLinearOptions(30, 20).weights(WeightOwner::sluice).optimizer(sgd));
+  SparseLinear twin(w, mask, b, SparseLinearOptions(30, 20));
+  EXPECT_TRUE(owned->parameters().empty());
+  const Tensor x = torch::randn({9, 30});
+  owned(x).square().sum().backward();
+  twin(x).square().sum().backward();
+  EXPECT_TRUE(owned->step().applied);
+  EXPECT_LT(relative(owned->values(), twin->values().detach() - 0.1 * twin->values().grad()), 1e-5);
+  EXPECT_LT(relative(owned->bias(), twin->bias().detach() - 0.1 * twin->bias().grad()), 1e-5);
+  EXPECT_THROW(twin->step(), sluice::Error);
+}
+
+TEST(TorchSparseLinearNoBias, MatchesMaskedDenseLinear) {
+  torch::manual_seed(6);
+  SparseLinear layer(SparseLinearOptions(33, 21).bias(false).sparsity(0.7));
+  EXPECT_FALSE(layer->bias().defined());
+  EXPECT_EQ(layer->parameters().size(), 1U);
+  const Tensor x = torch::randn({12, 33});
+  const Tensor want = torch::nn::functional::linear(x, layer->dense_weight());
+  Tensor y = layer(x);
+  EXPECT_LT(relative(y, want), 1e-5);
+  y.sum().backward();
+  EXPECT_TRUE(layer->values().grad().defined());
+}
+
+TEST(TorchSparseLinearPruned, KeepsTheLargest) {
+  torch::manual_seed(5);
+  torch::nn::Linear dense(50, 40);
+  const auto layer = SparseLinearImpl::pruned(dense, 0.9, SparseLinearOptions(50, 40));
+  EXPECT_EQ(layer->values().numel(), 200);
+  const Tensor kept = layer->dense_weight().abs();
+  const Tensor dropped = dense->weight.detach().abs() * (1 - layer->mask().to(torch::kFloat));
+  EXPECT_GE(kept.masked_select(layer->mask()).min().item<float>(), dropped.max().item<float>());
+  EXPECT_TRUE(torch::equal(layer->bias().detach(), dense->bias.detach()));
+  EXPECT_THROW(layer->forward(torch::randn({3, 49})), sluice::ShapeError);
+  EXPECT_THROW(layer->forward(torch::randn({3, 50}).to(torch::kInt)), sluice::ShapeError);
+}
+
+// An MLP of sluice layers and the same masked dense torch model, trained side by side
+// from the same weights on the same batches, reach the same accuracy.
+struct Mlp {
+  std::vector<Tensor> weights, masks, biases;  // the dense model's
+  std::vector<SparseLinear> sparse;
+};
+
+TEST(TorchSparseLinearDigits, TrainsLikeTheMaskedDenseModel) {
+  const std::filesystem::path file = SLUICE_TEST_DATA_DIR "/digits.csv.gz";
+  ASSERT_TRUE(std::filesystem::exists(file)) << file << " is part of the sources";
+  sluice::Dataset data = sluice::load_digits(file);
+  auto [train, test] = sluice::split_dataset(data, 0.2, 7);
+  sluice::standardize(train, test);
+  auto tensor_of = [](const sluice::Dataset& d) {  // [samples, 64], token-major
+    return torch::from_blob(const_cast<float*>(d.features.data()), {64, d.samples()},
+                            {d.features.stride(), 1})
+        .t()
+        .contiguous();
+  };
+  const Tensor x_train = tensor_of(train), x_test = tensor_of(test);
+  const Tensor y_train = torch::tensor(train.labels, torch::kLong);
+  const Tensor y_test = torch::tensor(test.labels, torch::kLong);
+
+  torch::manual_seed(11);
+  const std::vector<std::int64_t> sizes{64, 128, 128, 10};
+  Mlp m;
+  std::vector<Tensor> dense_params, sparse_params;
+  for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
+    torch::nn::Linear init(sizes[l], sizes[l + 1]);
+    const Tensor mask = (torch::rand({sizes[l + 1], sizes[l]}) < 0.3).to(torch::kFloat);
+    m.weights.push_back(init->weight.detach().clone().requires_grad_(true));
+    m.biases.push_back(init->bias.detach().clone().requires_grad_(true));
+    m.masks.push_back(mask);
+    m.sparse.emplace_back(init->weight, mask, init->bias,
+                          SparseLinearOptions(sizes[l], sizes[l + 1]));
+    dense_params.insert(dense_params.end(), {m.weights.back(), m.biases.back()});
+    for (const auto& p : m.sparse.back()->parameters()) sparse_params.push_back(p);
+  }
+  auto run = [&](const Tensor& x, bool sparse) {
+    Tensor h = x;
+    for (std::size_t l = 0; l < m.masks.size(); ++l) {
+      h = sparse ? m.sparse[l](h)
+                 : torch::nn::functional::linear(h, m.weights[l] * m.masks[l], m.biases[l]);
+      if (l + 1 < m.masks.size()) h = torch::relu(h);
+    }
+    return h;
+  };
+  torch::optim::Adam dense_opt(dense_params, torch::optim::AdamOptions(3e-3));
+  torch::optim::Adam sparse_opt(sparse_params, torch::optim::AdamOptions(3e-3));
+  const std::int64_t n = x_train.size(0), batch = 64;
+  for (int epoch = 0; epoch < 12; ++epoch) {
+    const Tensor order = torch::randperm(n, torch::kLong);
+    for (std::int64_t s = 0; s < n; s += batch) {
+      const Tensor idx = order.slice(0, s, std::min(n, s + batch));
+      const Tensor xb = x_train.index_select(0, idx), yb = y_train.index_select(0, idx);
+      for (bool sparse : {false, true}) {
+        auto& opt = sparse ? sparse_opt : dense_opt;
+        opt.zero_grad();
+        torch::nn::functional::cross_entropy(run(xb, sparse), yb).backward();
+        opt.step();
+      }
+    }
+  }
+  torch::NoGradGuard no_grad;
+  const double dense_acc =
+      run(x_test, false).argmax(1).eq(y_test).to(torch::kDouble).mean().item<double>();
+  const double sparse_acc =
+      run(x_test, true).argmax(1).eq(y_test).to(torch::kDouble).mean().item<double>();
+  std::printf("digits test accuracy: masked dense %.4f, sluice %.4f\n", dense_acc, sparse_acc);
+  EXPECT_GT(dense_acc, 0.9);
+  EXPECT_NEAR(sparse_acc * 100, dense_acc * 100, 0.5);
+}
+
+}  // namespace
