@@ -179,6 +179,9 @@ std::map<std::string, double> measure(const Args& a, double sparsity) {
 
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
+  // torch's intra-op threads follow OMP_NUM_THREADS (1 in some shells): give torch as
+  // many threads as sluice's engine has, so both use the same cores.
+  torch::set_num_threads(sluice::torch::default_engine()->threads());
   sluice::JsonWriter j(2);
   j.begin_object();
   j.field("out", a.out).field("in", a.in).field("tokens", a.tokens).field("rounds", a.rounds);
