@@ -249,9 +249,9 @@ struct LayerStreamingExecutor::Impl {
   void check_model_unchanged() const {
     bool same = memory.layer_count() == layers();
     for (std::int32_t l = 0; same && l < layers(); ++l) {
-      const CsrMatrix& w = memory.weights(l);
-      same = w.cols() == sizes[static_cast<std::size_t>(l)] &&
-             w.rows() == sizes[static_cast<std::size_t>(l) + 1];
+      const LayerShape w = memory.layer_shape(l);
+      same = w.cols == sizes[static_cast<std::size_t>(l)] &&
+             w.rows == sizes[static_cast<std::size_t>(l) + 1];
     }
     if (!same) {
       throw ShapeError(
@@ -338,11 +338,11 @@ struct LayerStreamingExecutor::Impl {
   // positions are 32-bit).
   std::unique_ptr<LayerStream> open_backward(std::int32_t layer) {
     if (layer == 0) return open(layer, StreamKind::mask);
-    const CsrMatrix& w = memory.weights(layer);
+    const LayerShape w = memory.layer_shape(layer);
     const bool by_input =
-        static_cast<std::uint64_t>(w.nnz()) <= std::numeric_limits<std::uint32_t>::max() &&
+        static_cast<std::uint64_t>(w.nnz) <= std::numeric_limits<std::uint32_t>::max() &&
         (options.precisions[static_cast<std::size_t>(layer)] == Precision::fp32 ||
-         w.rows() <= static_cast<std::int64_t>(kMaxBf16Inputs));
+         w.rows <= static_cast<std::int64_t>(kMaxBf16Inputs));
     return open(layer, StreamKind::weights,
                 by_input ? StreamOrder::by_input : StreamOrder::by_output);
   }
@@ -585,7 +585,8 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   }
   for (std::int32_t l = 0; l < layers; ++l) {
     try {
-      stream_header_for(memory.weights(l), StreamKind::weights,
+      const LayerShape w = memory.layer_shape(l);
+      stream_header_for(w.rows, w.cols, w.nnz, StreamKind::weights,
                         m.options.precisions[static_cast<std::size_t>(l)]);
     } catch (const ShapeError& e) {
       throw ShapeError("executor: layer " + std::to_string(l) + ": " + e.what());
@@ -746,14 +747,14 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
 std::vector<std::int64_t> mlp_sizes(const ModelMemory& memory) {
   const std::int32_t layers = memory.layer_count();
   if (layers < 1) throw ShapeError("the ModelMemory holds no layers");
-  std::vector<std::int64_t> sizes{memory.weights(0).cols()};
+  std::vector<std::int64_t> sizes{memory.layer_shape(0).cols};
   for (std::int32_t l = 0; l < layers; ++l) {
-    const CsrMatrix& w = memory.weights(l);
-    if (w.cols() != sizes.back()) {
-      throw ShapeError("layer " + std::to_string(l) + " takes " + std::to_string(w.cols()) +
+    const LayerShape w = memory.layer_shape(l);
+    if (w.cols != sizes.back()) {
+      throw ShapeError("layer " + std::to_string(l) + " takes " + std::to_string(w.cols) +
                        " inputs but the layer below gives " + std::to_string(sizes.back()));
     }
-    sizes.push_back(w.rows());
+    sizes.push_back(w.rows);
   }
   return sizes;
 }

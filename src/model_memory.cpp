@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "host_model_memory_state.hpp"
+#include "layer_streams.hpp"
 #include "mask_update.hpp"
 #include "optimizer_kernels.hpp"
 
@@ -26,109 +27,13 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-std::string layer_name(std::int32_t layer) {
-  return "layer " + std::to_string(layer);
-}
+using detail::layer_name;
 
 void check_stream_kind(StreamKind kind, const char* where) {
   if (kind != StreamKind::weights && kind != StreamKind::mask) {
     throw ShapeError(std::string(where) + ": ModelMemory streams weights or masks, not kind " +
                      std::to_string(static_cast<std::uint32_t>(kind)));
   }
-}
-
-std::string describe_packet(const Packet& p) {
-  if (p.tag == kCarriageReturn) return "a carriage return";
-  if (p.tag == kEndOfLayer) return "end-of-layer";
-  if (is_control(p)) {
-    char hex[16];
-    std::snprintf(hex, sizeof hex, "0x%08X", p.tag);
-    return std::string("unknown control packet ") + hex;
-  }
-  return "tag " + std::to_string(p.tag);
-}
-
-struct ChunkScan {
-  double sum_of_squares = 0;
-  std::string error;  // empty if the chunk matched the mask
-};
-
-/// What a gradient stream of one order must carry: the mask's runs and tags in that order,
-/// and where each value goes in the layer's CSR order (`position` null: in place).
-struct GradientOrder {
-  const std::vector<std::int64_t>& offsets;
-  const std::uint32_t* tags;
-  const std::uint32_t* position;
-  const char* run;  ///< what a run is: "output", or "input" by input
-  const char* tag;
-
-  static GradientOrder of(const CsrMatrix& mask) {
-    return {mask.row_offsets(), mask.col_indices().data(), nullptr, "output", "input"};
-  }
-  static GradientOrder of(const TransposedPattern& t) {
-    return {t.row_offsets, t.col_indices.data(), t.source.data(), "input", "output"};
-  }
-};
-
-// Copies one gradient chunk into `gradient` (CSR order) while checking that its packets
-// are exactly the mask's in the stream's order: the same tags in the same order, a
-// carriage return after each run, end-of-layer after the last.
-ChunkScan scan_gradient_chunk(std::int32_t layer, const GradientOrder& mask,
-                              const StreamChunk& chunk, std::size_t chunk_index, bool last_chunk,
-                              float* gradient) {
-  ChunkScan scan;
-  const auto& offsets = mask.offsets;
-  const std::uint32_t* indices = mask.tags;
-  const Packet* packets = chunk.packets.data();
-  const std::size_t count = chunk.packets.size();
-  std::size_t pos = 0;
-  double sum = 0;
-  auto fail = [&](const std::string& what) {
-    scan.error = "submit_gradient: " + layer_name(layer) + ", chunk " +
-                 std::to_string(chunk_index) + ": " + what;
-    return scan;
-  };
-  const std::int64_t first = chunk.first_output;
-  const std::int64_t last = first + chunk.outputs;
-  for (std::int64_t o = first; o < last; ++o) {
-    const std::int64_t begin = offsets[o];
-    const std::int64_t end = offsets[o + 1];
-    for (std::int64_t k = begin; k < end; ++k) {
-      if (pos == count || packets[pos].tag != indices[k]) {
-        const std::string found =
-            pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos]);
-        return fail(std::string(mask.run) + " " + std::to_string(o) + ", position " +
-                    std::to_string(k - begin) + ": found " + found + " where the mask has " +
-                    mask.tag + " " + std::to_string(indices[k]));
-      }
-      const float g = packets[pos++].value;
-      gradient[mask.position != nullptr ? mask.position[k] : k] = g;
-      sum += static_cast<double>(g) * g;
-    }
-    if (pos == count || packets[pos].tag != kCarriageReturn) {
-      return fail(
-          std::string(mask.run) + " " + std::to_string(o) + ", position " +
-          std::to_string(end - begin) + ": expected the carriage return after its " +
-          std::to_string(end - begin) + " gradients, found " +
-          (pos == count ? std::string("the end of the chunk") : describe_packet(packets[pos])));
-    }
-    ++pos;
-  }
-  if (last_chunk) {
-    if (pos == count || packets[pos].tag != kEndOfLayer) {
-      return fail(
-          "expected end-of-layer after " + std::string(mask.run) + " " + std::to_string(last - 1) +
-          ", found " +
-          (pos == count ? std::string("the end of the stream") : describe_packet(packets[pos])));
-    }
-    ++pos;
-  }
-  if (pos != count) {
-    return fail(std::to_string(count - pos) + " packet(s) after the chunk's last " + mask.run +
-                " " + std::to_string(last - 1) + ", the first is " + describe_packet(packets[pos]));
-  }
-  scan.sum_of_squares = sum;
-  return scan;
 }
 
 }  // namespace
@@ -167,9 +72,24 @@ std::int32_t ModelMemory::add_layer(CsrMatrix weights, std::vector<float> bias) 
   return add_layer_impl(std::move(weights), std::move(bias));
 }
 
+LayerShape ModelMemory::layer_shape(std::int32_t layer) const {
+  check_layer(layer);
+  return layer_shape_impl(layer);
+}
+
 const CsrMatrix& ModelMemory::weights(std::int32_t layer) const {
   check_layer(layer);
   return weights_impl(layer);
+}
+
+const CsrMatrix& ModelMemory::weights_impl(std::int32_t layer) const {
+  throw ShapeError("weights: " + layer_name(layer) +
+                   " is not held in RAM by this ModelMemory; stream it instead");
+}
+
+const TransposedPattern& ModelMemory::transposed_impl(std::int32_t layer) const {
+  throw ShapeError("transposed: " + layer_name(layer) +
+                   " is not held in RAM by this ModelMemory; stream it by input instead");
 }
 
 const std::vector<float>& ModelMemory::bias(std::int32_t layer) const {
@@ -189,15 +109,16 @@ const Placement& ModelMemory::placement(std::int32_t layer, std::int32_t lanes) 
 StreamHeader ModelMemory::stream_header(std::int32_t layer, StreamKind kind, Precision precision,
                                         StreamOrder order) const {
   check_layer(layer);
+  const LayerShape s = layer_shape_impl(layer);
   if (kind == StreamKind::gradient) {
     // What the engines send back: fp32 whatever the weights streamed in.
     StreamHeader h =
-        stream_header_for(weights_impl(layer), StreamKind::weights, Precision::fp32, order);
+        stream_header_for(s.rows, s.cols, s.nnz, StreamKind::weights, Precision::fp32, order);
     h.kind = kind;
     return h;
   }
   check_stream_kind(kind, "stream_header");
-  return stream_header_for(weights_impl(layer), kind, precision, order);
+  return stream_header_for(s.rows, s.cols, s.nnz, kind, precision, order);
 }
 
 WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind, Precision precision,
@@ -205,7 +126,8 @@ WeightStream ModelMemory::stream(std::int32_t layer, StreamKind kind, Precision 
   check_layer(layer);
   check_stream_kind(kind, "stream");
   WeightStream out;
-  out.header = stream_header_for(weights_impl(layer), kind, precision, order);
+  const LayerShape s = layer_shape_impl(layer);
+  out.header = stream_header_for(s.rows, s.cols, s.nnz, kind, precision, order);
   StreamChannel channel(std::numeric_limits<std::size_t>::max());
   stream_to(layer, kind, channel, kDefaultChunkPackets, precision, order);
   while (ChunkPtr chunk = channel.pop()) out.chunks.push_back(std::move(chunk));
@@ -224,32 +146,10 @@ void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& 
     check_layer(layer);
     check_stream_kind(kind, "stream_to");
     if (chunk_packets == 0) throw ShapeError("stream_to: chunk_packets must be at least 1");
-    const CsrMatrix& w = weights_impl(layer);
-    stream_header_for(w, kind, precision, order);  // refuses what cannot be streamed so
-    // One chunk at a time: the channel's capacity bounds the memory in flight, and the
-    // consumer starts on the first chunk while the rest are still being encoded.
-    auto send = [&](std::int64_t runs, auto chunk_end_of, auto encode) {
-      std::int64_t first = 0;
-      do {
-        const std::int64_t last = chunk_end_of(first);
-        channel.push(encode(first, last));
-        first = last;
-      } while (first < runs);
-    };
-    if (order == StreamOrder::by_input) {
-      const TransposedPattern& t = transposed_impl(layer);
-      send(
-          t.rows, [&](std::int64_t first) { return chunk_end(t, first, chunk_packets); },
-          [&](std::int64_t first, std::int64_t last) {
-            return encode_chunk(t, w.values(), kind, first, last, precision);
-          });
-    } else {
-      send(
-          w.rows(), [&](std::int64_t first) { return chunk_end(w, first, chunk_packets); },
-          [&](std::int64_t first, std::int64_t last) {
-            return encode_chunk(w, kind, first, last, precision);
-          });
-    }
+    const LayerShape shape = layer_shape_impl(layer);
+    // Refuses what cannot be streamed so before the implementation fetches anything.
+    stream_header_for(shape.rows, shape.cols, shape.nnz, kind, precision, order);
+    stream_to_impl(layer, kind, channel, chunk_packets, precision, order);
     channel.close();
   } catch (...) {
     channel.fail(std::current_exception());
@@ -259,7 +159,7 @@ void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& 
 void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradient,
                                   std::span<const float> bias_gradient) {
   check_layer(layer);
-  const CsrMatrix& w = weights_impl(layer);
+  const LayerShape w = layer_shape_impl(layer);
   const StreamHeader& h = gradient.header;
   if (h.kind != StreamKind::gradient) {
     throw FormatError("submit_gradient: " + layer_name(layer) + ": stream kind " +
@@ -279,16 +179,16 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
     throw FormatError("submit_gradient: " + layer_name(layer) + ": unknown stream order " +
                       std::to_string(static_cast<std::uint32_t>(h.order)));
   }
-  if (h.layer_outputs() != static_cast<std::uint64_t>(w.rows()) ||
-      h.layer_inputs() != static_cast<std::uint64_t>(w.cols()) ||
-      h.nnz != static_cast<std::uint64_t>(w.nnz())) {
+  if (h.layer_outputs() != static_cast<std::uint64_t>(w.rows) ||
+      h.layer_inputs() != static_cast<std::uint64_t>(w.cols) ||
+      h.nnz != static_cast<std::uint64_t>(w.nnz)) {
     throw FormatError("submit_gradient: " + layer_name(layer) + ": gradient stream is for a " +
                       std::to_string(h.layer_outputs()) + "x" + std::to_string(h.layer_inputs()) +
                       " layer with " + std::to_string(h.nnz) + " non-zeros (" + to_string(h.order) +
-                      "), the layer is " + std::to_string(w.rows()) + "x" +
-                      std::to_string(w.cols()) + " with " + std::to_string(w.nnz()));
+                      "), the layer is " + std::to_string(w.rows) + "x" + std::to_string(w.cols) +
+                      " with " + std::to_string(w.nnz));
   }
-  const std::size_t bias_size = bias_impl(layer).size();
+  const auto bias_size = static_cast<std::size_t>(w.bias);
   if (bias_gradient.size() != bias_size) {
     throw ShapeError("submit_gradient: " + layer_name(layer) + ": bias gradient has " +
                      std::to_string(bias_gradient.size()) + " elements, the bias has " +
@@ -458,6 +358,20 @@ std::int32_t HostModelMemory::layer_count_impl() const {
   return static_cast<std::int32_t>(state_->layers.size());
 }
 
+LayerShape HostModelMemory::layer_shape_impl(std::int32_t layer) const {
+  const detail::HostLayer& l = *state_->layers[layer];
+  return {l.weights.rows(), l.weights.cols(), l.weights.nnz(),
+          static_cast<std::int64_t>(l.bias.size())};
+}
+
+void HostModelMemory::stream_to_impl(std::int32_t layer, StreamKind kind, StreamChannel& channel,
+                                     std::size_t chunk_packets, Precision precision,
+                                     StreamOrder order) const {
+  const TransposedPattern* t = order == StreamOrder::by_input ? &transposed_impl(layer) : nullptr;
+  detail::encode_layer(state_->layers[layer]->weights, t, kind, channel, chunk_packets, precision,
+                       order);
+}
+
 const CsrMatrix& HostModelMemory::weights_impl(std::int32_t layer) const {
   return state_->layers[layer]->weights;
 }
@@ -496,58 +410,9 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
                      " already has a gradient for this step (commit_step first)");
   }
 
-  // The chunks' runs must follow each other and cover the layer; then each chunk can be
-  // checked and copied on its own, in parallel.
-  const auto& chunks = gradient.chunks;
-  if (chunks.empty()) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": the gradient stream is empty");
-  }
-  // (The header matched the layer: by input, the runs are its inputs.)
-  const bool by_input = gradient.header.by_input();
-  const std::int64_t rows = by_input ? l.weights.cols() : l.weights.rows();
-  const std::string run = by_input ? "input" : "output";
-  std::int64_t next_output = 0;
-  for (std::size_t c = 0; c < chunks.size(); ++c) {
-    if (!chunks[c]) {
-      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
-                        " is null");
-    }
-    if (chunks[c]->first_output != next_output) {
-      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
-                        " starts at " + run + " " + std::to_string(chunks[c]->first_output) +
-                        ", expected " + std::to_string(next_output));
-    }
-    next_output += chunks[c]->outputs;
-    if (next_output > rows) {
-      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
-                        " runs to " + run + " " + std::to_string(next_output - 1) +
-                        ", the layer has " + std::to_string(rows) + " " + run + "s");
-    }
-  }
-  if (next_output != rows) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": the chunks cover " +
-                      std::to_string(next_output) + " of " + std::to_string(rows) + " " + run +
-                      "s");
-  }
-
   p.gradient.resize(l.weights.values().size());
-  const GradientOrder order =
-      by_input ? GradientOrder::of(transposed_impl(layer)) : GradientOrder::of(l.weights);
-  std::vector<ChunkScan> scans(chunks.size());
-  auto scan = [&](std::size_t c) {
-    scans[c] =
-        scan_gradient_chunk(layer, order, *chunks[c], c, c + 1 == chunks.size(), p.gradient.data());
-  };
-  if (chunks.size() == 1) {
-    scan(0);
-  } else {
-    detail::parallel_for(std::size_t{0}, chunks.size(), scan);
-  }
-  double sum_of_squares = 0;
-  for (const ChunkScan& s : scans) {
-    if (!s.error.empty()) throw FormatError(s.error);
-    sum_of_squares += s.sum_of_squares;
-  }
+  const TransposedPattern* t = gradient.header.by_input() ? &transposed_impl(layer) : nullptr;
+  double sum_of_squares = detail::scan_gradient(layer, gradient, l.weights, t, p.gradient.data());
   p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
   for (float g : bias_gradient) sum_of_squares += static_cast<double>(g) * g;
 
@@ -631,12 +496,7 @@ StepReport HostModelMemory::commit_step_impl() {
     discard_all();
     finish();
     if (st.policy == NonFinitePolicy::error) {
-      std::string names;
-      for (std::int32_t i : report.bad_layers)
-        names += (names.empty() ? "" : ", ") + std::to_string(i);
-      throw NumericError("commit_step: non-finite gradient or update in layer(s) " + names +
-                         "; step " + std::to_string(st.step + 1) +
-                         " skipped, weights and optimizer state unchanged");
+      detail::throw_skipped_step(report.bad_layers, st.step + 1);
     }
     return report;
   }
@@ -696,13 +556,7 @@ void HostModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int64
 
 void HostModelMemory::set_optimizer_impl(const OptimizerConfig& config) {
   State& st = *state_;
-  for (std::size_t i = 0; i < st.layers.size(); ++i) {
-    std::lock_guard lock(st.layers[i]->pending_mutex);
-    if (st.layers[i]->pending.submitted) {
-      throw ShapeError("set_optimizer: " + layer_name(static_cast<std::int32_t>(i)) +
-                       " has a gradient waiting for commit_step");
-    }
-  }
+  detail::refuse_if_pending(st.layers, "set_optimizer");
   // Adam and AdamW keep the same moments, so switching between them keeps the state;
   // switching to or from SGD starts the new optimizer from zero.
   const int slots = detail::optimizer_slot_count(config.kind);

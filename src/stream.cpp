@@ -251,16 +251,21 @@ std::uint64_t WeightStream::byte_size() const {
 
 StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precision precision,
                                StreamOrder order) {
+  return stream_header_for(matrix.rows(), matrix.cols(), matrix.nnz(), kind, precision, order);
+}
+
+StreamHeader stream_header_for(std::int64_t rows, std::int64_t cols, std::int64_t nnz,
+                               StreamKind kind, Precision precision, StreamOrder order) {
   if (order != StreamOrder::by_output && order != StreamOrder::by_input) {
     throw ShapeError("encode: unknown order " + std::to_string(static_cast<std::uint32_t>(order)));
   }
   const bool by_input = order == StreamOrder::by_input;
   // The stream's runs and tags: the layer's outputs and inputs, or the other way round.
-  const std::int64_t runs = by_input ? matrix.cols() : matrix.rows();
-  const std::int64_t tags = by_input ? matrix.rows() : matrix.cols();
+  const std::int64_t runs = by_input ? cols : rows;
+  const std::int64_t tags = by_input ? rows : cols;
   if (runs > 0xFFFF'FFFFLL || tags >= kControlBit) {
     throw ShapeError("matrix too large for a stream " + std::string(to_string(order)) + ": " +
-                     std::to_string(matrix.rows()) + "x" + std::to_string(matrix.cols()));
+                     std::to_string(rows) + "x" + std::to_string(cols));
   }
   if (kind != StreamKind::weights && kind != StreamKind::mask) {
     throw ShapeError(
@@ -279,7 +284,7 @@ StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precisi
   return {kind,
           static_cast<std::uint32_t>(runs),
           static_cast<std::uint32_t>(tags),
-          static_cast<std::uint64_t>(matrix.nnz()),
+          static_cast<std::uint64_t>(nnz),
           precision,
           order};
 }

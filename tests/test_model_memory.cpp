@@ -69,11 +69,19 @@ TEST_F(Layers, HoldsWhatWasAdded) {
   EXPECT_EQ(h.outputs, 7U);
   EXPECT_EQ(h.inputs, 41U);
   EXPECT_EQ(h.nnz, static_cast<std::uint64_t>(mm.weights(1).nnz()));
+  for (std::int32_t l = 0; l < mm.layer_count(); ++l) {
+    const LayerShape s = mm.layer_shape(l);
+    EXPECT_EQ(s.rows, mm.weights(l).rows()) << l;
+    EXPECT_EQ(s.cols, mm.weights(l).cols()) << l;
+    EXPECT_EQ(s.nnz, mm.weights(l).nnz()) << l;
+    EXPECT_EQ(s.bias, static_cast<std::int64_t>(mm.bias(l).size())) << l;
+  }
 }
 
 TEST_F(Layers, BadArgumentsAreRefused) {
   EXPECT_THROW(mm.weights(4), ShapeError);
   EXPECT_THROW(mm.weights(-1), ShapeError);
+  EXPECT_THROW(mm.layer_shape(4), ShapeError);
   EXPECT_THROW(mm.bias(4), ShapeError);
   EXPECT_THROW(mm.placement(4, 2), ShapeError);
   EXPECT_THROW(mm.placement(0, 0), ShapeError);

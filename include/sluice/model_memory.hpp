@@ -28,6 +28,15 @@ class NumericError : public Error {
   using Error::Error;
 };
 
+/// A layer's shape: `rows` outputs x `cols` inputs, `nnz` non-zeros, `bias` elements (0
+/// or rows). What a caller needs to plan a layer without holding its weights.
+struct LayerShape {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t nnz = 0;
+  std::int64_t bias = 0;
+};
+
 struct StepReport {
   bool applied = false;
   std::int64_t step = 0;                 ///< optimizer steps applied so far
@@ -43,6 +52,9 @@ class ModelMemory {
   /// Adds a layer (weights validated; bias empty or of size rows); returns its index.
   std::int32_t add_layer(CsrMatrix weights, std::vector<float> bias = {});
   std::int32_t layer_count() const { return layer_count_impl(); }
+  LayerShape layer_shape(std::int32_t layer) const;
+  /// The layer as an in-RAM matrix: only from an implementation that keeps it so
+  /// (HostModelMemory); the others throw ShapeError (stream the layer instead).
   const CsrMatrix& weights(std::int32_t layer) const;
   const std::vector<float>& bias(std::int32_t layer) const;
 
@@ -69,7 +81,8 @@ class ModelMemory {
   StreamHeader stream_header(std::int32_t layer, StreamKind kind = StreamKind::weights,
                              Precision precision = Precision::fp32,
                              StreamOrder order = StreamOrder::by_output) const;
-  /// The layer's transposed pattern: what it is streamed by input with.
+  /// The layer's transposed pattern: what it is streamed by input with. Like weights(),
+  /// only from an implementation that keeps it in RAM.
   const TransposedPattern& transposed(std::int32_t layer) const;
 
   /// Hands in one layer's gradient for the current step: the gradient stream (same mask
@@ -123,11 +136,23 @@ class ModelMemory {
  protected:
   virtual std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) = 0;
   virtual std::int32_t layer_count_impl() const = 0;
-  virtual const CsrMatrix& weights_impl(std::int32_t layer) const = 0;
+  virtual LayerShape layer_shape_impl(std::int32_t layer) const = 0;
+  /// Default: ShapeError (the layer is not held in RAM).
+  virtual const CsrMatrix& weights_impl(std::int32_t layer) const;
+  /// Kept in RAM by every implementation (a layer's bias is one float per output), so
+  /// the reference stays valid until the next commit_step or load.
   virtual const std::vector<float>& bias_impl(std::int32_t layer) const = 0;
   virtual const Placement& placement_impl(std::int32_t layer, std::int32_t lanes) = 0;
-  /// Built once per layer and kept; thread-safe.
-  virtual const TransposedPattern& transposed_impl(std::int32_t layer) const = 0;
+  /// Built once per layer and kept; thread-safe. Default: ShapeError, as weights_impl.
+  virtual const TransposedPattern& transposed_impl(std::int32_t layer) const;
+  /// Encodes the layer's stream into `channel` from wherever the layer is kept; the
+  /// arguments are checked. Throws on failure (stream_to fails the channel with it).
+  virtual void stream_to_impl(std::int32_t layer, StreamKind kind, StreamChannel& channel,
+                              std::size_t chunk_packets, Precision precision,
+                              StreamOrder order) const = 0;
+  /// Called with the gradient stream's header and the bias gradient's size checked
+  /// against the layer; the chunks are the implementation's to check (detail::
+  /// scan_gradient does it for a layer in RAM).
   virtual void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                     std::span<const float> bias_gradient) = 0;
   virtual StepReport commit_step_impl() = 0;
@@ -156,10 +181,14 @@ class HostModelMemory final : public ModelMemory {
  protected:
   std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) override;
   std::int32_t layer_count_impl() const override;
+  LayerShape layer_shape_impl(std::int32_t layer) const override;
   const CsrMatrix& weights_impl(std::int32_t layer) const override;
   const std::vector<float>& bias_impl(std::int32_t layer) const override;
   const Placement& placement_impl(std::int32_t layer, std::int32_t lanes) override;
   const TransposedPattern& transposed_impl(std::int32_t layer) const override;
+  void stream_to_impl(std::int32_t layer, StreamKind kind, StreamChannel& channel,
+                      std::size_t chunk_packets, Precision precision,
+                      StreamOrder order) const override;
   void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                             std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;

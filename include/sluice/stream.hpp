@@ -227,6 +227,11 @@ WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind
 StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind,
                                Precision precision = Precision::fp32,
                                StreamOrder order = StreamOrder::by_output);
+/// The same from the layer's shape alone (`rows` x `cols` with `nnz` non-zeros), for a
+/// producer that does not hold the matrix.
+StreamHeader stream_header_for(std::int64_t rows, std::int64_t cols, std::int64_t nnz,
+                               StreamKind kind, Precision precision = Precision::fp32,
+                               StreamOrder order = StreamOrder::by_output);
 std::int64_t chunk_end(const CsrMatrix& matrix, std::int64_t first, std::size_t chunk_packets);
 std::int64_t chunk_end(const TransposedPattern& transposed, std::int64_t first,
                        std::size_t chunk_packets);
