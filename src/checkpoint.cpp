@@ -46,12 +46,26 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_io.hpp"
 #include "crc32.hpp"
 #include "host_model_memory_state.hpp"
 #include "optimizer_kernels.hpp"
 
 namespace sluice {
 namespace {
+
+using detail::bytes_of;
+using detail::FileReader;
+using detail::FileWriter;
+using detail::fits;
+using detail::fourcc;
+using detail::fsync_directory;
+using detail::kSectionHeaderBytes;
+using detail::os_error;
+using detail::Section;
+using detail::SectionReader;
+using detail::tag_name;
+using detail::write_section;
 
 static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
@@ -64,29 +78,13 @@ constexpr std::uint32_t kOldestReadableVersion = 1;
 /// claims more was crafted, not trained (and would overflow a signed counter).
 constexpr std::int64_t kMaxCounter = std::int64_t{1} << 53;
 
-constexpr std::uint32_t fourcc(const char (&s)[5]) {
-  return static_cast<std::uint32_t>(static_cast<unsigned char>(s[0])) |
-         static_cast<std::uint32_t>(static_cast<unsigned char>(s[1])) << 8 |
-         static_cast<std::uint32_t>(static_cast<unsigned char>(s[2])) << 16 |
-         static_cast<std::uint32_t>(static_cast<unsigned char>(s[3])) << 24;
-}
 constexpr std::uint32_t kHeadTag = fourcc("HEAD");
 constexpr std::uint32_t kLayerTag = fourcc("LAYR");
 constexpr std::uint32_t kEndTag = fourcc("END ");
 
-constexpr std::size_t kSectionHeaderBytes = 4 + 8 + 4;
 constexpr std::size_t kHeadBytesV1 = 4 + 8 + 8 + 4 + 7 * 8 + 4 + 4;
 constexpr std::size_t kHeadBytes = kHeadBytesV1 + 8;
 constexpr std::size_t kLayerFixedBytes = 4 + 8 + 8 + 8 + 8 + 4 + 8;
-
-std::string tag_name(std::uint32_t tag) {
-  std::string s;
-  for (int i = 0; i < 4; ++i) {
-    const auto c = static_cast<char>((tag >> (8 * i)) & 0xFFU);
-    s += (c >= 0x20 && c < 0x7F) ? c : '?';
-  }
-  return "'" + s + "'";
-}
 
 std::uint32_t encode_kind(OptimizerKind kind) {
   switch (kind) {
@@ -98,123 +96,6 @@ std::uint32_t encode_kind(OptimizerKind kind) {
       return 2;
   }
   return 0xFFFF'FFFFU;
-}
-
-template <typename T>
-std::span<const std::byte> bytes_of(const std::vector<T>& v) {
-  return std::as_bytes(std::span<const T>(v));
-}
-
-// --- writing -------------------------------------------------------------------------
-
-// Little-endian scalar fields of a section, built in memory (at most a few dozen bytes).
-class FieldWriter {
- public:
-  template <typename T>
-  void put(T value) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    if (size_ + sizeof(T) > bytes_.size()) throw Error("checkpoint: section fields overflow");
-    std::memcpy(bytes_.data() + size_, &value, sizeof(T));
-    size_ += sizeof(T);
-  }
-  std::span<const std::byte> bytes() const { return {bytes_.data(), size_}; }
-
- private:
-  std::array<std::byte, 128> bytes_{};
-  std::size_t size_ = 0;
-};
-
-// A section's payload as pieces that already exist in memory: no copy of the arrays.
-struct Section {
-  std::uint32_t tag = 0;
-  FieldWriter fields;
-  std::vector<std::span<const std::byte>> arrays;
-
-  std::uint64_t length() const {
-    std::uint64_t n = fields.bytes().size();
-    for (const auto& a : arrays) n += a.size();
-    return n;
-  }
-  std::uint32_t crc() const {
-    std::uint32_t c = crc32(fields.bytes());
-    for (const auto& a : arrays) c = crc32(a, c);
-    return c;
-  }
-};
-
-std::string os_error(const std::string& what, const std::filesystem::path& path) {
-  return what + " " + path.string() + ": " + std::strerror(errno);
-}
-
-// POSIX file output with a buffer; every failure is an IoError naming the file.
-class FileWriter {
- public:
-  explicit FileWriter(std::filesystem::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw IoError(os_error("save checkpoint: cannot create", path_));
-    buffer_.reserve(kBufferBytes);
-  }
-  ~FileWriter() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FileWriter(const FileWriter&) = delete;
-  FileWriter& operator=(const FileWriter&) = delete;
-
-  void write(std::span<const std::byte> bytes) {
-    if (bytes.size() >= kBufferBytes) {
-      flush();
-      write_all(bytes);
-      return;
-    }
-    if (buffer_.size() + bytes.size() > kBufferBytes) flush();
-    buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
-  }
-  template <typename T>
-  void put(T value) {
-    write(std::as_bytes(std::span<const T>(&value, 1)));
-  }
-
-  /// Flushes, fsyncs and closes: after this the bytes are on disk.
-  void commit() {
-    flush();
-    if (::fsync(fd_) != 0) throw IoError(os_error("save checkpoint: cannot fsync", path_));
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) throw IoError(os_error("save checkpoint: cannot close", path_));
-  }
-
- private:
-  static constexpr std::size_t kBufferBytes = 1 << 20;
-
-  void flush() {
-    write_all(buffer_);
-    buffer_.clear();
-  }
-  void write_all(std::span<const std::byte> bytes) {
-    const std::byte* p = bytes.data();
-    std::size_t left = bytes.size();
-    while (left > 0) {
-      const ssize_t n = ::write(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw IoError(os_error("save checkpoint: cannot write", path_));
-      }
-      p += n;
-      left -= static_cast<std::size_t>(n);
-    }
-  }
-
-  std::filesystem::path path_;
-  int fd_ = -1;
-  std::vector<std::byte> buffer_;
-};
-
-void write_section(FileWriter& out, const Section& s) {
-  out.put(s.tag);
-  out.put(s.length());
-  out.put(s.crc());
-  out.write(s.fields.bytes());
-  for (const auto& a : s.arrays) out.write(a);
 }
 
 // What a checkpoint holds beside the State: the public fields of ModelMemory.
@@ -269,158 +150,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   write_section(out, end);
 }
 
-void fsync_directory(const std::filesystem::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) throw IoError(os_error("save checkpoint: cannot open directory", dir));
-  const int rc = ::fsync(fd);
-  const int saved_errno = errno;
-  ::close(fd);
-  if (rc != 0) {
-    errno = saved_errno;
-    throw IoError(os_error("save checkpoint: cannot fsync directory", dir));
-  }
-}
-
 // --- reading -------------------------------------------------------------------------
-
-// Reads a file front to back; knows how many bytes are left, so no length read from the
-// file is trusted (or allocated) before it has been checked against them.
-class FileReader {
- public:
-  explicit FileReader(std::filesystem::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) throw IoError(os_error("load checkpoint: cannot open", path_));
-    struct stat info {};
-    if (::fstat(fd_, &info) != 0) {
-      const int saved_errno = errno;
-      ::close(fd_);
-      errno = saved_errno;
-      throw IoError(os_error("load checkpoint: cannot stat", path_));
-    }
-    size_ = static_cast<std::uint64_t>(info.st_size);
-  }
-  ~FileReader() { ::close(fd_); }
-  FileReader(const FileReader&) = delete;
-  FileReader& operator=(const FileReader&) = delete;
-
-  std::uint64_t position() const { return pos_; }
-  std::uint64_t remaining() const { return size_ - pos_; }
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw FormatError("load checkpoint " + path_.string() + ": " + what);
-  }
-
-  void read(std::span<std::byte> out, const char* what) {
-    if (out.size() > remaining()) {
-      fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
-           std::to_string(out.size()) + " bytes, " + std::to_string(remaining()) + " left");
-    }
-    std::byte* p = out.data();
-    std::size_t left = out.size();
-    while (left > 0) {
-      const ssize_t n = ::read(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw IoError(os_error("load checkpoint: cannot read", path_));
-      }
-      if (n == 0) fail("the file shrank while being read, at byte " + std::to_string(pos_));
-      p += n;
-      left -= static_cast<std::size_t>(n);
-      pos_ += static_cast<std::uint64_t>(n);
-    }
-  }
-  template <typename T>
-  T get(const char* what) {
-    T value{};
-    read(std::as_writable_bytes(std::span<T>(&value, 1)), what);
-    return value;
-  }
-
- private:
-  std::filesystem::path path_;
-  int fd_ = -1;
-  std::uint64_t size_ = 0;
-  std::uint64_t pos_ = 0;
-};
-
-// One section's payload: reads pieces and keeps the CRC; `expect_end` checks that the
-// section's length was used exactly.
-class SectionReader {
- public:
-  SectionReader(FileReader& in, std::uint32_t expected_tag, const std::string& name)
-      : in_(in), name_(name) {
-    start_ = in.position();
-    const auto tag = in.get<std::uint32_t>("section header");
-    length_ = in.get<std::uint64_t>("section header");
-    crc_ = in.get<std::uint32_t>("section header");
-    if (tag != expected_tag) {
-      in.fail("section at byte " + std::to_string(start_) + ": tag " + tag_name(tag) +
-              ", expected " + tag_name(expected_tag) + " (" + name_ + ")");
-    }
-    if (length_ > in.remaining()) {
-      in.fail("truncated: " + name_ + " at byte " + std::to_string(start_) + " claims " +
-              std::to_string(length_) + " bytes, " + std::to_string(in.remaining()) + " left");
-    }
-    left_ = length_;
-  }
-
-  std::uint64_t length() const { return length_; }
-
-  template <typename T>
-  T get(const char* what) {
-    T value{};
-    read(std::as_writable_bytes(std::span<T>(&value, 1)), what);
-    return value;
-  }
-  /// Reads `count` elements; the caller has checked `count` against the section length.
-  template <typename T>
-  std::vector<T> get_array(std::uint64_t count, const char* what) {
-    std::vector<T> v(static_cast<std::size_t>(count));
-    read(std::as_writable_bytes(std::span<T>(v)), what);
-    return v;
-  }
-
-  /// Checks that the payload was read exactly and that its CRC matches.
-  void finish() {
-    if (left_ != 0) {
-      in_.fail(name_ + " at byte " + std::to_string(start_) + ": " + std::to_string(left_) +
-               " unexpected bytes at its end");
-    }
-    if (computed_ != crc_) {
-      in_.fail(name_ + " at byte " + std::to_string(start_) + ": CRC mismatch (stored " +
-               std::to_string(crc_) + ", computed " + std::to_string(computed_) +
-               "): the file is corrupt");
-    }
-  }
-
-  [[noreturn]] void fail(const std::string& what) const {
-    in_.fail(name_ + " at byte " + std::to_string(start_) + ": " + what);
-  }
-
- private:
-  void read(std::span<std::byte> out, const char* what) {
-    if (out.size() > left_) {
-      fail(std::string(what) + " runs past the section's end (length " + std::to_string(length_) +
-           ")");
-    }
-    in_.read(out, what);
-    computed_ = crc32(out, computed_);
-    left_ -= out.size();
-  }
-
-  FileReader& in_;
-  std::string name_;
-  std::uint64_t start_ = 0, length_ = 0, left_ = 0;
-  std::uint32_t crc_ = 0, computed_ = 0;
-};
-
-// `count` elements of `size` bytes, if that fits in `budget` bytes; false otherwise (also on
-// overflow). Used before allocating anything a file asks for.
-bool fits(std::uint64_t count, std::uint64_t size, std::uint64_t& budget) {
-  if (count > budget / size) return false;
-  budget -= count * size;
-  return true;
-}
 
 void check_finite(const std::vector<float>& v, const SectionReader& s, const std::string& what,
                   bool non_negative = false) {
