@@ -1,0 +1,323 @@
+// TieredModelMemory: trains bit for bit as HostModelMemory does (every optimizer, fp32 and
+// bf16, one and two engines, with clipping, across a reopen), survives SIGKILL at any
+// moment at a committed step, refuses corrupt or missing files naming them and changes
+// nothing, and refuses a budget smaller than a layer.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sluice/executor.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/tiered_model_memory.hpp"
+#include "test_support.hpp"
+
+namespace sluice {
+namespace {
+
+using testing::TempDirTest;
+using testing::thrown_message;
+
+const std::vector<std::int64_t> kSizes{12, 40, 33, 10};
+constexpr std::int64_t kBatch = 16;
+
+struct Data {
+  std::vector<DenseMatrix> x;
+  std::vector<std::vector<int>> labels;
+};
+
+Data make_data(int steps, std::uint64_t seed) {
+  Data d;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (int s = 0; s < steps; ++s) {
+    DenseMatrix x(kSizes.front(), kBatch);
+    std::vector<int> y;
+    for (std::int64_t t = 0; t < kBatch; ++t) {
+      for (std::int64_t i = 0; i < x.rows(); ++i) x(i, t) = normal(rng);
+      y.push_back(static_cast<int>(rng() % static_cast<std::uint64_t>(kSizes.back())));
+    }
+    d.x.push_back(std::move(x));
+    d.labels.push_back(std::move(y));
+  }
+  return d;
+}
+
+OptimizerConfig config_of(OptimizerKind kind, double clip = 0) {
+  OptimizerConfig c;
+  c.kind = kind;
+  c.learning_rate = 0.01;
+  if (kind == OptimizerKind::sgd) c.momentum = 0.9;
+  if (kind != OptimizerKind::adam) c.weight_decay = 1e-3;
+  c.clip_global_norm = clip;
+  return c;
+}
+
+/// Every layer's values (decoded from its stream) and bias.
+std::vector<std::vector<float>> snapshot(const ModelMemory& m) {
+  std::vector<std::vector<float>> out;
+  for (std::int32_t l = 0; l < m.layer_count(); ++l) {
+    out.push_back(decode_stream(m.stream(l)).values());
+    out.push_back(m.bias(l));
+  }
+  return out;
+}
+
+void expect_bitwise_equal(const std::vector<std::vector<float>>& a,
+                          const std::vector<std::vector<float>>& b, const std::string& where) {
+  ASSERT_EQ(a.size(), b.size()) << where;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].size(), b[i].size()) << where << ", array " << i;
+    for (std::size_t k = 0; k < a[i].size(); ++k) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(a[i][k]), std::bit_cast<std::uint32_t>(b[i][k]))
+          << where << ", array " << i << ", element " << k;
+    }
+  }
+}
+
+/// The least budget that holds the largest layer: the store must evict between layers.
+std::int64_t tight_budget() {
+  std::int64_t most = 0;
+  for (std::size_t l = 0; l + 1 < kSizes.size(); ++l) {
+    const LayerShape s{kSizes[l + 1], kSizes[l], kSizes[l + 1] * kSizes[l], kSizes[l + 1]};
+    most = std::max(most, TieredModelMemory::working_set_bytes(s));
+  }
+  return most;
+}
+
+struct Trainer {
+  Trainer(ModelMemory& m, int engines, Precision precision) : fabric(fabric_options(engines)) {
+    ExecutorOptions eo;
+    eo.precisions.assign(kSizes.size() - 1, precision);
+    eo.chunk_packets = 64;
+    eo.prefetch_depth = 2;
+    exec = std::make_unique<LayerStreamingExecutor>(m, fabric, eo);
+  }
+  static LocalFabricOptions fabric_options(int engines) {
+    LocalFabricOptions fo;
+    fo.engines = engines;
+    fo.engine.threads = 1;
+    return fo;
+  }
+  StepResult step(const Data& d, int s) {
+    const auto i = static_cast<std::size_t>(s) % d.x.size();
+    return exec->train_step({d.x[i].view(), d.labels[i], {}});
+  }
+  LocalFabric fabric;
+  std::unique_ptr<LayerStreamingExecutor> exec;
+};
+
+struct Case {
+  Precision precision;
+  OptimizerKind kind;
+  int engines;
+  double clip;
+};
+
+class TrainsLikeHost : public TempDirTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(TrainsLikeHost, BitForBitAcrossStepsAndAReopen) {
+  const Case c = GetParam();
+  const Data data = make_data(5, 7);
+  HostModelMemory host;
+  build_sparse_mlp(host, kSizes, 0.5, 3);
+  host.set_optimizer(config_of(c.kind, c.clip));
+  const auto store = dir_ / "store";
+  {
+    TieredModelMemory tiered(store, tight_budget());
+    tiered.set_optimizer(config_of(c.kind, c.clip));  // before the layers: no state to reset
+    build_sparse_mlp(tiered, kSizes, 0.5, 3);
+    expect_bitwise_equal(snapshot(host), snapshot(tiered), "built");
+    Trainer th(host, c.engines, c.precision), tt(tiered, c.engines, c.precision);
+    for (int s = 0; s < 3; ++s) {
+      const StepResult a = th.step(data, s), b = tt.step(data, s);
+      ASSERT_TRUE(a.report.applied);
+      ASSERT_TRUE(b.report.applied);
+      EXPECT_EQ(a.loss, b.loss);
+      EXPECT_EQ(b.report.step, s + 1);
+      expect_bitwise_equal(snapshot(host), snapshot(tiered), "step " + std::to_string(s + 1));
+    }
+    const ModelStoreCounters k = tiered.counters();
+    EXPECT_GT(k.read_bytes, 0U);
+    EXPECT_GT(k.write_bytes, 0U);
+    EXPECT_GT(k.store_bytes, 0U);
+  }
+  // Reopened with room for everything: the same model, optimizer state and step.
+  TieredModelMemory reopened(store, std::int64_t{1} << 30);
+  EXPECT_EQ(reopened.step(), 3);
+  EXPECT_EQ(reopened.optimizer().kind, c.kind);
+  expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
+  Trainer th(host, c.engines, c.precision), tt(reopened, c.engines, c.precision);
+  for (int s = 3; s < 5; ++s) {
+    th.step(data, s);
+    tt.step(data, s);
+    expect_bitwise_equal(snapshot(host), snapshot(reopened), "resumed step " + std::to_string(s));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiered, TrainsLikeHost,
+                         ::testing::Values(Case{Precision::fp32, OptimizerKind::sgd, 1, 0},
+                                           Case{Precision::fp32, OptimizerKind::adam, 1, 0},
+                                           Case{Precision::fp32, OptimizerKind::adamw, 2, 0},
+                                           Case{Precision::bf16, OptimizerKind::adam, 2, 0},
+                                           Case{Precision::bf16, OptimizerKind::sgd, 1, 0},
+                                           Case{Precision::fp32, OptimizerKind::adamw, 1, 0.05},
+                                           Case{Precision::bf16, OptimizerKind::adam, 2, 0.05}));
+
+class TieredStore : public TempDirTest {
+ protected:
+  std::filesystem::path store() const { return dir_ / "store"; }
+  /// A store of kSizes trained `steps` Adam steps.
+  void make_store(int steps) {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    m.set_optimizer(config_of(OptimizerKind::adam));
+    build_sparse_mlp(m, kSizes, 0.5, 3);
+    Trainer t(m, 1, Precision::fp32);
+    const Data d = make_data(steps, 7);
+    for (int s = 0; s < steps; ++s) t.step(d, s);
+  }
+  std::map<std::string, std::string> files() const {
+    std::map<std::string, std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(store())) {
+      std::ifstream in(e.path(), std::ios::binary);
+      out[e.path().filename().string()] = std::string(std::istreambuf_iterator<char>(in), {});
+    }
+    return out;
+  }
+  void write(const std::string& name, const std::string& bytes) const {
+    std::ofstream(store() / name, std::ios::binary | std::ios::trunc) << bytes;
+  }
+};
+
+TEST_F(TieredStore, EveryCorruptByteIsRefusedNamingTheFileAndNothingChanges) {
+  make_store(2);
+  const auto good = files();
+  EXPECT_EQ(good.size(), 1U + 2 * (kSizes.size() - 1));  // MANIFEST, pattern and state per layer
+  std::mt19937_64 rng(5);
+  for (const auto& [name, bytes] : good) {
+    for (int trial = 0; trial < 12; ++trial) {
+      std::string bad = bytes;
+      const std::size_t at = rng() % bad.size();
+      bad[at] = static_cast<char>(bad[at] ^ (1 << (rng() % 8)));
+      write(name, bad);
+      std::string message;
+      try {
+        TieredModelMemory m(store(), std::int64_t{1} << 30);
+        ADD_FAILURE() << name << ": byte " << at << " flipped, and the store opened";
+      } catch (const FormatError& e) {
+        message = e.what();
+      } catch (const IoError& e) {
+        message = e.what();
+      }
+      EXPECT_CONTAINS(message, name);
+      EXPECT_CONTAINS(message, "byte");
+      auto now = files();
+      now[name] = bytes;
+      EXPECT_EQ(now, good) << "a refused open changed the store (" << name << ")";
+      write(name, bytes);
+    }
+    // Truncated, and missing.
+    write(name, bytes.substr(0, bytes.size() / 2));
+    EXPECT_ANY_THROW(TieredModelMemory(store(), std::int64_t{1} << 30)) << name;
+    std::filesystem::remove(store() / name);
+    std::string message;
+    try {
+      TieredModelMemory m(store(), std::int64_t{1} << 30);
+      if (name != "MANIFEST") ADD_FAILURE() << name << " missing, and the store opened";
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    if (name != "MANIFEST") EXPECT_CONTAINS(message, name);
+    write(name, bytes);
+  }
+  TieredModelMemory m(store(), std::int64_t{1} << 30);
+  EXPECT_EQ(m.step(), 2);
+}
+
+TEST_F(TieredStore, ABudgetSmallerThanALayerIsRefused) {
+  {
+    TieredModelMemory m(store(), 4096);
+    const std::string message = thrown_message<ResourceError>(
+        [&] { m.add_layer(CsrMatrix::random(64, 64, 0.5, 1), std::vector<float>(64)); });
+    EXPECT_CONTAINS(message, "budget");
+    EXPECT_EQ(m.layer_count(), 0);
+  }
+  make_store(1);
+  const std::string message =
+      thrown_message<ResourceError>([&] { TieredModelMemory m(store(), 4096); });
+  EXPECT_CONTAINS(message, "layer 0");
+  EXPECT_CONTAINS(message, "budget");
+  EXPECT_THROW(TieredModelMemory(store(), 0), ShapeError);
+}
+
+TEST_F(TieredStore, SaveAndLoadSayTheStoreIsTheCheckpoint) {
+  TieredModelMemory m(store(), 1 << 20);
+  EXPECT_CONTAINS(thrown_message<ShapeError>([&] { m.save(dir_ / "x.ckpt"); }), "own checkpoint");
+  EXPECT_THROW(m.load(dir_ / "x.ckpt"), ShapeError);
+  EXPECT_THROW(m.weights(0), ShapeError);
+}
+
+// A child trains on the store and is killed with SIGKILL at a random moment; the store
+// must open at a committed step whose weights are exactly the reference's after as many
+// steps, with nothing left over from the step that was cut short.
+TEST_F(TieredStore, KilledAtARandomMomentOpensAtACommittedStep) {
+  constexpr int kMaxSteps = 60;
+  const Data data = make_data(kMaxSteps, 11);
+  std::vector<std::vector<std::vector<float>>> reference;
+  {
+    HostModelMemory host;
+    host.set_optimizer(config_of(OptimizerKind::adamw));
+    build_sparse_mlp(host, kSizes, 0.5, 3);
+    Trainer t(host, 1, Precision::fp32);
+    reference.push_back(snapshot(host));
+    for (int s = 0; s < kMaxSteps; ++s) {
+      t.step(data, s);
+      reference.push_back(snapshot(host));
+    }
+  }
+  std::mt19937_64 rng(99);
+  int mid_run = 0;
+  for (int round = 0; round < 12; ++round) {
+    std::filesystem::remove_all(store());
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      try {
+        TieredModelMemory m(store(), tight_budget());
+        m.set_optimizer(config_of(OptimizerKind::adamw));
+        build_sparse_mlp(m, kSizes, 0.5, 3);
+        Trainer t(m, 1, Precision::fp32);
+        for (int s = 0; s < kMaxSteps; ++s) t.step(data, s);
+      } catch (...) {
+        ::_exit(3);
+      }
+      ::_exit(0);
+    }
+    ::usleep(static_cast<useconds_t>(2000 + rng() % 150000));
+    ASSERT_EQ(::kill(child, SIGKILL), 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    if (WIFSIGNALED(status)) ++mid_run;
+    if (!std::filesystem::exists(store() / "MANIFEST")) continue;  // killed before creating it
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    const std::int64_t step = m.step();
+    ASSERT_LE(step, kMaxSteps);
+    if (m.layer_count() < static_cast<std::int32_t>(kSizes.size()) - 1) {
+      EXPECT_EQ(step, 0);  // killed while the layers were being added
+      continue;
+    }
+    expect_bitwise_equal(reference[static_cast<std::size_t>(step)], snapshot(m),
+                         "round " + std::to_string(round) + ", step " + std::to_string(step));
+    EXPECT_EQ(files().size(), 1U + 2 * (kSizes.size() - 1)) << "leftovers not removed";
+  }
+  EXPECT_GT(mid_run, 0) << "no child was killed mid-run";
+}
+
+}  // namespace
+}  // namespace sluice
