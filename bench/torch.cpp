@@ -5,6 +5,8 @@
 //   bench_torch [--json] [--out N] [--in N] [--tokens N] [--sparsity a,b,...] [--rounds N]
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -15,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "sluice/json.hpp"
 #include "sluice/kernels.hpp"
 #include "sluice/torch/sparse_linear.hpp"
 
@@ -182,32 +183,34 @@ int main(int argc, char** argv) {
   // torch's intra-op threads follow OMP_NUM_THREADS (1 in some shells): give torch as
   // many threads as sluice's engine has, so both use the same cores.
   torch::set_num_threads(sluice::torch::default_engine()->threads());
-  sluice::JsonWriter j(2);
-  j.begin_object();
-  j.field("out", a.out).field("in", a.in).field("tokens", a.tokens).field("rounds", a.rounds);
-  j.field("torch_threads", static_cast<std::int64_t>(torch::get_num_threads()));
-  j.field("sluice_threads", static_cast<std::int64_t>(sluice::torch::default_engine()->threads()));
-  j.key("points").begin_array();
+  nlohmann::ordered_json j;
+  j["out"] = a.out;
+  j["in"] = a.in;
+  j["tokens"] = a.tokens;
+  j["rounds"] = a.rounds;
+  j["torch_threads"] = torch::get_num_threads();
+  j["sluice_threads"] = sluice::torch::default_engine()->threads();
+  j["points"] = nlohmann::ordered_json::array();
   if (!a.json) {
     std::printf("%dx%d, %d tokens, median of %d alternated rounds (ms)\n", int(a.out), int(a.in),
                 int(a.tokens), a.rounds);
   }
   for (double s : a.sparsities) {
     const auto ms = measure(a, s);
-    j.begin_object().field("sparsity", s);
-    for (const auto& [name, v] : ms) j.field(name + "_ms", v);
+    nlohmann::ordered_json point;
+    point["sparsity"] = s;
+    for (const auto& [name, v] : ms) point[name + "_ms"] = v;
     // The targets' ratios: the binding's cost, and fwd+bwd against torch's dense and CSR.
-    j.field("binding_cost", ms.at("sluice_fwd") / ms.at("spmm_fwd"));
-    j.field("fwdbwd_speedup_vs_dense", ms.at("torch_dense_fwdbwd") / ms.at("sluice_fwdbwd"));
-    j.field("fwdbwd_speedup_vs_sparse", ms.at("torch_sparse_fwdbwd") / ms.at("sluice_fwdbwd"));
-    j.end_object();
+    point["binding_cost"] = ms.at("sluice_fwd") / ms.at("spmm_fwd");
+    point["fwdbwd_speedup_vs_dense"] = ms.at("torch_dense_fwdbwd") / ms.at("sluice_fwdbwd");
+    point["fwdbwd_speedup_vs_sparse"] = ms.at("torch_sparse_fwdbwd") / ms.at("sluice_fwdbwd");
+    j["points"].push_back(point);
     if (!a.json) {
       std::printf("sparsity %.2f:", s);
       for (const auto& [name, v] : ms) std::printf(" %s %.2f", name.c_str(), v);
       std::printf("\n");
     }
   }
-  j.end_array().end_object();
-  if (a.json) std::printf("%s\n", j.str().c_str());
+  if (a.json) std::printf("%s\n", j.dump(2).c_str());
   return 0;
 }
