@@ -15,7 +15,6 @@
 
 #include "engine_worker.hpp"
 #include "gradient_top_k.hpp"
-#include "parallel.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -24,75 +23,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
-constexpr double kGeluA = 0.044715;
-
-double gelu(double x) {
-  return 0.5 * x * (1.0 + std::tanh(kGeluC * (x + kGeluA * x * x * x)));
-}
-double gelu_slope(double x) {
-  const double th = std::tanh(kGeluC * (x + kGeluA * x * x * x));
-  return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * kGeluC * (1.0 + 3.0 * kGeluA * x * x);
-}
-
-// Row by row, with the activation chosen outside the loops so each one vectorises (a
-// switch per element made the executor's own passes a visible part of a wide layer's
-// training step).
-
-/// out = act(z + bias) over a row of n tokens; z gets the bias added in place.
-void add_bias_and_activate(Activation a, float bias, float* z, float* out, std::int64_t n) {
-  if (bias != 0.0F) {
-    for (std::int64_t t = 0; t < n; ++t) z[t] += bias;
-  }
-  switch (a) {
-    case Activation::relu:  // NaN passes on: a NaN input must not become a finite output
-      for (std::int64_t t = 0; t < n; ++t) out[t] = z[t] <= 0 ? 0.0F : z[t];
-      return;
-    case Activation::gelu:
-      for (std::int64_t t = 0; t < n; ++t) out[t] = static_cast<float>(gelu(z[t]));
-      return;
-    case Activation::none:
-      return;
-  }
-}
-
-/// fn(row) for every row of a rows x cols pass, on every core when it is large enough to
-/// pay for waking them (a small layer's whole pass takes microseconds).
-template <typename Fn>
-void for_each_row(std::int64_t rows, std::int64_t cols, Fn&& fn) {
-  constexpr std::int64_t kParallelElements = std::int64_t{1} << 16;
-  if (rows * cols < kParallelElements) {
-    for (std::int64_t r = 0; r < rows; ++r) fn(r);
-  } else {
-    detail::parallel_for(std::int64_t{0}, rows, fn);
-  }
-}
-
-/// d *= act'(z) over a row of n tokens.
-void scale_by_slope(Activation a, const float* z, float* d, std::int64_t n) {
-  switch (a) {
-    case Activation::relu:
-      for (std::int64_t t = 0; t < n; ++t) {
-        const float slope = z[t] > 0 ? 1.0F : 0.0F;  // (GCC 12 vectorises this form only)
-        d[t] = d[t] * slope;
-      }
-      return;
-    case Activation::gelu:
-      for (std::int64_t t = 0; t < n; ++t) d[t] *= static_cast<float>(gelu_slope(z[t]));
-      return;
-    case Activation::none:
-      return;
-  }
-}
-
-std::int64_t padded(std::int64_t cols) {
-  return (cols + 15) / 16 * 16;
-}
-
-MutableMatrixView rows_of(DenseMatrix& m, std::int64_t rows, std::int64_t cols) {
-  return {m.data(), rows, cols, m.stride()};
 }
 
 /// Counts what the engines pull from ModelMemory and how long they wait for it.
@@ -166,18 +96,6 @@ struct LayerStream {
 
 }  // namespace
 
-const char* to_string(Activation activation) {
-  switch (activation) {
-    case Activation::none:
-      return "none";
-    case Activation::relu:
-      return "relu";
-    case Activation::gelu:
-      return "gelu";
-  }
-  return "?";
-}
-
 StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   wall_seconds += o.wall_seconds;
   engine_busy_seconds += o.engine_busy_seconds;
@@ -190,6 +108,11 @@ StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   mask_updates += o.mask_updates;
   mask_update_seconds += o.mask_update_seconds;
   mask_score_seconds += o.mask_score_seconds;
+  steps += o.steps;
+  driver_bytes_sent += o.driver_bytes_sent;
+  driver_bytes_received += o.driver_bytes_received;
+  stream_arrival_seconds += o.stream_arrival_seconds;
+  overlapped_seconds += o.overlapped_seconds;
   return *this;
 }
 
@@ -199,18 +122,7 @@ struct LayerStreamingExecutor::Impl {
   ExecutorOptions options;
   std::vector<std::int64_t> sizes;  // sizes[0] inputs, sizes[l+1] outputs of layer l
   std::int32_t engines = 1;
-
-  struct EngineState {
-    std::int64_t begin = 0, tokens = 0;
-    std::vector<DenseMatrix> z, a;  // a[l] empty when layer l has no activation (A = Z)
-    DenseMatrix grad, grad_next;    // dZ of the current layer, dX into the layer below
-    ConstMatrixView input;
-    ConstMatrixView out(std::size_t l) const { return a[l].rows() > 0 ? a[l].view() : z[l].view(); }
-    ConstMatrixView in(std::size_t l) const { return l == 0 ? input : out(l - 1); }
-  };
-  std::vector<EngineState> state;
-  std::int64_t allocated_tokens = -1;
-  bool allocated_training = false;
+  std::int64_t tokens = 0;  // of the batch the engines hold
   std::map<std::pair<std::int32_t, std::int32_t>, Placement> placements;
   std::uint64_t mask_generation = 0;  // ModelMemory's, when `placements` were copied
   // RigL: on an update step, each layer's growth (positions, increasing) for that step.
@@ -227,21 +139,17 @@ struct LayerStreamingExecutor::Impl {
 
   std::int32_t layers() const { return static_cast<std::int32_t>(sizes.size()) - 1; }
 
-  std::int64_t bytes_for(std::int64_t tokens, bool training) const {
+  PassSpec spec(bool training) const {
+    return {sizes, options.activations, options.loss, training};
+  }
+
+  std::int64_t bytes_for(std::int64_t batch_tokens, bool training) const {
     std::int64_t total = 0;
+    const PassSpec s = spec(training);
     for (std::int32_t k = 0; k < engines; ++k) {
-      const std::int64_t t = (k + 1) * tokens / engines - k * tokens / engines;
-      const std::int64_t stride = padded(t);
-      std::int64_t widest = 0;
-      for (std::int32_t l = 0; l < layers(); ++l) {
-        const std::int64_t rows = sizes[static_cast<std::size_t>(l) + 1];
-        const bool has_a = options.activations[static_cast<std::size_t>(l)] != Activation::none;
-        total += rows * stride * (has_a ? 2 : 1);
-        widest = std::max(widest, rows);
-      }
-      if (training) total += 2 * widest * stride;
+      total += ActivationStore::bytes_for(s, Fabric::shard_of(k, engines, batch_tokens).count);
     }
-    return total * static_cast<std::int64_t>(sizeof(float));
+    return total;
   }
 
   /// The layers' shapes were read once, when the executor was built; a ModelMemory that
@@ -261,62 +169,59 @@ struct LayerStreamingExecutor::Impl {
     }
   }
 
-  void prepare(ConstMatrixView features, bool training) {
-    check_model_unchanged();
-    if (features.rows != sizes.front()) {
-      throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
-                       " features but the batch has " + std::to_string(features.rows));
+  void check_budget(std::int64_t n, bool training) const {
+    const std::int64_t need = bytes_for(n, training);
+    if (options.memory_budget_bytes > 0 && need > options.memory_budget_bytes) {
+      throw ResourceError("executor: activations for a batch of " + std::to_string(n) +
+                          " tokens on " + std::to_string(engines) + " engines need " +
+                          std::to_string(need) + " bytes, over the memory budget of " +
+                          std::to_string(options.memory_budget_bytes) +
+                          " bytes; use a smaller batch or raise the budget");
     }
-    const std::int64_t tokens = features.cols;
-    if (tokens < engines) {
-      throw ShapeError("executor: a batch of " + std::to_string(tokens) +
-                       " tokens cannot be split over " + std::to_string(engines) + " engines");
-    }
-    if (tokens != allocated_tokens || (training && !allocated_training)) {
-      const std::int64_t need = bytes_for(tokens, training);
-      if (options.memory_budget_bytes > 0 && need > options.memory_budget_bytes) {
-        throw ResourceError("executor: activations for a batch of " + std::to_string(tokens) +
-                            " tokens on " + std::to_string(engines) + " engines need " +
-                            std::to_string(need) + " bytes, over the memory budget of " +
-                            std::to_string(options.memory_budget_bytes) +
-                            " bytes; use a smaller batch or raise the budget");
-      }
-      state.clear();
-      state.resize(static_cast<std::size_t>(engines));
-      for (std::int32_t k = 0; k < engines; ++k) {
-        auto& s = state[static_cast<std::size_t>(k)];
-        s.begin = k * tokens / engines;
-        s.tokens = (k + 1) * tokens / engines - s.begin;
-        std::int64_t widest = 0;
-        for (std::int32_t l = 0; l < layers(); ++l) {
-          const std::int64_t rows = sizes[static_cast<std::size_t>(l) + 1];
-          s.z.emplace_back(rows, s.tokens);
-          const bool has_a = options.activations[static_cast<std::size_t>(l)] != Activation::none;
-          s.a.emplace_back(has_a ? DenseMatrix(rows, s.tokens) : DenseMatrix());
-          widest = std::max(widest, rows);
-        }
-        if (training) {
-          s.grad = DenseMatrix(widest, s.tokens);
-          s.grad_next = DenseMatrix(widest, s.tokens);
-        }
-      }
-      allocated_tokens = tokens;
-      allocated_training = training;
-    }
-    for (auto& s : state) {
-      s.input = {features.data + s.begin, features.rows, s.tokens, features.stride};
-    }
-    if (memory.mask_generation() != mask_generation) {  // copies of old masks' placements
+  }
+
+  // The placements copied for masks that changed since (dynamic sparsity) are dropped.
+  void refresh_placements() {
+    if (memory.mask_generation() != mask_generation) {
       placements.clear();
       mask_generation = memory.mask_generation();
     }
   }
 
+  // Checks the batch against the model and the memory budget, then every engine loads
+  // its shard into its store: the batch's only trip across the fabric.
+  void load(const Batch& batch, bool training, bool with_answers) {
+    check_model_unchanged();
+    const ConstMatrixView& features = batch.features;
+    if (features.rows != sizes.front()) {
+      throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
+                       " features but the batch has " + std::to_string(features.rows));
+    }
+    const std::int64_t n = features.cols;
+    if (n < engines) {
+      throw ShapeError("executor: a batch of " + std::to_string(n) +
+                       " tokens cannot be split over " + std::to_string(engines) + " engines");
+    }
+    check_budget(n, training);
+    ShardData data;
+    data.features = features;
+    if (with_answers) {
+      if (options.loss == Loss::softmax_cross_entropy) {
+        data.labels = batch.labels;
+      } else {
+        data.targets = batch.targets;
+      }
+    }
+    fabric.load_batch(spec(training), data);
+    tokens = n;
+    refresh_placements();
+  }
+
   const Placement* placement(std::int32_t layer, std::int32_t k) {
-    const auto& s = state[static_cast<std::size_t>(k)];
     const Geometry g = fabric.engine(k).geometry_for(
         sizes[static_cast<std::size_t>(layer) + 1], sizes[static_cast<std::size_t>(layer)],
-        s.tokens, options.precisions[static_cast<std::size_t>(layer)]);
+        Fabric::shard_of(k, engines, tokens).count,
+        options.precisions[static_cast<std::size_t>(layer)]);
     const std::int32_t lanes = std::max(1, g.lanes);
     auto key = std::make_pair(layer, lanes);
     auto it = placements.find(key);
@@ -324,10 +229,35 @@ struct LayerStreamingExecutor::Impl {
     return &it->second;
   }
 
+  std::vector<const Placement*> placements_of(std::int32_t layer) {
+    std::vector<const Placement*> ps;
+    for (std::int32_t k = 0; k < engines; ++k) ps.push_back(placement(layer, k));
+    return ps;
+  }
+
+  // The prefetch budget of a layer's channel, in chunks: the old chunk count if given,
+  // else the budget's bytes (0: the whole layer's stream, within kMaxPrefetchBytes).
+  std::size_t channel_chunks(std::int32_t layer) const {
+    if (options.prefetch_depth > 0) return options.prefetch_depth;
+    const CsrMatrix& w = memory.weights(layer);
+    const std::int64_t packet_bytes =
+        options.precisions[static_cast<std::size_t>(layer)] == Precision::bf16
+            ? static_cast<std::int64_t>(sizeof(Bf16Packet))
+            : static_cast<std::int64_t>(sizeof(Packet));
+    const std::int64_t chunk_bytes =
+        static_cast<std::int64_t>(options.chunk_packets) * packet_bytes;
+    std::int64_t budget = options.prefetch_bytes;
+    if (budget == 0) {  // every packet and a control packet per row and chunk, and one more
+      const std::int64_t packets = w.nnz() + 2 * (w.rows() + w.cols()) + 1;
+      budget = std::min(kMaxPrefetchBytes, packets * packet_bytes + chunk_bytes);
+    }
+    return static_cast<std::size_t>(std::max<std::int64_t>(1, budget / chunk_bytes));
+  }
+
   std::unique_ptr<LayerStream> open(std::int32_t layer, StreamKind kind,
                                     StreamOrder order = StreamOrder::by_output) {
     return std::make_unique<LayerStream>(
-        memory, layer, kind, options.prefetch_depth, options.chunk_packets,
+        memory, layer, kind, channel_chunks(layer), options.chunk_packets,
         options.precisions[static_cast<std::size_t>(layer)], order, producers);
   }
 
@@ -358,85 +288,17 @@ struct LayerStreamingExecutor::Impl {
     for (std::int32_t l = 0; l < layers(); ++l) {
       std::unique_ptr<LayerStream> current = std::move(next);
       if (l + 1 < layers()) next = open(l + 1, StreamKind::weights);  // prefetch
-      std::vector<const Placement*> ps;
-      std::vector<ConstMatrixView> xs;
-      std::vector<MutableMatrixView> ys;
-      const auto li = static_cast<std::size_t>(l);
-      for (std::int32_t k = 0; k < engines; ++k) {
-        auto& s = state[static_cast<std::size_t>(k)];
-        ps.push_back(placement(l, k));
-        xs.push_back(s.in(li));
-        ys.push_back(s.z[li].view());
-      }
-      fabric.forward(current->metered, ps, xs, ys);
+      fabric.forward_layer(current->metered, placements_of(l), l, memory.bias(l));
       account(*current);
-      const std::vector<float>& bias = memory.bias(l);
-      const Activation act = options.activations[li];
-      for (auto& s : state) {
-        DenseMatrix& z = s.z[li];
-        for_each_row(z.rows(), z.cols(), [&](std::int64_t o) {
-          const float b = bias.empty() ? 0.0F : bias[static_cast<std::size_t>(o)];
-          float* out = act != Activation::none ? s.a[li].row(o) : nullptr;
-          add_bias_and_activate(act, b, z.row(o), out, z.cols());
-        });
-      }
     }
-  }
-
-  // Loss of engine k's tokens (summed, not averaged), dA of the output into grad, scaled
-  // by 1 / total tokens; counts correct argmax predictions.
-  double loss_and_delta(const Batch& batch, std::int64_t total_tokens, bool want_delta,
-                        std::int64_t* correct) {
-    const std::int64_t outputs = sizes.back();
-    const auto last = static_cast<std::size_t>(layers() - 1);
-    double loss = 0;
-    const double scale = 1.0 / static_cast<double>(total_tokens);
-    for (auto& s : state) {
-      const ConstMatrixView y = s.out(last);
-      MutableMatrixView d{};
-      if (want_delta) d = rows_of(s.grad, outputs, s.tokens);
-      for (std::int64_t t = 0; t < s.tokens; ++t) {
-        const std::int64_t token = s.begin + t;
-        if (options.loss == Loss::softmax_cross_entropy) {
-          const int label = batch.labels[static_cast<std::size_t>(token)];
-          double peak = y(0, t);
-          std::int64_t best = 0;
-          for (std::int64_t o = 1; o < outputs; ++o) {
-            if (y(o, t) > peak) {
-              peak = y(o, t);
-              best = o;
-            }
-          }
-          if (correct != nullptr && best == label) ++*correct;
-          double sum = 0;
-          for (std::int64_t o = 0; o < outputs; ++o) sum += std::exp(y(o, t) - peak);
-          const double log_sum = std::log(sum) + peak;
-          loss += log_sum - y(label, t);
-          if (want_delta) {
-            for (std::int64_t o = 0; o < outputs; ++o) {
-              const double p = std::exp(y(o, t) - log_sum);
-              d(o, t) = static_cast<float>((p - (o == label ? 1.0 : 0.0)) * scale);
-            }
-          }
-        } else {
-          const ConstMatrixView& target = *batch.targets;
-          for (std::int64_t o = 0; o < outputs; ++o) {
-            const double diff = static_cast<double>(y(o, t)) - target(o, token);
-            loss += 0.5 * diff * diff;
-            if (want_delta) d(o, t) = static_cast<float>(diff * scale);
-          }
-        }
-      }
-    }
-    return loss;
   }
 
   void check_batch(const Batch& batch) {
-    const std::int64_t tokens = batch.features.cols;
+    const std::int64_t n = batch.features.cols;
     if (options.loss == Loss::softmax_cross_entropy) {
-      if (static_cast<std::int64_t>(batch.labels.size()) != tokens) {
+      if (static_cast<std::int64_t>(batch.labels.size()) != n) {
         throw ShapeError("executor: " + std::to_string(batch.labels.size()) + " labels for " +
-                         std::to_string(tokens) + " tokens");
+                         std::to_string(n) + " tokens");
       }
       for (std::size_t t = 0; t < batch.labels.size(); ++t) {
         if (batch.labels[t] < 0 || batch.labels[t] >= sizes.back()) {
@@ -445,21 +307,24 @@ struct LayerStreamingExecutor::Impl {
                            ")");
         }
       }
-    } else if (!batch.targets || batch.targets->rows != sizes.back() ||
-               batch.targets->cols != tokens) {
+    } else if (!batch.targets || batch.targets->rows != sizes.back() || batch.targets->cols != n) {
       throw ShapeError("executor: MSE needs targets of " + std::to_string(sizes.back()) + "x" +
-                       std::to_string(tokens));
+                       std::to_string(n));
     }
   }
 
   // RigL's growth for layer l: the inactive positions with the largest |dY X^T| over
-  // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp).
-  void score_growth(std::int32_t l, std::span<const ConstMatrixView> xs,
-                    std::span<const ConstMatrixView> dys) {
+  // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp). It
+  // needs the layer's X and dZ themselves: the fabric lends them (over MPI, gathers them:
+  // the only activations that cross a fabric, on mask-update steps alone).
+  void score_growth(std::int32_t l) {
     const auto t0 = Clock::now();
     const CsrMatrix& w = memory.weights(l);
     const std::int64_t k = options.dynamic.swap_count(growth_step, w.nnz(), w.rows() * w.cols());
-    (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
+    fabric.with_layer_activations(
+        l, [&](std::span<const ConstMatrixView> xs, std::span<const ConstMatrixView> dys) {
+          (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
+        });
     const double seconds = since(t0);
     metrics.mask_update_seconds += seconds;
     metrics.mask_score_seconds += seconds;
@@ -486,58 +351,61 @@ struct LayerStreamingExecutor::Impl {
   using Sink = std::function<void(std::int32_t layer, ReducedGradient&& gradient)>;
 
   // Forward, loss, backward; each layer's reduced gradient goes to `sink` on a task of
-  // its own while the engines go on with the layer below. Returns the mean loss.
-  double forward_backward(const Batch& batch, const Sink& sink, std::int64_t* correct) {
+  // its own while the engines go on with the layer below. Returns the loss's sums.
+  LossSums forward_backward(const Batch& batch, const Sink& sink) {
     check_batch(batch);
-    prepare(batch.features, true);
+    load(batch, true, true);
+    return forward_backward_loaded(sink);
+  }
+
+  // Checks samples of the fabric's data set against the model, then every engine takes
+  // its shard of them from its own copy of the set.
+  void load_samples(std::span<const std::int64_t> samples) {
+    check_model_unchanged();
+    const Dataset* data = fabric.dataset();
+    if (data == nullptr) throw ShapeError("executor: the fabric has no data set attached");
+    if (options.loss != Loss::softmax_cross_entropy) {
+      throw ShapeError("executor: a data set's samples have labels, not MSE targets");
+    }
+    if (data->features.rows() != sizes.front()) {
+      throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
+                       " features but the data set has " + std::to_string(data->features.rows()));
+    }
+    const auto n = static_cast<std::int64_t>(samples.size());
+    for (const std::int64_t s : samples) {
+      if (s >= 0 && s < data->samples()) {
+        const int label = data->labels[static_cast<std::size_t>(s)];
+        if (label >= 0 && label < sizes.back()) continue;
+        throw ShapeError("executor: label " + std::to_string(label) + " of sample " +
+                         std::to_string(s) + " is not in [0, " + std::to_string(sizes.back()) +
+                         ")");
+      }
+    }
+    check_budget(std::max<std::int64_t>(n, engines), true);
+    fabric.load_samples(spec(true), samples);  // checks the count and the indices
+    tokens = n;
+    refresh_placements();
+  }
+
+  // Forward, loss, backward of the batch the engines hold.
+  LossSums forward_backward_loaded(const Sink& sink) {
     forward();
-    const std::int64_t total = batch.features.cols;
-    const double loss = loss_and_delta(batch, total, true, correct) / static_cast<double>(total);
+    const LossSums loss = fabric.loss(true, tokens);
 
     std::vector<std::future<void>> submits;
-    auto finish = [&] {
-      for (auto& f : submits) {
-        if (f.valid()) f.wait();
-      }
-      for (auto& f : submits) f.get();
-    };
     try {
       std::unique_ptr<LayerStream> next = open_backward(layers() - 1);
       for (std::int32_t l = layers() - 1; l >= 0; --l) {
-        const auto li = static_cast<std::size_t>(l);
-        // dZ = dA * act'(Z), in place in grad.
-        for (auto& s : state) {
-          const Activation act = options.activations[li];
-          if (act == Activation::none) continue;
-          MutableMatrixView d = rows_of(s.grad, sizes[li + 1], s.tokens);
-          for_each_row(d.rows, d.cols, [&](std::int64_t o) {
-            scale_by_slope(act, s.z[li].row(o), d.row(o), d.cols);
-          });
-        }
         std::unique_ptr<LayerStream> current = std::move(next);
         if (l > 0) next = open_backward(l - 1);
-        std::vector<const Placement*> ps;
-        std::vector<ConstMatrixView> xs, dys;
-        std::vector<MutableMatrixView> dx_views(static_cast<std::size_t>(engines));
-        std::vector<MutableMatrixView*> dxs;
-        for (std::int32_t k = 0; k < engines; ++k) {
-          auto& s = state[static_cast<std::size_t>(k)];
-          ps.push_back(placement(l, k));
-          xs.push_back(s.in(li));
-          dys.push_back(rows_of(s.grad, sizes[li + 1], s.tokens));
-          if (l > 0) {
-            dx_views[static_cast<std::size_t>(k)] = rows_of(s.grad_next, sizes[li], s.tokens);
-            dxs.push_back(&dx_views[static_cast<std::size_t>(k)]);
-          }
-        }
         const bool with_bias = !memory.bias(l).empty();
-        ReducedGradient g = fabric.backward(current->metered, ps, xs, dys, dxs, with_bias);
+        ReducedGradient g =
+            fabric.backward_layer(current->metered, placements_of(l), l, l > 0, with_bias);
         account(*current);
-        if (growth != nullptr) score_growth(l, xs, dys);
+        if (growth != nullptr) score_growth(l);
         if (!submitter) submitter = std::make_unique<detail::EngineWorker>();
         submits.push_back(submitter->post(
             [&sink, l, gradient = std::move(g)]() mutable { sink(l, std::move(gradient)); }));
-        for (auto& s : state) std::swap(s.grad, s.grad_next);
       }
     } catch (...) {
       for (auto& f : submits) {
@@ -545,7 +413,10 @@ struct LayerStreamingExecutor::Impl {
       }
       throw;
     }
-    finish();
+    for (auto& f : submits) {
+      if (f.valid()) f.wait();
+    }
+    for (auto& f : submits) f.get();
     return loss;
   }
 };
@@ -592,10 +463,10 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
       throw ShapeError("executor: layer " + std::to_string(l) + ": " + e.what());
     }
   }
-  if (m.options.prefetch_depth < 1) throw ShapeError("executor: prefetch depth must be >= 1");
+  if (m.options.prefetch_bytes < 0) throw ShapeError("executor: negative prefetch budget");
+  m.options.dynamic.validate();
   if (m.options.chunk_packets < 1) throw ShapeError("executor: chunk_packets must be >= 1");
   if (m.options.memory_budget_bytes < 0) throw ShapeError("executor: negative memory budget");
-  m.options.dynamic.validate();
   m.engines = fabric.engine_count();
 }
 
@@ -615,18 +486,53 @@ std::int64_t LayerStreamingExecutor::activation_bytes(std::int64_t tokens, bool 
   return impl_->bytes_for(tokens, training);
 }
 
+namespace {
+
+/// Engine counters and fabric counters before a call, to take a call's share of them.
+struct CounterMark {
+  std::vector<EngineCounters> engines;
+  FabricCounters fabric;
+  double threads = 0;
+  explicit CounterMark(Fabric& f) : fabric(f.counters()) {
+    for (std::int32_t k = 0; k < f.engine_count(); ++k) {
+      engines.push_back(f.engine(k).counters());
+      threads += f.engine(k).threads();
+    }
+  }
+  void since(Fabric& f, StepMetrics& mt) const {
+    for (std::int32_t k = 0; k < f.engine_count(); ++k) {
+      const EngineCounters& now = f.engine(k).counters();
+      const EngineCounters& then = engines[static_cast<std::size_t>(k)];
+      mt.engine_busy_seconds += now.busy_seconds - then.busy_seconds;
+      mt.stream_arrival_seconds += now.stream_arrival_seconds - then.stream_arrival_seconds;
+      mt.overlapped_seconds += now.overlapped_seconds - then.overlapped_seconds;
+    }
+    mt.driver_bytes_sent += f.counters().driver_bytes_sent - fabric.driver_bytes_sent;
+    mt.driver_bytes_received += f.counters().driver_bytes_received - fabric.driver_bytes_received;
+  }
+};
+
+}  // namespace
+
 StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
+  return train(batch.features.cols,
+               [&](const Impl::Sink& sink) { return impl_->forward_backward(batch, sink); });
+}
+
+StepResult LayerStreamingExecutor::train_step_samples(std::span<const std::int64_t> samples) {
+  return train(static_cast<std::int64_t>(samples.size()), [&](const Impl::Sink& sink) {
+    impl_->load_samples(samples);
+    return impl_->forward_backward_loaded(sink);
+  });
+}
+
+StepResult LayerStreamingExecutor::train(std::int64_t tokens, const StepRunner& run) {
   Impl& m = *impl_;
   m.metrics = {};
-  std::vector<EngineCounters> before;
-  double threads = 0;
-  for (std::int32_t k = 0; k < m.engines; ++k) {
-    before.push_back(m.fabric.engine(k).counters());
-    threads += m.fabric.engine(k).threads();
-  }
+  const CounterMark before(m.fabric);
   const auto t0 = Clock::now();
-  std::int64_t correct = 0;
   StepResult r;
+  LossSums loss;
   // A mask update after this step: RigL scores the layers during its backward pass.
   const std::int64_t step = m.memory.step() + 1;
   const bool mask_step = m.options.dynamic.is_update_step(step);
@@ -640,12 +546,9 @@ StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
     ~NoGrowth() { m.growth = nullptr; }
   } no_growth{m};
   try {
-    r.loss = m.forward_backward(
-        batch,
-        [&](std::int32_t layer, ReducedGradient&& g) {
-          m.memory.submit_gradient(layer, g.weights, g.bias);
-        },
-        &correct);
+    loss = run([&](std::int32_t layer, ReducedGradient&& g) {
+      m.memory.submit_gradient(layer, g.weights, g.bias);
+    });
   } catch (...) {
     // Layers submitted before the failure would otherwise wait for a commit, and the
     // next step would find them there (and could only commit a mix of two steps).
@@ -656,14 +559,14 @@ StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
   if (mask_step && r.report.applied && r.report.step == step) m.update_masks(step, growth);
   StepMetrics& mt = m.metrics;
   mt.wall_seconds = since(t0);
-  for (std::int32_t k = 0; k < m.engines; ++k) {
-    mt.engine_busy_seconds += m.fabric.engine(k).counters().busy_seconds -
-                              before[static_cast<std::size_t>(k)].busy_seconds;
-  }
-  mt.engine_thread_seconds = mt.wall_seconds * threads;
+  before.since(m.fabric, mt);
+  mt.engine_thread_seconds = mt.wall_seconds * before.threads;
   mt.optimizer_seconds = r.report.seconds;
-  mt.tokens = batch.features.cols;
-  r.accuracy = static_cast<double>(correct) / static_cast<double>(batch.features.cols);
+  mt.tokens = tokens;
+  mt.steps = 1;
+  const auto n = static_cast<double>(tokens);
+  r.loss = loss.loss / n;
+  r.accuracy = static_cast<double>(loss.correct) / n;
   r.metrics = mt;
   totals_ += mt;
   return r;
@@ -673,33 +576,24 @@ std::vector<LayerGradient> LayerStreamingExecutor::gradients(const Batch& batch,
   Impl& m = *impl_;
   m.metrics = {};
   std::vector<LayerGradient> out(static_cast<std::size_t>(m.layers()));
-  const double l = m.forward_backward(
-      batch,
-      [&](std::int32_t layer, ReducedGradient&& g) {
-        auto& slot = out[static_cast<std::size_t>(layer)];
-        g.weights.header.kind = StreamKind::weights;  // decode wants values, not a gradient tag
-        slot.weights = decode_stream(g.weights);
-        slot.bias = std::move(g.bias);
-      },
-      nullptr);
-  if (loss != nullptr) *loss = l;
+  const LossSums sums = m.forward_backward(batch, [&](std::int32_t layer, ReducedGradient&& g) {
+    auto& slot = out[static_cast<std::size_t>(layer)];
+    g.weights.header.kind = StreamKind::weights;  // decode wants values, not a gradient tag
+    slot.weights = decode_stream(g.weights);
+    slot.bias = std::move(g.bias);
+  });
+  if (loss != nullptr) *loss = sums.loss / static_cast<double>(batch.features.cols);
   return out;
 }
 
 DenseMatrix LayerStreamingExecutor::infer(ConstMatrixView features) {
   Impl& m = *impl_;
   m.metrics = {};
-  m.prepare(features, false);
+  Batch batch;
+  batch.features = features;
+  m.load(batch, false, false);
   m.forward();
-  DenseMatrix y(m.sizes.back(), features.cols);
-  const auto last = static_cast<std::size_t>(m.layers() - 1);
-  for (const auto& s : m.state) {
-    const ConstMatrixView out = s.out(last);
-    for (std::int64_t o = 0; o < out.rows; ++o) {
-      std::copy(out.row(o), out.row(o) + out.cols, y.row(o) + s.begin);
-    }
-  }
-  return y;
+  return m.fabric.gather_output();
 }
 
 Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batch_tokens) {
@@ -712,8 +606,7 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
   const std::int64_t total = data.features.cols;
   batch_tokens = std::max<std::int64_t>(batch_tokens, m.engines);
   Evaluation e;
-  double loss = 0;
-  std::int64_t correct = 0;
+  LossSums sums;
   for (std::int64_t begin = 0; begin < total;) {
     std::int64_t end = std::min(total, begin + batch_tokens);
     const std::int64_t rest = total - end;
@@ -733,14 +626,14 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
       const ConstMatrixView& t = *data.targets;
       part.targets = ConstMatrixView{t.data + begin, t.rows, end - begin, t.stride};
     }
-    m.prepare(part.features, m.allocated_training);
+    m.load(part, false, true);
     m.forward();
-    loss += m.loss_and_delta(part, end - begin, false, &correct);
+    sums += m.fabric.loss(false, end - begin);
     begin = end;
   }
   e.tokens = total;
-  e.loss = total > 0 ? loss / static_cast<double>(total) : 0;
-  e.accuracy = total > 0 ? static_cast<double>(correct) / static_cast<double>(total) : 0;
+  e.loss = total > 0 ? sums.loss / static_cast<double>(total) : 0;
+  e.accuracy = total > 0 ? static_cast<double>(sums.correct) / static_cast<double>(total) : 0;
   return e;
 }
 

@@ -12,8 +12,11 @@
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <span>
 #include <sstream>
+#include <tuple>
 
 #include "json_writer.hpp"
 #include "measure.hpp"
@@ -47,7 +50,8 @@ struct TrainOptions {
   int threads = 0;
   std::string path = "auto";
   std::int64_t memory_budget = 0;
-  std::size_t prefetch = 4;
+  std::size_t prefetch = 0;
+  std::int64_t prefetch_bytes = 0;
   std::string fabric = "local";
   std::string precision = "fp32";
   std::string dynamic = "none";
@@ -167,6 +171,18 @@ Dataset load_data(const TrainOptions& o, std::string& name) {
   return load_csv(o.dataset);
 }
 
+/// The data set split and standardised for training and testing, as every rank builds it
+/// (the split and the order come from the seed).
+struct PreparedData {
+  Dataset all, train, test;
+};
+PreparedData prepare_data(const TrainOptions& o, std::string& name) {
+  PreparedData d;
+  d.all = load_data(o, name);
+  std::tie(d.train, d.test) = split_dataset(d.all, 0.2, o.seed);
+  return d;
+}
+
 /// A new optimizer of `kind` as `sluice train` sets it up: SGD with momentum, AdamW with
 /// a little weight decay.
 OptimizerConfig new_optimizer(OptimizerKind kind, double learning_rate) {
@@ -229,11 +245,26 @@ struct TrainTotals {
   double final_loss = 0;
 };
 
+/// The samples of `data` as a batch whose features are in `x` (resized as needed).
+Batch batch_of(const Dataset& data, std::span<const std::int64_t> samples, DenseMatrix& x) {
+  const auto size = static_cast<std::int64_t>(samples.size());
+  if (x.cols() != size) x = DenseMatrix(data.features.rows(), size);
+  Batch b;
+  for (std::int64_t k = 0; k < size; ++k) {
+    const std::int64_t s = samples[static_cast<std::size_t>(k)];
+    for (std::int64_t f = 0; f < x.rows(); ++f) x(f, k) = data.features(f, s);
+    b.labels.push_back(data.labels[static_cast<std::size_t>(s)]);
+  }
+  b.features = x.view();
+  return b;
+}
+
 /// Trains `o.epochs` epochs after the `done` the model has had, each over the training
 /// set in an order shuffled from the seed: epoch k's order is the same whether or not the
 /// run was resumed in between.
 TrainTotals train_epochs(LayerStreamingExecutor& executor, const Dataset& train,
-                         const TrainOptions& o, std::int64_t done, std::ostream& progress) {
+                         const TrainOptions& o, std::int64_t done, std::ostream& progress,
+                         bool by_index) {
   const std::int64_t n = train.samples();
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
@@ -248,16 +279,10 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, const Dataset& train,
     std::int64_t seen = 0, epoch_skipped = 0;
     for (std::int64_t begin = 0; begin + o.engines <= n; begin += o.batch) {
       const std::int64_t size = std::min(o.batch, n - begin);
-      DenseMatrix& x =
-          size == batch_x.cols() ? batch_x : (batch_x = DenseMatrix(train.features.rows(), size));
-      Batch b;
-      for (std::int64_t k = 0; k < size; ++k) {
-        const std::int64_t s = order[static_cast<std::size_t>(begin + k)];
-        for (std::int64_t f = 0; f < x.rows(); ++f) x(f, k) = train.features(f, s);
-        b.labels.push_back(train.labels[static_cast<std::size_t>(s)]);
-      }
-      b.features = x.view();
-      const StepResult r = executor.train_step(b);
+      const std::span<const std::int64_t> samples = std::span<const std::int64_t>(order).subspan(
+          static_cast<std::size_t>(begin), static_cast<std::size_t>(size));
+      const StepResult r = by_index ? executor.train_step_samples(samples)
+                                    : executor.train_step(batch_of(train, samples, batch_x));
       loss_sum += r.loss * static_cast<double>(size);
       correct += r.accuracy * static_cast<double>(size);
       seen += size;
@@ -343,8 +368,12 @@ Command add_train_command(CLI::App& app) {
   cmd->add_option("--memory-budget", o->memory_budget,
                   "Bytes the activations may take (0: no limit)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--prefetch", o->prefetch, "Stream chunks prefetched ahead of the engines")
+  cmd->add_option("--prefetch", o->prefetch,
+                  "Stream chunks prefetched ahead of the engines (overrides --prefetch-bytes)")
       ->check(CLI::Range(1, 1024));
+  cmd->add_option("--prefetch-bytes", o->prefetch_bytes,
+                  "Stream bytes prefetched ahead of the engines (0: the whole next layer)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--precision", o->precision,
                   "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
                   "and master weights), or one per layer: bf16,bf16,fp32");
@@ -408,6 +437,21 @@ Command add_train_command(CLI::App& app) {
       mo.engine.path = parse_product_path(o->path);
       auto mpi_fabric = std::make_unique<MpiFabric>(mo);
       if (!mpi_fabric->is_driver()) {
+        // Engine ranks build the training set as rank 0 does and take each batch's samples
+        // from it: rank 0 sends their indices, never features. A resumed run's seed (which
+        // fixes the split) is in its checkpoint, which engine ranks do not read: rank 0
+        // then sends each batch's features once a step.
+        std::optional<PreparedData> own;
+        if (o->resume.empty()) {
+          try {
+            std::string name;
+            own = prepare_data(*o, name);
+            standardize(own->train, own->test);
+          } catch (const std::exception&) {  // rank 0 fails alike and says why
+            own.reset();
+          }
+        }
+        if (own) mpi_fabric->attach_dataset(&own->train);
         mpi_fabric->serve();
         return 0;
       }
@@ -431,8 +475,10 @@ Command add_train_command(CLI::App& app) {
     const std::vector<std::int64_t> saved =
         resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
     std::string dataset_name;
-    Dataset all = load_data(*o, dataset_name);
-    auto [train, test] = split_dataset(all, 0.2, o->seed);
+    PreparedData data = prepare_data(*o, dataset_name);
+    const Dataset& all = data.all;
+    Dataset& train = data.train;
+    Dataset& test = data.test;
     // Every engine takes a share of each batch's tokens: a split with fewer samples than
     // engines gives no training step or no evaluation.
     const std::int64_t fewest = std::min(train.samples(), test.samples());
@@ -485,6 +531,7 @@ Command add_train_command(CLI::App& app) {
     Fabric& fabric = *fabric_owner;
     ExecutorOptions eo;
     eo.prefetch_depth = o->prefetch;
+    eo.prefetch_bytes = o->prefetch_bytes;
     eo.memory_budget_bytes = o->memory_budget;
     eo.precisions = parse_precisions(o->precision, memory.layer_count());
     const std::int64_t n = train.samples();
@@ -498,7 +545,11 @@ Command add_train_command(CLI::App& app) {
     eo.dynamic.total_steps = memory.step() + steps_per_epoch * o->epochs;
     LayerStreamingExecutor executor(memory, fabric, eo);
 
-    const TrainTotals t = train_epochs(executor, train, *o, memory.epochs, progress);
+    // The engines take batches by sample index from the training set (over MPI each engine
+    // rank from its own copy, which it has unless the run resumed).
+    const bool by_index = o->fabric == "local" || !resuming;
+    if (by_index) fabric.attach_dataset(&train);
+    const TrainTotals t = train_epochs(executor, train, *o, memory.epochs, progress, by_index);
     refuse_failed_training(t, *o);
     memory.epochs += o->epochs;
     // Saved before evaluating, so a failing evaluation does not cost the trained model.
@@ -529,6 +580,9 @@ Command add_train_command(CLI::App& app) {
       j.field("dynamic", o->dynamic).field("mask_updates", total.mask_updates);
       j.field("mask_update_seconds", total.mask_update_seconds);
       j.field("mask_score_seconds", total.mask_score_seconds);
+      j.field("driver_bytes_sent_per_step", total.driver_bytes_sent_per_step());
+      j.field("driver_bytes_received_per_step", total.driver_bytes_received_per_step());
+      j.field("overlap", total.overlap());
       j.field("peak_rss_bytes", peak_resident_bytes());
       j.end_object();
       std::cout << j.str() << "\n";

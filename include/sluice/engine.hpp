@@ -22,8 +22,12 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <vector>
 
+#include "sluice/activation_store.hpp"
+#include "sluice/dataset.hpp"
 #include "sluice/dense.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/planner.hpp"
@@ -70,6 +74,10 @@ struct EngineCounters {
   double intake_seconds = 0;  ///< validating and routing packets
   std::uint64_t packets = 0;
   std::uint64_t bytes = 0;
+  /// Wall time from a layer's first chunk asked for to its last one taken in, summed
+  /// over layers, and the part of it during which some lane of the engine was computing.
+  double stream_arrival_seconds = 0;
+  double overlapped_seconds = 0;
   void reset() { *this = {}; }
 };
 
@@ -123,6 +131,33 @@ class Engine {
   virtual std::int32_t threads() const = 0;
   EngineCounters& counters() { return counters_; }
 
+  // --- Layer operations on the engine's own activation store ---------------------------
+  // A step loads the engine's shard of the batch once, then runs layer by layer on what
+  // the engine holds: weights stream in, gradients and scalars come out, activations stay.
+  // The base class implements them on the product calls above, in this process's memory;
+  // an engine with memory of its own (another process, an accelerator) overrides them.
+
+  const ActivationStore& store() const { return store_; }
+  /// Takes this engine's shard of a batch into its store for a pass of `spec`.
+  virtual void load_shard(const PassSpec& spec, const ShardData& shard);
+  /// The same from samples of a data set (the engine's copy): features and labels of
+  /// `indices`, in that order (ShapeError for an index out of the set).
+  void load_samples(const PassSpec& spec, const Dataset& data,
+                    std::span<const std::int64_t> indices);
+  /// Layer `layer` forward: Z = W in(layer) + bias (empty: none), A = act(Z).
+  virtual void forward_layer(StreamSource& weights, const Placement& placement, std::int32_t layer,
+                             std::span<const float> bias);
+  /// The loss of the store's tokens against their labels or targets. With `want_delta`,
+  /// dA of the last layer, for the mean loss over `total_tokens` (every engine's), goes
+  /// into the store's delta.
+  virtual LossSums loss(bool want_delta, std::int64_t total_tokens);
+  /// Layer `layer` backward: dZ = dA * act'(Z) in the delta; returns the weight gradient
+  /// (see backward()); with `want_dx` dX goes into the layer below's delta, which becomes
+  /// the delta; with `bias_gradient` the row sums of dZ go there.
+  virtual WeightStream backward_layer(StreamSource& weights, const Placement& placement,
+                                      std::int32_t layer, bool want_dx,
+                                      std::vector<float>* bias_gradient);
+
  protected:
   virtual void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                             MutableMatrixView y, const Placement* next_placement) = 0;
@@ -131,6 +166,7 @@ class Engine {
                                      const ConstMatrixView* x, ConstMatrixView dy,
                                      MutableMatrixView* dx) = 0;
   EngineCounters counters_;
+  ActivationStore store_;
 };
 
 /// The engine on this machine's cores: lanes are oneTBB tasks in the engine's own arena,

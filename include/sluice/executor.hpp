@@ -2,10 +2,13 @@
 // The LayerStreamingExecutor drives a stack of sparse linear layers (weights in
 // ModelMemory) through forward and backward passes on a Fabric's engines.
 //
-// Forward: layer by layer, ModelMemory streams the weights into a bounded channel from a
-// producer task (capacity = prefetch depth) while the engines take them in; the next
-// layer's producer starts while the engines still work on this one. Every engine keeps
-// its pre-activations Z and activations A of every layer resident for the backward pass.
+// A step first loads each engine's shard of the batch into the engine's activation store
+// (see activation_store.hpp); from then on the executor holds no activations: it runs
+// layer operations over the fabric, which carry weights out and gradients and scalars
+// back. Forward: layer by layer, ModelMemory streams the weights into a bounded channel
+// from a producer task (capacity: the prefetch budget) while the engines take them in;
+// the next layer's producer starts while the engines still work on this one. Every engine
+// keeps its pre-activations Z and activations A of every layer for the backward pass.
 // Backward: the weights stream again (the first layer: the mask alone, no dX); the fabric
 // sums the engines' gradient streams; the executor hands each layer's gradient to
 // ModelMemory::submit_gradient on a task of its own, so the optimizer works on layer l
@@ -15,30 +18,18 @@
 // over all tokens of the batch, so the gradients the fabric sums are those of that mean
 // and N engines compute the same math as one.
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <span>
 #include <vector>
 
+#include "sluice/activation_store.hpp"
 #include "sluice/dense.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
 
 namespace sluice {
-
-enum class Activation {
-  none,
-  relu,
-  /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-  gelu,
-};
-const char* to_string(Activation activation);
-
-enum class Loss {
-  /// Softmax cross-entropy against integer labels: mean over tokens of -log p[label].
-  softmax_cross_entropy,
-  /// Mean over tokens of 0.5 * sum over outputs of (y - target)^2.
-  mse,
-};
 
 /// A batch: features x tokens, with integer labels (cross-entropy) or dense targets
 /// (outputs x tokens, MSE).
@@ -48,6 +39,9 @@ struct Batch {
   std::optional<ConstMatrixView> targets;
 };
 
+/// The most a layer's channel prefetches by default (prefetch_bytes 0).
+inline constexpr std::int64_t kMaxPrefetchBytes = std::int64_t{256} << 20;
+
 struct ExecutorOptions {
   /// One per layer; empty = ReLU on every hidden layer, none on the last.
   std::vector<Activation> activations;
@@ -56,8 +50,12 @@ struct ExecutorOptions {
   /// (half the bytes) and the engines hold its input activations in bf16; sums, outputs,
   /// gradients and ModelMemory's master weights stay fp32.
   std::vector<Precision> precisions;
-  /// Chunks the weight stream may run ahead of the engines (the channel's capacity).
-  std::size_t prefetch_depth = 4;
+  /// Bytes of a layer's weight stream that may wait ahead of the engines (each layer's
+  /// channel holds that much: the next layer's stream is produced while the engines work
+  /// on this one). 0 = the whole layer, up to kMaxPrefetchBytes.
+  std::int64_t prefetch_bytes = 0;
+  /// The budget in chunks instead (as before bytes): nonzero overrides prefetch_bytes.
+  std::size_t prefetch_depth = 0;
   std::size_t chunk_packets = kDefaultChunkPackets;
   /// Bytes the resident activations may take over all engines; 0 = no limit.
   std::int64_t memory_budget_bytes = 0;
@@ -80,6 +78,13 @@ struct StepMetrics {
   std::int64_t mask_updates = 0;   ///< steps after which the masks changed
   double mask_update_seconds = 0;  ///< RigL's scores and the regrowth (in wall_seconds)
   double mask_score_seconds = 0;   ///< of which RigL's scores (the streaming top-k)
+  std::int64_t steps = 0;          ///< train steps counted (1 for one step's metrics)
+  /// What the driver moved through the fabric (FabricCounters), summed.
+  std::uint64_t driver_bytes_sent = 0;
+  std::uint64_t driver_bytes_received = 0;
+  /// EngineCounters::stream_arrival_seconds and overlapped_seconds over all engines.
+  double stream_arrival_seconds = 0;
+  double overlapped_seconds = 0;
 
   double engine_busy() const {
     return engine_thread_seconds > 0 ? engine_busy_seconds / engine_thread_seconds : 0;
@@ -87,6 +92,16 @@ struct StepMetrics {
   double packets_per_second() const { return wall_seconds > 0 ? stream_packets / wall_seconds : 0; }
   double bytes_per_second() const { return wall_seconds > 0 ? stream_bytes / wall_seconds : 0; }
   double tokens_per_second() const { return wall_seconds > 0 ? tokens / wall_seconds : 0; }
+  double driver_bytes_sent_per_step() const {
+    return steps > 0 ? static_cast<double>(driver_bytes_sent) / static_cast<double>(steps) : 0;
+  }
+  double driver_bytes_received_per_step() const {
+    return steps > 0 ? static_cast<double>(driver_bytes_received) / static_cast<double>(steps) : 0;
+  }
+  /// The fraction of the layers' stream arrival time during which the engine computed.
+  double overlap() const {
+    return stream_arrival_seconds > 0 ? overlapped_seconds / stream_arrival_seconds : 0;
+  }
   StepMetrics& operator+=(const StepMetrics& other);
 };
 
@@ -118,6 +133,10 @@ class LayerStreamingExecutor {
 
   /// Forward, backward, gradients to ModelMemory, commit_step.
   StepResult train_step(const Batch& batch);
+  /// The same for samples of the data set attached to the fabric (Fabric::attach_dataset):
+  /// the engines take the samples' features and labels from their own copy of the set,
+  /// so only the indices cross the fabric (cross-entropy only).
+  StepResult train_step_samples(std::span<const std::int64_t> samples);
   /// Forward and backward only: the gradients of the batch's mean loss, per layer.
   std::vector<LayerGradient> gradients(const Batch& batch, double* loss = nullptr);
   /// The last layer's output (outputs x tokens) after its activation.
@@ -126,7 +145,7 @@ class LayerStreamingExecutor {
   Evaluation evaluate(const Batch& data, std::int64_t batch_tokens = 1024);
 
   /// Bytes of resident activations (Z and A of every layer, two backward buffers) that a
-  /// batch of `tokens` needs over all engines.
+  /// batch of `tokens` needs over all engines' stores.
   std::int64_t activation_bytes(std::int64_t tokens, bool training = true) const;
 
   const StepMetrics& totals() const { return totals_; }
@@ -136,6 +155,10 @@ class LayerStreamingExecutor {
 
  private:
   struct Impl;
+  using StepRunner =
+      std::function<LossSums(const std::function<void(std::int32_t, ReducedGradient&&)>& submit)>;
+  /// A train step: `run` loads the batch, runs it and submits each layer's gradient.
+  StepResult train(std::int64_t tokens, const StepRunner& run);
   std::unique_ptr<Impl> impl_;
   StepMetrics totals_;
 };

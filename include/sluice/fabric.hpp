@@ -4,13 +4,23 @@
 // sees the same chunks, shared, never copied); gradient streams come back by a
 // sum-reduction over the engines, done as a pairwise tree in a fixed order so the
 // result does not depend on which engine finished first.
+//
+// A training step runs as layer operations over the engines' activation stores (see
+// activation_store.hpp): each engine loads its shard of the batch once, then per layer
+// the weight stream and the layer's bias go out and, backward, the summed gradient and
+// bias gradient come back; the loss comes back as a few scalars. Activations never cross
+// the fabric. The product operations on caller-held views (forward, backward) remain for
+// benchmarks and tests of the engines themselves.
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <future>
 #include <memory>
 #include <span>
 #include <vector>
 
+#include "sluice/activation_store.hpp"
+#include "sluice/dataset.hpp"
 #include "sluice/dense.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/planner.hpp"
@@ -36,6 +46,16 @@ ReducedGradient reduce_gradients(std::vector<WeightStream> streams,
 
 /// One engine's bias gradient: the row sums of its dY, accumulated in double.
 std::vector<float> bias_gradient(ConstMatrixView dy);
+
+/// What the driver's side of a fabric (the caller of its operations; over MPI rank 0)
+/// moved through it, in bytes.
+struct FabricCounters {
+  /// Weight streams (once per broadcast), biases, batch shards or their sample indices,
+  /// and the protocol's own messages (commands, placements).
+  std::uint64_t driver_bytes_sent = 0;
+  /// Summed gradients and bias gradients, loss scalars, gathered outputs, replies.
+  std::uint64_t driver_bytes_received = 0;
+};
 
 /// A non-blocking fabric operation. get() waits and returns (or rethrows); the destructor
 /// waits too, so views handed to the operation stay in use until it has finished.
@@ -103,6 +123,49 @@ class Fabric {
                                                 std::vector<MutableMatrixView*> dxs,
                                                 bool with_bias);
 
+  // --- Layer operations over the engines' activation stores ------------------------------
+
+  /// Engine k's tokens of a batch of `tokens` split over `engines`: contiguous ranges in
+  /// engine order, [first, first + count).
+  struct TokenRange {
+    std::int64_t first = 0, count = 0;
+  };
+  static TokenRange shard_of(std::int32_t k, std::int32_t engines, std::int64_t tokens);
+
+  /// Every engine takes its shard (shard_of) of `batch` into its store, for `spec`.
+  /// `batch.labels` (cross-entropy) or `batch.targets` (MSE) may be absent for inference.
+  void load_batch(const PassSpec& spec, const ShardData& batch);
+  /// The data set the engines take batches from by sample index (load_samples): on a
+  /// local fabric shared, over MPI every rank's own copy, built the same way (engine
+  /// ranks attach theirs before serve()). Null detaches. The caller keeps it alive.
+  void attach_dataset(const Dataset* data) { dataset_ = data; }
+  const Dataset* dataset() const { return dataset_; }
+  /// Every engine takes its shard (shard_of) of the samples `indices` of the attached data
+  /// set into its store, features and labels: only the indices cross the fabric.
+  void load_samples(const PassSpec& spec, std::span<const std::int64_t> indices);
+  /// Layer `layer` forward on every engine, from one broadcast of `weights` (by output),
+  /// with the layer's bias (empty: none).
+  void forward_layer(StreamSource& weights, std::span<const Placement* const> placements,
+                     std::int32_t layer, std::span<const float> bias);
+  /// The loss over every engine's tokens, summed in engine order (see Engine::loss).
+  LossSums loss(bool want_delta, std::int64_t total_tokens);
+  /// Layer `layer` backward on every engine (see Engine::backward_layer); the gradient
+  /// streams, and with `with_bias` the bias gradients, summed by the tree.
+  ReducedGradient backward_layer(StreamSource& weights,
+                                 std::span<const Placement* const> placements, std::int32_t layer,
+                                 bool want_dx, bool with_bias);
+  /// The last layer's output of every engine, side by side (outputs x all tokens).
+  DenseMatrix gather_output();
+  /// Each engine's input X of layer `layer` and the dZ its last backward_layer (of that
+  /// layer) worked on, lent to `fn` for the call: for what needs the activations
+  /// themselves (RigL's growth scores). A local fabric lends the engines' stores; over MPI
+  /// they are gathered to the driver, the one operation that moves activations.
+  using ActivationsFn = std::function<void(std::span<const ConstMatrixView> xs,
+                                           std::span<const ConstMatrixView> dzs)>;
+  void with_layer_activations(std::int32_t layer, const ActivationsFn& fn);
+
+  const FabricCounters& counters() const { return counters_; }
+
  protected:
   virtual std::int32_t engine_count_impl() const = 0;
   virtual Engine& engine_impl(std::int32_t k) = 0;
@@ -115,6 +178,25 @@ class Fabric {
                                         std::span<const ConstMatrixView> dys,
                                         std::span<MutableMatrixView* const> dxs,
                                         bool with_bias) = 0;
+  virtual void load_batch_impl(const PassSpec& spec, const ShardData& batch) = 0;
+  virtual void load_samples_impl(const PassSpec& spec, std::span<const std::int64_t> indices) = 0;
+  virtual void forward_layer_impl(StreamSource& weights,
+                                  std::span<const Placement* const> placements, std::int32_t layer,
+                                  std::span<const float> bias) = 0;
+  /// One LossSums per engine, in engine order.
+  virtual std::vector<LossSums> loss_impl(bool want_delta, std::int64_t total_tokens) = 0;
+  virtual ReducedGradient backward_layer_impl(StreamSource& weights,
+                                              std::span<const Placement* const> placements,
+                                              std::int32_t layer, bool want_dx, bool with_bias) = 0;
+  virtual DenseMatrix gather_output_impl() = 0;
+  /// The views of with_layer_activations, valid until the next operation.
+  virtual void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
+                                      std::vector<ConstMatrixView>& dzs) = 0;
+
+  /// Implementations add what their own protocol moves (the base counts weight streams,
+  /// biases, batch shards, gradients, scalars and outputs).
+  FabricCounters counters_;
+  const Dataset* dataset_ = nullptr;
 
  private:
   /// Runs the async operations (made by the first; one thread for all of them, since
@@ -149,8 +231,28 @@ class LocalFabric final : public Fabric {
                                 std::span<const ConstMatrixView> xs,
                                 std::span<const ConstMatrixView> dys,
                                 std::span<MutableMatrixView* const> dxs, bool with_bias) override;
+  void load_batch_impl(const PassSpec& spec, const ShardData& batch) override;
+  void load_samples_impl(const PassSpec& spec, std::span<const std::int64_t> indices) override;
+  void forward_layer_impl(StreamSource& weights, std::span<const Placement* const> placements,
+                          std::int32_t layer, std::span<const float> bias) override;
+  std::vector<LossSums> loss_impl(bool want_delta, std::int64_t total_tokens) override;
+  ReducedGradient backward_layer_impl(StreamSource& weights,
+                                      std::span<const Placement* const> placements,
+                                      std::int32_t layer, bool want_dx, bool with_bias) override;
+  DenseMatrix gather_output_impl() override;
+  void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
+                              std::vector<ConstMatrixView>& dzs) override;
 
  private:
+  /// One engine's backward from its copy of the stream; its bias gradient into the third
+  /// argument when that is not null.
+  using EngineBackward =
+      std::function<WeightStream(std::size_t, StreamSource&, std::vector<float>*)>;
+  /// Broadcasts `weights` to every engine's `backward` and sums the results by the tree.
+  ReducedGradient broadcast_and_reduce(StreamSource& weights, bool with_bias,
+                                       const EngineBackward& backward);
+  /// fn(k) for every engine, on the engines' threads (with one engine on this one).
+  void for_each_engine(const std::function<void(std::int32_t)>& fn);
   LocalFabricOptions options_;
   std::vector<std::unique_ptr<CpuEngine>> engines_;
   // Persistent threads that drive the engines (declared last: they stop first).

@@ -103,6 +103,17 @@ class MpiFabric final : public Fabric {
                                 std::span<const ConstMatrixView> xs,
                                 std::span<const ConstMatrixView> dys,
                                 std::span<MutableMatrixView* const> dxs, bool with_bias) override;
+  void load_batch_impl(const PassSpec& spec, const ShardData& batch) override;
+  void load_samples_impl(const PassSpec& spec, std::span<const std::int64_t> indices) override;
+  void forward_layer_impl(StreamSource& weights, std::span<const Placement* const> placements,
+                          std::int32_t layer, std::span<const float> bias) override;
+  std::vector<LossSums> loss_impl(bool want_delta, std::int64_t total_tokens) override;
+  ReducedGradient backward_layer_impl(StreamSource& weights,
+                                      std::span<const Placement* const> placements,
+                                      std::int32_t layer, bool want_dx, bool with_bias) override;
+  DenseMatrix gather_output_impl() override;
+  void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
+                              std::vector<ConstMatrixView>& dzs) override;
 
  private:
   struct Impl;

@@ -26,6 +26,7 @@
 
 #include "chunk_pool.hpp"
 #include "engine_worker.hpp"
+#include "gradient_tree.hpp"
 #include "kernels/gradient_layout.hpp"
 #include "sluice/error.hpp"
 #include "sluice/topology.hpp"
@@ -33,7 +34,21 @@
 namespace sluice {
 namespace {
 
-enum class Op : std::int32_t { forward = 1, backward = 2, stop = 3, probe = 4, probe_echo = 5 };
+enum class Op : std::int32_t {
+  forward = 1,
+  backward = 2,
+  stop = 3,
+  probe = 4,
+  probe_echo = 5,
+  // Layer operations on the engines' activation stores.
+  load_batch = 6,
+  forward_layer = 7,
+  loss = 8,
+  backward_layer = 9,
+  gather_output = 10,
+  layer_activations = 11,
+  load_samples = 12,
+};
 
 struct ChunkMeta {
   std::int64_t packets = 0;
@@ -152,7 +167,23 @@ struct Command {
   std::uint32_t order = 0;      ///< by output or by input: which of outputs/inputs is X's
   std::uint32_t unused = 0;
   std::uint64_t nnz = 0;
+  // Layer operations: the layer, flags (see kFlag...), the batch's tokens.
+  std::int32_t layer = 0;
+  std::int32_t flags = 0;
+  std::int64_t total_tokens = 0;
   FrameMeta first;  ///< the stream's first frame
+};
+// Command::flags of the layer operations.
+constexpr std::int32_t kFlagLabels = 1;    // load_batch: labels follow
+constexpr std::int32_t kFlagTargets = 2;   // load_batch: targets follow
+constexpr std::int32_t kFlagTraining = 4;  // load_batch: a training pass
+constexpr std::int32_t kFlagBias = 8;      // forward_layer: a bias follows; backward: wanted
+constexpr std::int32_t kFlagDelta = 16;    // loss: the delta is wanted
+
+/// An engine's LossSums on the wire.
+struct WireLoss {
+  double loss = 0;
+  std::int64_t correct = 0, tokens = 0, non_finite = 0;
 };
 
 /// Scattered from rank 0: one engine's share of the operation.
@@ -165,6 +196,7 @@ struct Job {
 /// Gathered to rank 0 after every operation.
 struct Reply {
   double busy_seconds = 0, intake_seconds = 0;
+  double arrival_seconds = 0, overlapped_seconds = 0;
   std::uint64_t packets = 0, bytes = 0;
   std::uint64_t grad_packets = 0;
   std::uint64_t grad_values = 0;  ///< weight packets in the gradient stream: values sent
@@ -507,6 +539,17 @@ struct MpiFabric::Impl {
   std::uint64_t window_capacity = 0;
   bool window_failed = false;
   double last_gradient_seconds = 0;  // rank 0
+  // Rank 0: what the protocol itself moved (commands, placements, replies) in the current
+  // layer operation, for the fabric's counters.
+  std::uint64_t bytes_sent = 0, bytes_received = 0;
+  // Rank 0: each engine's tokens and the outputs of the batch the engines hold.
+  std::vector<std::int64_t> shard_tokens;
+  std::vector<std::int64_t> sizes;  // of the model the engines hold a batch for
+  std::int64_t outputs = 0;
+  // Rank 0: activations gathered for with_layer_activations, until the next call.
+  std::vector<DenseMatrix> lent;
+  // Engine ranks: the data set attached before serve(), for load_samples.
+  const Dataset* dataset = nullptr;
   // Every rank on rank 0's node (and shared_memory): engines read the stream's frames
   // straight from rank 0's memory (read_remote) instead of receiving a broadcast.
   bool direct = false;
@@ -554,8 +597,8 @@ struct MpiFabric::Impl {
 
   // --- rank 0 ---------------------------------------------------------------------
 
-  void send_command(Op op, const StreamHeader& h, bool want_dx, const Frame& first) {
-    Command c;
+  void send_command(Op op, const StreamHeader& h, bool want_dx, const Frame& first,
+                    Command c = {}) {
     c.op = static_cast<std::int32_t>(op);
     c.want_dx = want_dx ? 1 : 0;
     c.kind = static_cast<std::uint32_t>(h.kind);
@@ -566,6 +609,7 @@ struct MpiFabric::Impl {
     c.order = static_cast<std::uint32_t>(h.order);
     c.first = first.meta(h.precision);
     mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, comm), "command broadcast");
+    bytes_sent += sizeof c;
   }
 
   void scatter_jobs(std::span<const Placement* const> placements,
@@ -574,8 +618,15 @@ struct MpiFabric::Impl {
     for (int k = 0; k < engines(); ++k) {
       Job& j = jobs[static_cast<std::size_t>(k) + 1];
       j.tokens = xs[static_cast<std::size_t>(k)].cols;
-      j.lanes = placements[static_cast<std::size_t>(k)]->lanes;
       j.want_dx = !dxs.empty() && dxs[static_cast<std::size_t>(k)] != nullptr ? 1 : 0;
+    }
+    scatter_jobs(placements, std::move(jobs));
+  }
+
+  // Each engine's job (jobs[k + 1]; their lanes are set here) and placement.
+  void scatter_jobs(std::span<const Placement* const> placements, std::vector<Job> jobs) {
+    for (int k = 0; k < engines(); ++k) {
+      jobs[static_cast<std::size_t>(k) + 1].lanes = placements[static_cast<std::size_t>(k)]->lanes;
     }
     Job mine;
     mpi_check(
@@ -603,6 +654,8 @@ struct MpiFabric::Impl {
     mpi_check(MPI_Scatterv(lane_nnz.data(), counts.data(), displs.data(), MPI_INT64_T, nullptr, 0,
                            MPI_INT64_T, 0, comm),
               "placement scatter");
+    bytes_sent += engines() * sizeof(Job) + lane_of.size() * sizeof(std::int32_t) +
+                  lane_nnz.size() * sizeof(std::int64_t);
   }
 
   // Each engine's token slice, packed, by one Scatterv.
@@ -739,11 +792,14 @@ struct MpiFabric::Impl {
     mpi_check(MPI_Gather(&mine, sizeof(Reply), MPI_BYTE, replies.data(), sizeof(Reply), MPI_BYTE, 0,
                          comm),
               "reply gather");
+    bytes_received += engines() * sizeof(Reply);
     for (int k = 0; k < engines(); ++k) {
       const Reply& r = replies[static_cast<std::size_t>(k) + 1];
       EngineCounters& c = twins[static_cast<std::size_t>(k)]->counters();
       c.busy_seconds += r.busy_seconds;
       c.intake_seconds += r.intake_seconds;
+      c.stream_arrival_seconds += r.arrival_seconds;
+      c.overlapped_seconds += r.overlapped_seconds;
       c.packets += r.packets;
       c.bytes += r.bytes;
     }
@@ -1052,11 +1108,7 @@ struct MpiFabric::Impl {
     channel.close();
   }
 
-  void serve_one(const Command& cmd) {
-    const bool backward = cmd.op == static_cast<std::int32_t>(Op::backward);
-    const bool echo = cmd.op == static_cast<std::int32_t>(Op::probe_echo);
-    const bool probe = echo || cmd.op == static_cast<std::int32_t>(Op::probe);
-    const bool returns_gradient = backward || echo;
+  static StreamHeader header_of(const Command& cmd) {
     StreamHeader header;
     header.kind = static_cast<StreamKind>(cmd.kind);
     header.outputs = cmd.outputs;
@@ -1072,6 +1124,75 @@ struct MpiFabric::Impl {
       throw FormatError("MpiFabric: unknown stream order " + std::to_string(cmd.order) +
                         " from rank 0");
     }
+    return header;
+  }
+
+  // Runs fn(stream) on the engine's thread while this thread receives the stream's
+  // frames; a failed engine drains its channel, so the receiving thread never blocks.
+  template <typename Fn>
+  void run_on_stream(const Command& cmd, const StreamHeader& header, Fn&& fn) {
+    FrameChannel channel(options.window * kMaxFrameChunks);
+    std::exception_ptr error;
+    std::future<void> done = worker->post([&] {
+      FrameStreamSource source(header, channel);
+      try {
+        fn(static_cast<StreamSource&>(source));
+      } catch (...) {
+        error = std::current_exception();
+      }
+      try {
+        while (!channel.pop().empty()) {
+        }
+      } catch (...) {
+      }
+    });
+    std::vector<std::shared_ptr<StreamChunk>> used;
+    receive_stream(cmd.first, header.precision, channel, used);
+    done.get();
+    if (error) std::rethrow_exception(error);
+    // The engine has let go of the chunks: their buffers serve the next operation.
+    pool.insert(pool.end(), std::make_move_iterator(used.begin()),
+                std::make_move_iterator(used.end()));
+  }
+
+  // The engine's counters since `before` and, if any, its gradient stream's shape; then
+  // the gradient itself up the tree, and its checksum.
+  void reply(const EngineCounters& before, const WeightStream* gradient) {
+    Reply r;
+    const EngineCounters& after = engine->counters();
+    r.busy_seconds = after.busy_seconds - before.busy_seconds;
+    r.intake_seconds = after.intake_seconds - before.intake_seconds;
+    r.arrival_seconds = after.stream_arrival_seconds - before.stream_arrival_seconds;
+    r.overlapped_seconds = after.overlapped_seconds - before.overlapped_seconds;
+    r.packets = after.packets - before.packets;
+    r.bytes = after.bytes - before.bytes;
+    if (gradient != nullptr) {
+      r.grad_kind = static_cast<std::uint32_t>(gradient->header.kind);
+      r.grad_outputs = gradient->header.outputs;
+      r.grad_inputs = gradient->header.inputs;
+      r.grad_order = static_cast<std::uint32_t>(gradient->header.order);
+      r.grad_nnz = gradient->header.nnz;
+      r.grad_packets = gradient->packet_count();
+      r.grad_values = gradient->header.nnz;
+    }
+    mpi_check(MPI_Gather(&r, sizeof(Reply), MPI_BYTE, nullptr, 0, MPI_BYTE, 0, comm),
+              "reply gather");
+    if (gradient != nullptr) {
+      const std::uint32_t checksum = send_gradient(*gradient);
+      mpi_check(MPI_Gather(&checksum, 1, MPI_UINT32_T, nullptr, 0, MPI_UINT32_T, 0, comm),
+                "checksum gather");
+    }
+  }
+
+  void serve_one(const Command& cmd) {
+    if (cmd.op >= static_cast<std::int32_t>(Op::load_batch)) {
+      serve_layer_op(cmd);
+      return;
+    }
+    const bool backward = cmd.op == static_cast<std::int32_t>(Op::backward);
+    const bool echo = cmd.op == static_cast<std::int32_t>(Op::probe_echo);
+    const bool probe = echo || cmd.op == static_cast<std::int32_t>(Op::probe);
+    const StreamHeader header = header_of(cmd);
     // The layer's shape, whichever way its stream walks it.
     const std::uint32_t inputs = header.layer_inputs(), outputs = header.layer_outputs();
     Placement placement;
@@ -1088,70 +1209,167 @@ struct MpiFabric::Impl {
     } else {
       y = DenseMatrix(outputs, job.tokens);
     }
-    FrameChannel channel(options.window * kMaxFrameChunks);
     const EngineCounters before = engine->counters();
     WeightStream gradient;
-    std::exception_ptr error;
-    std::future<void> done = worker->post([&] {
-      FrameStreamSource source(header, channel);
-      try {
-        if (probe) {  // no engine: the stream is taken in, and for echo handed back
-          while (ChunkPtr c = source.next()) {
-            if (echo) gradient.chunks.push_back(std::move(c));
-          }
-          gradient.header = header;
-          gradient.header.kind = StreamKind::gradient;
-        } else if (backward) {
-          MutableMatrixView dx_view = dx.view();
-          gradient = engine->backward(source, placement, x.view(), dy.view(),
-                                      job.want_dx ? &dx_view : nullptr);
-        } else {
-          engine->forward(source, placement, x.view(), y.view());
+    run_on_stream(cmd, header, [&](StreamSource& source) {
+      if (probe) {  // no engine: the stream is taken in, and for echo handed back
+        while (ChunkPtr c = source.next()) {
+          if (echo) gradient.chunks.push_back(std::move(c));
         }
-      } catch (...) {
-        error = std::current_exception();
-      }
-      try {  // a failed engine drains its channel, so the receiving thread never blocks
-        while (!channel.pop().empty()) {
-        }
-      } catch (...) {
+        gradient.header = header;
+        gradient.header.kind = StreamKind::gradient;
+      } else if (backward) {
+        MutableMatrixView dx_view = dx.view();
+        gradient = engine->backward(source, placement, x.view(), dy.view(),
+                                    job.want_dx ? &dx_view : nullptr);
+      } else {
+        engine->forward(source, placement, x.view(), y.view());
       }
     });
-    std::vector<std::shared_ptr<StreamChunk>> used;
-    receive_stream(cmd.first, header.precision, channel, used);
-    done.get();
-    if (error) std::rethrow_exception(error);
-    // The engine has let go of the chunks: their buffers serve the next operation.
-    pool.insert(pool.end(), std::make_move_iterator(used.begin()),
-                std::make_move_iterator(used.end()));
-
     if (probe) {
     } else if (!backward) {
       send_matrix(&y);
     } else if (cmd.want_dx) {
       send_matrix(job.want_dx ? &dx : nullptr);
     }
-    Reply reply;
-    const EngineCounters& after = engine->counters();
-    reply.busy_seconds = after.busy_seconds - before.busy_seconds;
-    reply.intake_seconds = after.intake_seconds - before.intake_seconds;
-    reply.packets = after.packets - before.packets;
-    reply.bytes = after.bytes - before.bytes;
-    if (returns_gradient) {
-      reply.grad_kind = static_cast<std::uint32_t>(gradient.header.kind);
-      reply.grad_outputs = gradient.header.outputs;
-      reply.grad_inputs = gradient.header.inputs;
-      reply.grad_order = static_cast<std::uint32_t>(gradient.header.order);
-      reply.grad_nnz = gradient.header.nnz;
-      reply.grad_packets = gradient.packet_count();
-      reply.grad_values = gradient.header.nnz;
+    reply(before, backward || echo ? &gradient : nullptr);
+  }
+
+  // --- engine ranks: layer operations on the engine's own activation store ----------
+
+  void serve_layer_op(const Command& cmd) {
+    switch (static_cast<Op>(cmd.op)) {
+      case Op::load_batch:
+        return serve_load(cmd);
+      case Op::load_samples:
+        return serve_samples(cmd);
+      case Op::forward_layer:
+      case Op::backward_layer:
+        return serve_layer(cmd);
+      case Op::loss: {
+        const LossSums s = engine->loss((cmd.flags & kFlagDelta) != 0, cmd.total_tokens);
+        WireLoss w{s.loss, s.correct, s.tokens, s.non_finite ? 1 : 0};
+        mpi_check(MPI_Gather(&w, sizeof w, MPI_BYTE, nullptr, 0, MPI_BYTE, 0, comm), "loss gather");
+        return;
+      }
+      case Op::layer_activations: {
+        const ActivationStore& store = engine->store();
+        const DenseMatrix x = copy_of(store.in(cmd.layer));
+        const DenseMatrix dz = copy_of(
+            store.last_delta(store.spec().sizes.at(static_cast<std::size_t>(cmd.layer) + 1)));
+        send_matrix(&x);
+        send_matrix(&dz);
+        return;
+      }
+      case Op::gather_output: {
+        const ActivationStore& store = engine->store();
+        DenseMatrix out(0, 0);
+        if (store.loaded()) out = copy_of(store.out(store.layers() - 1));
+        send_matrix(&out);
+        return;
+      }
+      default:
+        throw FormatError("MpiFabric: unknown command " + std::to_string(cmd.op) + " from rank 0");
     }
-    mpi_check(MPI_Gather(&reply, sizeof(Reply), MPI_BYTE, nullptr, 0, MPI_BYTE, 0, comm),
-              "reply gather");
-    if (returns_gradient) {
-      const std::uint32_t checksum = send_gradient(gradient);
-      mpi_check(MPI_Gather(&checksum, 1, MPI_UINT32_T, nullptr, 0, MPI_UINT32_T, 0, comm),
-                "checksum gather");
+  }
+
+  static DenseMatrix copy_of(ConstMatrixView m) {
+    DenseMatrix c(m.rows, m.cols);
+    for (std::int64_t r = 0; r < m.rows; ++r) std::copy(m.row(r), m.row(r) + m.cols, c.row(r));
+    return c;
+  }
+
+  // Rank 0: the pass's spec after the command (see receive_spec).
+  void send_spec(const PassSpec& spec) {
+    std::vector<std::int64_t> sizes = spec.sizes;
+    std::vector<std::int32_t> activations;
+    for (const Activation a : spec.activations) activations.push_back(static_cast<std::int32_t>(a));
+    mpi_check(MPI_Bcast(sizes.data(), static_cast<int>(sizes.size()), MPI_INT64_T, 0, comm),
+              "spec broadcast");
+    mpi_check(
+        MPI_Bcast(activations.data(), static_cast<int>(activations.size()), MPI_INT32_T, 0, comm),
+        "spec broadcast");
+    bytes_sent += sizes.size() * sizeof(std::int64_t) + activations.size() * sizeof(std::int32_t);
+  }
+
+  PassSpec receive_spec(const Command& cmd) {
+    if (cmd.layer < 1 || cmd.layer > (1 << 20)) {
+      throw FormatError("MpiFabric: a pass of " + std::to_string(cmd.layer) + " layers");
+    }
+    PassSpec spec;
+    spec.sizes.resize(static_cast<std::size_t>(cmd.layer) + 1);
+    std::vector<std::int32_t> activations(static_cast<std::size_t>(cmd.layer));
+    mpi_check(MPI_Bcast(spec.sizes.data(), cmd.layer + 1, MPI_INT64_T, 0, comm), "spec broadcast");
+    mpi_check(MPI_Bcast(activations.data(), cmd.layer, MPI_INT32_T, 0, comm), "spec broadcast");
+    for (const std::int32_t a : activations) spec.activations.push_back(static_cast<Activation>(a));
+    spec.loss = static_cast<Loss>(cmd.kind);
+    spec.training = (cmd.flags & kFlagTraining) != 0;
+    return spec;
+  }
+
+  void serve_samples(const Command& cmd) {
+    const PassSpec spec = receive_spec(cmd);
+    const std::int64_t tokens = Fabric::shard_of(rank - 1, engines(), cmd.total_tokens).count;
+    std::vector<std::int64_t> indices(static_cast<std::size_t>(tokens));
+    mpi_check(MPI_Scatterv(nullptr, nullptr, nullptr, MPI_INT64_T, indices.data(),
+                           to_count(indices.size(), "a token slice"), MPI_INT64_T, 0, comm),
+              "sample scatter");
+    if (dataset == nullptr) {
+      throw FormatError("MpiFabric: rank " + std::to_string(rank) +
+                        " was asked for samples but has no data set attached (attach it on "
+                        "every rank before serve(); did loading it fail here?)");
+    }
+    engine->load_samples(spec, *dataset, indices);
+  }
+
+  void serve_load(const Command& cmd) {
+    const PassSpec spec = receive_spec(cmd);
+    const std::int64_t tokens = Fabric::shard_of(rank - 1, engines(), cmd.total_tokens).count;
+    const DenseMatrix x = receive_matrix(spec.sizes.front(), tokens);
+    std::vector<int> labels;
+    if ((cmd.flags & kFlagLabels) != 0) {
+      labels.resize(static_cast<std::size_t>(tokens));
+      mpi_check(MPI_Scatterv(nullptr, nullptr, nullptr, MPI_INT, labels.data(),
+                             to_count(labels.size(), "a token slice"), MPI_INT, 0, comm),
+                "label scatter");
+    }
+    DenseMatrix targets;
+    if ((cmd.flags & kFlagTargets) != 0) targets = receive_matrix(spec.sizes.back(), tokens);
+    ShardData shard;
+    shard.features = x.view();
+    shard.labels = labels;
+    if ((cmd.flags & kFlagTargets) != 0) shard.targets = targets.view();
+    engine->load_shard(spec, shard);
+  }
+
+  void serve_layer(const Command& cmd) {
+    const bool backward = cmd.op == static_cast<std::int32_t>(Op::backward_layer);
+    const StreamHeader header = header_of(cmd);
+    Placement placement;
+    receive_job(header.layer_inputs(), placement);
+    std::vector<float> bias;
+    if (!backward && (cmd.flags & kFlagBias) != 0) {
+      bias.resize(header.layer_outputs());
+      mpi_check(MPI_Bcast(bias.data(), to_count(bias.size(), "a bias"), MPI_FLOAT, 0, comm),
+                "bias broadcast");
+    }
+    const EngineCounters before = engine->counters();
+    WeightStream gradient;
+    std::vector<float> bias_gradient;
+    const bool with_bias = (cmd.flags & kFlagBias) != 0;
+    run_on_stream(cmd, header, [&](StreamSource& source) {
+      if (backward) {
+        gradient = engine->backward_layer(source, placement, cmd.layer, cmd.want_dx != 0,
+                                          with_bias ? &bias_gradient : nullptr);
+      } else {
+        engine->forward_layer(source, placement, cmd.layer, bias);
+      }
+    });
+    reply(before, backward ? &gradient : nullptr);
+    if (backward && with_bias) {
+      mpi_check(MPI_Gatherv(bias_gradient.data(), to_count(bias_gradient.size(), "a bias"),
+                            MPI_FLOAT, nullptr, nullptr, nullptr, MPI_FLOAT, 0, comm),
+                "bias gradient gather");
     }
   }
 
@@ -1418,6 +1636,7 @@ void MpiFabric::serve() {
   Impl& m = *impl_;
   if (m.rank == 0)
     throw ShapeError("MpiFabric::serve: rank 0 drives the fabric, it does not serve");
+  m.dataset = dataset();
   try {
     while (true) {
       Command c;
@@ -1428,7 +1647,7 @@ void MpiFabric::serve() {
         return;
       }
       if (c.op < static_cast<std::int32_t>(Op::forward) ||
-          c.op > static_cast<std::int32_t>(Op::probe_echo)) {
+          c.op > static_cast<std::int32_t>(Op::load_samples)) {
         throw FormatError("MpiFabric: unknown command " + std::to_string(c.op) + " from rank 0");
       }
       m.serve_one(c);
@@ -1541,12 +1760,7 @@ ReducedGradient MpiFabric::backward_impl(StreamSource& weights,
   if (with_bias) {
     std::vector<std::vector<float>> biases(n);
     for (std::size_t k = 0; k < n; ++k) biases[k] = bias_gradient(dys[k]);
-    for (std::size_t d = 1; d < n; d *= 2) {
-      for (std::size_t i = 0; i + d < n; i += 2 * d) {
-        for (std::size_t o = 0; o < biases[i].size(); ++o) biases[i][o] += biases[i + d][o];
-      }
-    }
-    sum.bias = std::move(biases.front());
+    sum.bias = detail::sum_bias_tree(std::move(biases));
   }
   return sum;
 }
@@ -1569,6 +1783,271 @@ ReducedGradient MpiFabric::probe(StreamSource& stream, bool echo) {
     abort_all_ranks(e);
   }
   return sum;
+}
+
+// --- rank 0: layer operations over the engine ranks' activation stores ----------------
+
+void MpiFabric::load_batch_impl(const PassSpec& spec, const ShardData& batch) {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  const auto n = static_cast<std::size_t>(m.engines());
+  std::vector<ConstMatrixView> features(n), targets(n);
+  std::vector<int> counts(static_cast<std::size_t>(m.size), 0), displs(counts.size(), 0);
+  m.shard_tokens.assign(n, 0);
+  for (std::size_t k = 0; k < n; ++k) {
+    const TokenRange r = shard_of(static_cast<std::int32_t>(k), m.engines(), batch.features.cols);
+    const ConstMatrixView& f = batch.features;
+    features[k] = {f.data + r.first, f.rows, r.count, f.stride};
+    if (batch.targets) {
+      const ConstMatrixView& t = *batch.targets;
+      targets[k] = {t.data + r.first, t.rows, r.count, t.stride};
+    }
+    counts[k + 1] = to_count(static_cast<std::uint64_t>(r.count), "a token slice");
+    displs[k + 1] = to_count(static_cast<std::uint64_t>(r.first), "a batch");
+    m.shard_tokens[k] = r.count;
+  }
+  m.outputs = spec.sizes.back();
+  m.sizes = spec.sizes;
+  try {
+    m.bytes_sent = 0;
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::load_batch);
+    c.layer = static_cast<std::int32_t>(spec.activations.size());
+    c.kind = static_cast<std::uint32_t>(spec.loss);
+    c.total_tokens = batch.features.cols;
+    c.flags = (batch.labels.empty() ? 0 : kFlagLabels) | (batch.targets ? kFlagTargets : 0) |
+              (spec.training ? kFlagTraining : 0);
+    mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
+    m.send_spec(spec);
+    m.scatter_matrices(features);
+    if (!batch.labels.empty()) {
+      mpi_check(MPI_Scatterv(batch.labels.data(), counts.data(), displs.data(), MPI_INT, nullptr, 0,
+                             MPI_INT, 0, m.comm),
+                "label scatter");
+    }
+    if (batch.targets) m.scatter_matrices(targets);
+    counters_.driver_bytes_sent += sizeof c + m.bytes_sent;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+}
+
+void MpiFabric::load_samples_impl(const PassSpec& spec, std::span<const std::int64_t> indices) {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  const auto n = static_cast<std::size_t>(m.engines());
+  const auto total = static_cast<std::int64_t>(indices.size());
+  std::vector<int> counts(static_cast<std::size_t>(m.size), 0), displs(counts.size(), 0);
+  m.shard_tokens.assign(n, 0);
+  for (std::size_t k = 0; k < n; ++k) {
+    const TokenRange r = shard_of(static_cast<std::int32_t>(k), m.engines(), total);
+    counts[k + 1] = to_count(static_cast<std::uint64_t>(r.count), "a token slice");
+    displs[k + 1] = to_count(static_cast<std::uint64_t>(r.first), "a batch");
+    m.shard_tokens[k] = r.count;
+  }
+  m.outputs = spec.sizes.back();
+  m.sizes = spec.sizes;
+  try {
+    m.bytes_sent = 0;
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::load_samples);
+    c.layer = static_cast<std::int32_t>(spec.activations.size());
+    c.kind = static_cast<std::uint32_t>(spec.loss);
+    c.total_tokens = total;
+    c.flags = kFlagLabels | (spec.training ? kFlagTraining : 0);
+    mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
+    m.send_spec(spec);
+    mpi_check(MPI_Scatterv(indices.data(), counts.data(), displs.data(), MPI_INT64_T, nullptr, 0,
+                           MPI_INT64_T, 0, m.comm),
+              "sample scatter");
+    counters_.driver_bytes_sent += sizeof c + m.bytes_sent;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+}
+
+void MpiFabric::forward_layer_impl(StreamSource& weights,
+                                   std::span<const Placement* const> placements, std::int32_t layer,
+                                   std::span<const float> bias) {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  const StreamHeader& h = weights.header();
+  if (m.shard_tokens.empty()) throw ShapeError("MpiFabric forward_layer: no batch loaded");
+  if (!bias.empty() && bias.size() != h.outputs) {
+    throw ShapeError("MpiFabric forward_layer: " + std::to_string(bias.size()) + " biases for " +
+                     std::to_string(h.outputs) + " outputs");
+  }
+  for (std::size_t k = 0; k < placements.size(); ++k) {
+    check_slice("placement", k, placements[k]->features(), 1, h.inputs, 1);
+  }
+  try {
+    m.bytes_sent = 0;
+    m.bytes_received = 0;
+    Command c;
+    c.layer = layer;
+    c.flags = bias.empty() ? 0 : kFlagBias;
+    Frame first = m.pull_frame(weights);
+    m.send_command(Op::forward_layer, h, false, first, c);
+    m.scatter_jobs(placements, std::vector<Job>(static_cast<std::size_t>(m.size)));
+    if (!bias.empty()) {
+      std::vector<float> b(bias.begin(), bias.end());
+      mpi_check(MPI_Bcast(b.data(), to_count(b.size(), "a bias"), MPI_FLOAT, 0, m.comm),
+                "bias broadcast");
+    }
+    m.broadcast_stream(weights, std::move(first), nullptr);
+    m.gather_replies();
+    counters_.driver_bytes_sent += m.bytes_sent;
+    counters_.driver_bytes_received += m.bytes_received;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+}
+
+std::vector<LossSums> MpiFabric::loss_impl(bool want_delta, std::int64_t total_tokens) {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  if (m.shard_tokens.empty()) throw ShapeError("MpiFabric loss: no batch loaded");
+  std::vector<LossSums> parts(static_cast<std::size_t>(m.engines()));
+  try {
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::loss);
+    c.flags = want_delta ? kFlagDelta : 0;
+    c.total_tokens = total_tokens;
+    mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
+    std::vector<WireLoss> all(static_cast<std::size_t>(m.size));
+    WireLoss none;
+    mpi_check(
+        MPI_Gather(&none, sizeof none, MPI_BYTE, all.data(), sizeof none, MPI_BYTE, 0, m.comm),
+        "loss gather");
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+      const WireLoss& w = all[k + 1];
+      parts[k] = {w.loss, w.correct, w.tokens, w.non_finite != 0};
+    }
+    counters_.driver_bytes_sent += sizeof c;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+  return parts;
+}
+
+ReducedGradient MpiFabric::backward_layer_impl(StreamSource& weights,
+                                               std::span<const Placement* const> placements,
+                                               std::int32_t layer, bool want_dx, bool with_bias) {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  const StreamHeader& h = weights.header();
+  if (m.shard_tokens.empty()) throw ShapeError("MpiFabric backward_layer: no batch loaded");
+  for (std::size_t k = 0; k < placements.size(); ++k) {
+    check_slice("placement", k, placements[k]->features(), 1, h.layer_inputs(), 1);
+  }
+  const auto n = static_cast<std::size_t>(m.engines());
+  ReducedGradient sum;
+  try {
+    m.bytes_sent = 0;
+    m.bytes_received = 0;
+    Command c;
+    c.layer = layer;
+    c.flags = with_bias ? kFlagBias : 0;
+    Frame first = m.pull_frame(weights);
+    m.send_command(Op::backward_layer, h, want_dx, first, c);
+    m.scatter_jobs(placements, std::vector<Job>(static_cast<std::size_t>(m.size)));
+    SentStream sent;
+    m.broadcast_stream(weights, std::move(first), &sent);
+    sum.weights = m.collect_gradients(sent);
+    if (with_bias) {
+      const auto outputs = static_cast<std::size_t>(h.layer_outputs());
+      std::vector<int> counts(static_cast<std::size_t>(m.size), 0), displs(counts.size(), 0);
+      for (std::size_t k = 0; k < n; ++k) {
+        counts[k + 1] = to_count(outputs, "a bias");
+        displs[k + 1] = to_count(k * outputs, "the biases");
+      }
+      std::vector<float> all(n * outputs);
+      mpi_check(MPI_Gatherv(nullptr, 0, MPI_FLOAT, all.data(), counts.data(), displs.data(),
+                            MPI_FLOAT, 0, m.comm),
+                "bias gradient gather");
+      std::vector<std::vector<float>> biases(n);
+      for (std::size_t k = 0; k < n; ++k) {
+        biases[k].assign(all.begin() + static_cast<std::ptrdiff_t>(k * outputs),
+                         all.begin() + static_cast<std::ptrdiff_t>((k + 1) * outputs));
+      }
+      sum.bias = detail::sum_bias_tree(std::move(biases));
+    }
+    counters_.driver_bytes_sent += m.bytes_sent;
+    counters_.driver_bytes_received += m.bytes_received;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+  return sum;
+}
+
+DenseMatrix MpiFabric::gather_output_impl() {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  if (m.shard_tokens.empty()) throw ShapeError("MpiFabric gather_output: no batch loaded");
+  std::int64_t tokens = 0;
+  for (const std::int64_t t : m.shard_tokens) tokens += t;
+  DenseMatrix y(m.outputs, tokens);
+  try {
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::gather_output);
+    mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
+    std::vector<MutableMatrixView> parts;
+    std::int64_t first = 0;
+    for (const std::int64_t t : m.shard_tokens) {
+      parts.push_back({y.data() + first, m.outputs, t, y.stride()});
+      first += t;
+    }
+    std::vector<MutableMatrixView*> targets;
+    for (auto& p : parts) targets.push_back(&p);
+    m.gather_matrices(targets);
+    counters_.driver_bytes_sent += sizeof c;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+  return y;
+}
+
+void MpiFabric::layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
+                                       std::vector<ConstMatrixView>& dzs) {
+  Impl& m = *impl_;
+  check_driver(m.rank, m.stopped);
+  if (m.shard_tokens.empty() || layer < 0 ||
+      layer + 1 >= static_cast<std::int32_t>(m.sizes.size())) {
+    throw ShapeError("MpiFabric layer activations: no layer " + std::to_string(layer) +
+                     " in the engines' stores");
+  }
+  const auto n = static_cast<std::size_t>(m.engines());
+  m.lent.clear();
+  for (std::size_t k = 0; k < n; ++k) {
+    m.lent.emplace_back(m.sizes[static_cast<std::size_t>(layer)], m.shard_tokens[k]);
+  }
+  for (std::size_t k = 0; k < n; ++k) {
+    m.lent.emplace_back(m.sizes[static_cast<std::size_t>(layer) + 1], m.shard_tokens[k]);
+  }
+  try {
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::layer_activations);
+    c.layer = layer;
+    mpi_check(MPI_Bcast(&c, sizeof c, MPI_BYTE, 0, m.comm), "command broadcast");
+    for (std::size_t half = 0; half < 2; ++half) {
+      std::vector<MutableMatrixView> views;
+      for (std::size_t k = 0; k < n; ++k) views.push_back(m.lent[half * n + k].view());
+      std::vector<MutableMatrixView*> targets;
+      for (auto& v : views) targets.push_back(&v);
+      m.gather_matrices(targets);
+    }
+    counters_.driver_bytes_sent += sizeof c;
+  } catch (const std::exception& e) {
+    abort_all_ranks(e);
+  }
+  for (std::size_t k = 0; k < n; ++k) {
+    xs.push_back(m.lent[k].view());
+    dzs.push_back(m.lent[n + k].view());
+    counters_.driver_bytes_received +=
+        static_cast<std::uint64_t>(m.lent[k].rows() * m.lent[k].cols() +
+                                   m.lent[n + k].rows() * m.lent[n + k].cols()) *
+        sizeof(float);
+  }
 }
 
 }  // namespace sluice
