@@ -239,7 +239,7 @@ struct LayerStreamingExecutor::Impl {
   // else the budget's bytes (0: the whole layer's stream, within kMaxPrefetchBytes).
   std::size_t channel_chunks(std::int32_t layer) const {
     if (options.prefetch_depth > 0) return options.prefetch_depth;
-    const CsrMatrix& w = memory.weights(layer);
+    const LayerShape w = memory.layer_shape(layer);
     const std::int64_t packet_bytes =
         options.precisions[static_cast<std::size_t>(layer)] == Precision::bf16
             ? static_cast<std::int64_t>(sizeof(Bf16Packet))
@@ -248,7 +248,7 @@ struct LayerStreamingExecutor::Impl {
         static_cast<std::int64_t>(options.chunk_packets) * packet_bytes;
     std::int64_t budget = options.prefetch_bytes;
     if (budget == 0) {  // every packet and a control packet per row and chunk, and one more
-      const std::int64_t packets = w.nnz() + 2 * (w.rows() + w.cols()) + 1;
+      const std::int64_t packets = w.nnz + 2 * (w.rows + w.cols) + 1;
       budget = std::min(kMaxPrefetchBytes, packets * packet_bytes + chunk_bytes);
     }
     return static_cast<std::size_t>(std::max<std::int64_t>(1, budget / chunk_bytes));
