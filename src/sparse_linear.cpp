@@ -332,9 +332,10 @@ WeightStream SparseLinear::run_backward(Engine& engine, ConstMatrixView x, Const
   return gradient;
 }
 
-LayerGradient SparseLinear::backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
-                                     MutableMatrixView* dx, const ProductOptions& options) const {
-  LayerGradient g;
+SparseLinearGradient SparseLinear::backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                                            MutableMatrixView* dx,
+                                            const ProductOptions& options) const {
+  SparseLinearGradient g;
   const WeightStream gradient = run_backward(engine, x, dy, dx, options, g.bias);
   const bool by_input = gradient.header.order == StreamOrder::by_input;
   g.weights = values_of(gradient, by_input ? &memory_->transposed(layer_) : nullptr);

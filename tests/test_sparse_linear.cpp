@@ -11,6 +11,7 @@
 
 #include "reference.hpp"
 #include "sluice/error.hpp"
+#include "sluice/executor.hpp"  // beside sparse_linear.hpp: their names must not clash
 #include "test_support.hpp"
 
 namespace sluice {
@@ -107,7 +108,7 @@ TEST_P(SparseLinearShapes, MatchesReference) {
 
   DenseMatrix dx = tm ? nan_matrix(s.tokens, s.in) : nan_matrix(s.in, s.tokens);
   MutableMatrixView dx_view = dx.view();
-  const LayerGradient g = layer.backward(engine, x_in, dy_in, &dx_view, options);
+  const SparseLinearGradient g = layer.backward(engine, x_in, dy_in, &dx_view, options);
   const DenseMatrix dxf = tm ? transposed(dx) : dx.clone();
   EXPECT_LT(backward_data_error(w, dy, dxf), kTolerance);
   ASSERT_EQ(g.weights.size(), static_cast<std::size_t>(w.nnz()));
@@ -116,7 +117,7 @@ TEST_P(SparseLinearShapes, MatchesReference) {
   EXPECT_LT(bias_gradient_error(dy, g.bias), kTolerance);
 
   // Without dX the mask alone is streamed (by output): the same weight gradient.
-  const LayerGradient g2 = layer.backward(engine, x_in, dy_in, nullptr, options);
+  const SparseLinearGradient g2 = layer.backward(engine, x_in, dy_in, nullptr, options);
   EXPECT_LT(backward_weight_error(w, dy, x, g2.weights), kTolerance);
 }
 
@@ -143,7 +144,7 @@ TEST(SparseLinear, ValuesHeldOutsideTheModelMemory) {
   layer.forward(engine, x_tm, y.view(), options);
   EXPECT_LT(forward_error(other, x, bias, transposed(y)), kTolerance);
   MutableMatrixView dx_view = dx.view();
-  const LayerGradient g = layer.backward(engine, x_tm, dy_tm, &dx_view, options);
+  const SparseLinearGradient g = layer.backward(engine, x_tm, dy_tm, &dx_view, options);
   EXPECT_LT(backward_data_error(other, dy, transposed(dx)), kTolerance);
   EXPECT_LT(backward_weight_error(other, dy, x, g.weights), kTolerance);
   EXPECT_LT(bias_gradient_error(dy, g.bias), kTolerance);
@@ -166,7 +167,7 @@ TEST(SparseLinear, Bf16Stream) {
   const DenseMatrix xb = testing::rounded_to_bf16(x);
   EXPECT_LT(std::min(forward_error(wb, x, y), forward_error(wb, xb, y)), kTolerance);
   MutableMatrixView dx_view = dx.view();
-  const LayerGradient g = layer.backward(engine, x, dy, &dx_view, options);
+  const SparseLinearGradient g = layer.backward(engine, x, dy, &dx_view, options);
   const DenseMatrix dyb = testing::rounded_to_bf16(dy);
   EXPECT_LT(std::min(backward_data_error(wb, dy, dx), backward_data_error(wb, dyb, dx)),
             kTolerance);
@@ -184,7 +185,7 @@ TEST(SparseLinear, SubmittedGradientIsAppliedByStep) {
   const std::vector<float> bias = random_bias(20, 32);
   SparseLinear layer(memory, w, bias);
   const DenseMatrix x = random_dense(30, 17, 33), dy = random_dense(20, 17, 34);
-  const LayerGradient g = layer.backward(engine, x, dy, nullptr);
+  const SparseLinearGradient g = layer.backward(engine, x, dy, nullptr);
   layer.submit_backward(engine, x, dy, nullptr);
   const StepReport report = layer.step();
   EXPECT_TRUE(report.applied);

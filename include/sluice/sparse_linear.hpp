@@ -48,7 +48,7 @@ struct ProductOptions {
 };
 
 /// A layer's gradient, returned instead of submitted.
-struct LayerGradient {
+struct SparseLinearGradient {
   std::vector<float> weights;  ///< dW at the mask's positions, in the order of weights().values()
   std::vector<float> bias;     ///< db, one per output; empty when the layer has no bias
 };
@@ -93,8 +93,8 @@ class SparseLinear {
                const ProductOptions& options = {}) const;
   /// The backward of forward(): dX = W^T dY (when `dx` is given; overwritten) and the
   /// gradients of the weights at the mask's positions and of the bias, returned.
-  LayerGradient backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
-                         MutableMatrixView* dx, const ProductOptions& options = {}) const;
+  SparseLinearGradient backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                                MutableMatrixView* dx, const ProductOptions& options = {}) const;
   /// The same with the gradient submitted to the ModelMemory for the next step() (the
   /// values must be the ModelMemory's: `options.values` empty). Returns nothing but dX.
   void submit_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy, MutableMatrixView* dx,

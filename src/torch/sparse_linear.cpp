@@ -227,7 +227,7 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
       layer.submit_backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
                             want_dx ? &dx_view : nullptr, options);
     } else {
-      LayerGradient g =
+      SparseLinearGradient g =
           layer.backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
                          want_dx ? &dx_view : nullptr, options);
       if (values.numel() > 0) d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
