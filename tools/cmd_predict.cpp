@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "json_writer.hpp"
 #include "commands.hpp"
+#include "json_writer.hpp"
 #include "output_files.hpp"
 #include "sluice/cost_model.hpp"
 #include "sluice/error.hpp"

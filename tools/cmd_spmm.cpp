@@ -5,8 +5,8 @@
 #include <iostream>
 #include <optional>
 
-#include "json_writer.hpp"
 #include "dense_baseline.hpp"
+#include "json_writer.hpp"
 #include "measure.hpp"
 #include "reference.hpp"
 #include "sluice/csr_matrix.hpp"
