@@ -7,7 +7,7 @@
 
 #include <random>
 
-#include "gradient_top_k.hpp"
+#include "engine/gradient_top_k.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/model_memory.hpp"
 

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
-#include "kernels/reduce8.hpp"
+#include "engine/kernels/reduce8.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/planner.hpp"
 

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "crc32.hpp"  // fix_crc: edited sections keep a valid CRC
+#include "core/crc32.hpp"  // fix_crc: edited sections keep a valid CRC
 #include "sluice/model_memory.hpp"
 
 namespace sluice {

@@ -1,4 +1,4 @@
-// CRC-32 (src/crc32.hpp), which checkpoints and serialised streams are checked with:
+// CRC-32 (src/core/crc32.hpp), which checkpoints and serialised streams are checked with:
 // known values, chaining at every split point, and the slicing-by-8 loop against the
 // bit-by-bit definition.
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "crc32.hpp"
+#include "core/crc32.hpp"
 
 namespace sluice {
 namespace {

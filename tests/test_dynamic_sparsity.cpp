@@ -8,8 +8,8 @@
 #include <random>
 #include <set>
 
-#include "gradient_top_k.hpp"
-#include "mask_update.hpp"
+#include "engine/gradient_top_k.hpp"
+#include "model_memory/mask_update.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"

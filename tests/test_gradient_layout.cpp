@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/gradient_layout.hpp"
+#include "engine/kernels/gradient_layout.hpp"
 #include "sluice/isa.hpp"
 #include "test_support.hpp"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/lane_kernels.hpp"
+#include "engine/kernels/lane_kernels.hpp"
 #include "sluice/bf16.hpp"
 #include "sluice/isa.hpp"
 

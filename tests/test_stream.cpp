@@ -11,8 +11,8 @@
 
 #include <cstring>
 
-#include "crc32.hpp"
-#include "kernels/stream_scan.hpp"
+#include "core/crc32.hpp"
+#include "engine/kernels/stream_scan.hpp"
 #include "reference.hpp"
 #include "sluice/bf16.hpp"
 #include "sluice/error.hpp"

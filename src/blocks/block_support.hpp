@@ -6,7 +6,7 @@
 #include <span>
 #include <string>
 
-#include "parallel.hpp"
+#include "core/parallel.hpp"
 #include "sluice/dense.hpp"
 #include "sluice/error.hpp"
 

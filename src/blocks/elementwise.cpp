@@ -1,6 +1,6 @@
 // The elementwise blocks: residual add and GELU, row by row so every row's loop vectorises.
 #include "blocks/block_support.hpp"
-#include "gelu.hpp"
+#include "executor/gelu.hpp"
 #include "sluice/blocks.hpp"
 
 namespace sluice {

@@ -7,11 +7,11 @@
 #include <memory>
 #include <vector>
 
+#include "core/parallel.hpp"
 #include "engine/dense_matmul.hpp"
-#include "parallel.hpp"
 #include "sluice/bf16.hpp"
 #include "sluice/error.hpp"
-#include "stream_check.hpp"
+#include "stream/stream_check.hpp"
 
 namespace sluice::detail {
 namespace {

@@ -1,0 +1,674 @@
+// The LayerStreamingExecutor: forward and backward of a sparse MLP over a Fabric, with
+// weights streamed out of ModelMemory layer by layer and gradients streamed back.
+#include "sluice/executor.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <future>
+#include <limits>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "engine/engine_worker.hpp"
+#include "engine/gradient_top_k.hpp"
+#include "sluice/error.hpp"
+
+namespace sluice {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// Counts what the engines pull from ModelMemory and how long they wait for it.
+class MeteredSource final : public StreamSource {
+ public:
+  explicit MeteredSource(StreamSource& inner) : inner_(&inner) {}
+  const StreamHeader& header() const override { return inner_->header(); }
+  ChunkPtr next() override {
+    const auto t0 = Clock::now();
+    ChunkPtr chunk = inner_->next();
+    wait_seconds += since(t0);
+    if (chunk) {
+      packets += chunk->size();
+      bytes += chunk->byte_size();
+    }
+    return chunk;
+  }
+  double wait_seconds = 0;
+  std::uint64_t packets = 0, bytes = 0;
+
+ private:
+  StreamSource* inner_;
+};
+
+/// Persistent threads for the layers' stream producers, lent to one stream at a time: a
+/// thread started and joined per layer, twice per layer and step, costs more than a small
+/// layer's product.
+using Producers = std::vector<std::unique_ptr<detail::EngineWorker>>;
+
+/// One layer's stream on its way out of ModelMemory: a producer thread fills a bounded
+/// channel. The destructor drains what the consumer left (after an error), waits for the
+/// producer and gives its thread back.
+struct LayerStream {
+  LayerStream(const ModelMemory& memory, std::int32_t layer, StreamKind kind, std::size_t depth,
+              std::size_t chunk_packets, Precision precision, StreamOrder order, Producers& idle)
+      : channel(depth),
+        source(memory.stream_header(layer, kind, precision, order), channel),
+        metered(source),
+        idle_(idle) {
+    if (idle_.empty()) {
+      idle_.reserve(idle_.capacity() + 1);  // room to give it back: the destructor cannot throw
+      producer_ = std::make_unique<detail::EngineWorker>();
+    } else {
+      producer_ = std::move(idle_.back());
+      idle_.pop_back();
+    }
+    produced_ = producer_->post([&memory, this, layer, kind, chunk_packets, precision, order] {
+      memory.stream_to(layer, kind, channel, chunk_packets, precision, order);
+    });
+  }
+  LayerStream(const LayerStream&) = delete;
+  LayerStream& operator=(const LayerStream&) = delete;
+  ~LayerStream() {
+    try {
+      while (channel.pop() != nullptr) {
+      }
+    } catch (...) {  // the producer's error was seen (or not needed) by the consumer
+    }
+    produced_.wait();
+    idle_.push_back(std::move(producer_));
+  }
+  StreamChannel channel;
+  ChannelStreamSource source;
+  MeteredSource metered;
+
+ private:
+  Producers& idle_;
+  std::unique_ptr<detail::EngineWorker> producer_;
+  std::future<void> produced_;
+};
+
+}  // namespace
+
+StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
+  wall_seconds += o.wall_seconds;
+  engine_busy_seconds += o.engine_busy_seconds;
+  engine_thread_seconds += o.engine_thread_seconds;
+  stream_wait_seconds += o.stream_wait_seconds;
+  optimizer_seconds += o.optimizer_seconds;
+  stream_packets += o.stream_packets;
+  stream_bytes += o.stream_bytes;
+  tokens += o.tokens;
+  mask_updates += o.mask_updates;
+  mask_update_seconds += o.mask_update_seconds;
+  mask_score_seconds += o.mask_score_seconds;
+  steps += o.steps;
+  driver_bytes_sent += o.driver_bytes_sent;
+  driver_bytes_received += o.driver_bytes_received;
+  stream_arrival_seconds += o.stream_arrival_seconds;
+  overlapped_seconds += o.overlapped_seconds;
+  return *this;
+}
+
+struct LayerStreamingExecutor::Impl {
+  ModelMemory& memory;
+  Fabric& fabric;
+  ExecutorOptions options;
+  std::vector<std::int64_t> sizes;  // sizes[0] inputs, sizes[l+1] outputs of layer l
+  std::int32_t engines = 1;
+  std::int64_t tokens = 0;  // of the batch the engines hold
+  std::map<std::pair<std::int32_t, std::int32_t>, Placement> placements;
+  std::uint64_t mask_generation = 0;  // ModelMemory's, when `placements` were copied
+  // RigL: on an update step, each layer's growth (positions, increasing) for that step.
+  std::vector<std::vector<std::int64_t>>* growth = nullptr;
+  std::int64_t growth_step = 0;
+  StepMetrics metrics;  // of the current call
+  Producers producers;  // idle stream producers (a stream and its prefetched successor)
+  // Hands each layer's reduced gradient to its sink while the engines go on (made on the
+  // first backward; a persistent thread for the reason Producers gives).
+  std::unique_ptr<detail::EngineWorker> submitter;
+
+  Impl(ModelMemory& m, Fabric& f, ExecutorOptions o)
+      : memory(m), fabric(f), options(std::move(o)) {}
+
+  std::int32_t layers() const { return static_cast<std::int32_t>(sizes.size()) - 1; }
+
+  PassSpec spec(bool training) const {
+    return {sizes, options.activations, options.loss, training};
+  }
+
+  std::int64_t bytes_for(std::int64_t batch_tokens, bool training) const {
+    std::int64_t total = 0;
+    const PassSpec s = spec(training);
+    for (std::int32_t k = 0; k < engines; ++k) {
+      total += ActivationStore::bytes_for(s, Fabric::shard_of(k, engines, batch_tokens).count);
+    }
+    return total;
+  }
+
+  /// The layers' shapes were read once, when the executor was built; a ModelMemory that
+  /// gained a layer or loaded another model since would be run with the old plan.
+  void check_model_unchanged() const {
+    bool same = memory.layer_count() == layers();
+    for (std::int32_t l = 0; same && l < layers(); ++l) {
+      const LayerShape w = memory.layer_shape(l);
+      same = w.cols == sizes[static_cast<std::size_t>(l)] &&
+             w.rows == sizes[static_cast<std::size_t>(l) + 1];
+    }
+    if (!same) {
+      throw ShapeError(
+          "executor: the ModelMemory's layers changed since this executor was "
+          "built for " +
+          std::to_string(layers()) + " layers; build a new executor");
+    }
+  }
+
+  void check_budget(std::int64_t n, bool training) const {
+    const std::int64_t need = bytes_for(n, training);
+    if (options.memory_budget_bytes > 0 && need > options.memory_budget_bytes) {
+      throw ResourceError("executor: activations for a batch of " + std::to_string(n) +
+                          " tokens on " + std::to_string(engines) + " engines need " +
+                          std::to_string(need) + " bytes, over the memory budget of " +
+                          std::to_string(options.memory_budget_bytes) +
+                          " bytes; use a smaller batch or raise the budget");
+    }
+  }
+
+  // The placements copied for masks that changed since (dynamic sparsity) are dropped.
+  void refresh_placements() {
+    if (memory.mask_generation() != mask_generation) {
+      placements.clear();
+      mask_generation = memory.mask_generation();
+    }
+  }
+
+  // Checks the batch against the model and the memory budget, then every engine loads
+  // its shard into its store: the batch's only trip across the fabric.
+  void load(const Batch& batch, bool training, bool with_answers) {
+    check_model_unchanged();
+    const ConstMatrixView& features = batch.features;
+    if (features.rows != sizes.front()) {
+      throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
+                       " features but the batch has " + std::to_string(features.rows));
+    }
+    const std::int64_t n = features.cols;
+    if (n < engines) {
+      throw ShapeError("executor: a batch of " + std::to_string(n) +
+                       " tokens cannot be split over " + std::to_string(engines) + " engines");
+    }
+    check_budget(n, training);
+    ShardData data;
+    data.features = features;
+    if (with_answers) {
+      if (options.loss == Loss::softmax_cross_entropy) {
+        data.labels = batch.labels;
+      } else {
+        data.targets = batch.targets;
+      }
+    }
+    fabric.load_batch(spec(training), data);
+    tokens = n;
+    refresh_placements();
+  }
+
+  const Placement* placement(std::int32_t layer, std::int32_t k) {
+    const Geometry g = fabric.engine(k).geometry_for(
+        sizes[static_cast<std::size_t>(layer) + 1], sizes[static_cast<std::size_t>(layer)],
+        Fabric::shard_of(k, engines, tokens).count,
+        options.precisions[static_cast<std::size_t>(layer)]);
+    const std::int32_t lanes = std::max(1, g.lanes);
+    auto key = std::make_pair(layer, lanes);
+    auto it = placements.find(key);
+    if (it == placements.end()) it = placements.emplace(key, memory.placement(layer, lanes)).first;
+    return &it->second;
+  }
+
+  std::vector<const Placement*> placements_of(std::int32_t layer) {
+    std::vector<const Placement*> ps;
+    for (std::int32_t k = 0; k < engines; ++k) ps.push_back(placement(layer, k));
+    return ps;
+  }
+
+  // The prefetch budget of a layer's channel, in chunks: the old chunk count if given,
+  // else the budget's bytes (0: the whole layer's stream, within kMaxPrefetchBytes).
+  std::size_t channel_chunks(std::int32_t layer) const {
+    if (options.prefetch_depth > 0) return options.prefetch_depth;
+    const LayerShape w = memory.layer_shape(layer);
+    const std::int64_t packet_bytes =
+        options.precisions[static_cast<std::size_t>(layer)] == Precision::bf16
+            ? static_cast<std::int64_t>(sizeof(Bf16Packet))
+            : static_cast<std::int64_t>(sizeof(Packet));
+    const std::int64_t chunk_bytes =
+        static_cast<std::int64_t>(options.chunk_packets) * packet_bytes;
+    std::int64_t budget = options.prefetch_bytes;
+    if (budget == 0) {  // every packet and a control packet per row and chunk, and one more
+      const std::int64_t packets = w.nnz + 2 * (w.rows + w.cols) + 1;
+      budget = std::min(kMaxPrefetchBytes, packets * packet_bytes + chunk_bytes);
+    }
+    return static_cast<std::size_t>(std::max<std::int64_t>(1, budget / chunk_bytes));
+  }
+
+  std::unique_ptr<LayerStream> open(std::int32_t layer, StreamKind kind,
+                                    StreamOrder order = StreamOrder::by_output) {
+    return std::make_unique<LayerStream>(
+        memory, layer, kind, channel_chunks(layer), options.chunk_packets,
+        options.precisions[static_cast<std::size_t>(layer)], order, producers);
+  }
+
+  // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by
+  // output. The others by input, where the engines gather dY once for both gradients
+  // instead of scattering into dX and then passing over the stream again for dW, unless
+  // the layer cannot be streamed so (bf16 tags hold 65535 outputs at most; transposed
+  // positions are 32-bit).
+  std::unique_ptr<LayerStream> open_backward(std::int32_t layer) {
+    if (layer == 0) return open(layer, StreamKind::mask);
+    const LayerShape w = memory.layer_shape(layer);
+    const bool by_input =
+        static_cast<std::uint64_t>(w.nnz) <= std::numeric_limits<std::uint32_t>::max() &&
+        (options.precisions[static_cast<std::size_t>(layer)] == Precision::fp32 ||
+         w.rows <= static_cast<std::int64_t>(kMaxBf16Inputs));
+    return open(layer, StreamKind::weights,
+                by_input ? StreamOrder::by_input : StreamOrder::by_output);
+  }
+
+  void account(const LayerStream& s) {
+    metrics.stream_wait_seconds += s.metered.wait_seconds;
+    metrics.stream_packets += s.metered.packets;
+    metrics.stream_bytes += s.metered.bytes;
+  }
+
+  void forward() {
+    std::unique_ptr<LayerStream> next = open(0, StreamKind::weights);
+    for (std::int32_t l = 0; l < layers(); ++l) {
+      std::unique_ptr<LayerStream> current = std::move(next);
+      if (l + 1 < layers()) next = open(l + 1, StreamKind::weights);  // prefetch
+      fabric.forward_layer(current->metered, placements_of(l), l, memory.bias(l));
+      account(*current);
+    }
+  }
+
+  void check_batch(const Batch& batch) {
+    const std::int64_t n = batch.features.cols;
+    if (options.loss == Loss::softmax_cross_entropy) {
+      if (static_cast<std::int64_t>(batch.labels.size()) != n) {
+        throw ShapeError("executor: " + std::to_string(batch.labels.size()) + " labels for " +
+                         std::to_string(n) + " tokens");
+      }
+      for (std::size_t t = 0; t < batch.labels.size(); ++t) {
+        if (batch.labels[t] < 0 || batch.labels[t] >= sizes.back()) {
+          throw ShapeError("executor: label " + std::to_string(batch.labels[t]) + " of token " +
+                           std::to_string(t) + " is not in [0, " + std::to_string(sizes.back()) +
+                           ")");
+        }
+      }
+    } else if (!batch.targets || batch.targets->rows != sizes.back() || batch.targets->cols != n) {
+      throw ShapeError("executor: MSE needs targets of " + std::to_string(sizes.back()) + "x" +
+                       std::to_string(n));
+    }
+  }
+
+  // RigL's growth for layer l: the inactive positions with the largest |dY X^T| over
+  // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp). It
+  // needs the layer's X and dZ themselves: the fabric lends them (over MPI, gathers them:
+  // the only activations that cross a fabric, on mask-update steps alone).
+  void score_growth(std::int32_t l) {
+    const auto t0 = Clock::now();
+    const CsrMatrix& w = memory.weights(l);
+    const std::int64_t k = options.dynamic.swap_count(growth_step, w.nnz(), w.rows() * w.cols());
+    fabric.with_layer_activations(
+        l, [&](std::span<const ConstMatrixView> xs, std::span<const ConstMatrixView> dys) {
+          (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
+        });
+    const double seconds = since(t0);
+    metrics.mask_update_seconds += seconds;
+    metrics.mask_score_seconds += seconds;
+  }
+
+  // After update step `step`'s commit: every layer drops its smallest weights and grows
+  // as many (SET: seeded random positions; RigL: `growth`).
+  void update_masks(std::int64_t step, const std::vector<std::vector<std::int64_t>>& grown) {
+    const auto t0 = Clock::now();
+    const DynamicSparsity& d = options.dynamic;
+    for (std::int32_t l = 0; l < layers(); ++l) {
+      const CsrMatrix& w = memory.weights(l);
+      if (d.rule == MaskUpdateRule::rigl) {
+        memory.regrow(l, grown[static_cast<std::size_t>(l)]);
+      } else {
+        const std::int64_t k = d.swap_count(step, w.nnz(), w.rows() * w.cols());
+        memory.regrow(l, random_inactive_positions(w, k, mask_update_seed(d.seed, step, l)));
+      }
+    }
+    metrics.mask_updates += 1;
+    metrics.mask_update_seconds += since(t0);
+  }
+
+  using Sink = std::function<void(std::int32_t layer, ReducedGradient&& gradient)>;
+
+  // Forward, loss, backward; each layer's reduced gradient goes to `sink` on a task of
+  // its own while the engines go on with the layer below. Returns the loss's sums.
+  LossSums forward_backward(const Batch& batch, const Sink& sink) {
+    check_batch(batch);
+    load(batch, true, true);
+    return forward_backward_loaded(sink);
+  }
+
+  // Checks samples of the fabric's data set against the model, then every engine takes
+  // its shard of them from its own copy of the set.
+  void load_samples(std::span<const std::int64_t> samples) {
+    check_model_unchanged();
+    const Dataset* data = fabric.dataset();
+    if (data == nullptr) throw ShapeError("executor: the fabric has no data set attached");
+    if (options.loss != Loss::softmax_cross_entropy) {
+      throw ShapeError("executor: a data set's samples have labels, not MSE targets");
+    }
+    if (data->features.rows() != sizes.front()) {
+      throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
+                       " features but the data set has " + std::to_string(data->features.rows()));
+    }
+    const auto n = static_cast<std::int64_t>(samples.size());
+    for (const std::int64_t s : samples) {
+      if (s >= 0 && s < data->samples()) {
+        const int label = data->labels[static_cast<std::size_t>(s)];
+        if (label >= 0 && label < sizes.back()) continue;
+        throw ShapeError("executor: label " + std::to_string(label) + " of sample " +
+                         std::to_string(s) + " is not in [0, " + std::to_string(sizes.back()) +
+                         ")");
+      }
+    }
+    check_budget(std::max<std::int64_t>(n, engines), true);
+    fabric.load_samples(spec(true), samples);  // checks the count and the indices
+    tokens = n;
+    refresh_placements();
+  }
+
+  // Forward, loss, backward of the batch the engines hold.
+  LossSums forward_backward_loaded(const Sink& sink) {
+    forward();
+    const LossSums loss = fabric.loss(true, tokens);
+
+    std::vector<std::future<void>> submits;
+    try {
+      std::unique_ptr<LayerStream> next = open_backward(layers() - 1);
+      for (std::int32_t l = layers() - 1; l >= 0; --l) {
+        std::unique_ptr<LayerStream> current = std::move(next);
+        if (l > 0) next = open_backward(l - 1);
+        const bool with_bias = !memory.bias(l).empty();
+        ReducedGradient g =
+            fabric.backward_layer(current->metered, placements_of(l), l, l > 0, with_bias);
+        account(*current);
+        if (growth != nullptr) score_growth(l);
+        if (!submitter) submitter = std::make_unique<detail::EngineWorker>();
+        submits.push_back(submitter->post(
+            [&sink, l, gradient = std::move(g)]() mutable { sink(l, std::move(gradient)); }));
+      }
+    } catch (...) {
+      for (auto& f : submits) {
+        if (f.valid()) f.wait();
+      }
+      throw;
+    }
+    for (auto& f : submits) {
+      if (f.valid()) f.wait();
+    }
+    for (auto& f : submits) f.get();
+    return loss;
+  }
+};
+
+LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabric,
+                                               ExecutorOptions options)
+    : impl_(std::make_unique<Impl>(memory, fabric, std::move(options))) {
+  Impl& m = *impl_;
+  const std::int32_t layers = memory.layer_count();
+  try {
+    m.sizes = mlp_sizes(memory);
+  } catch (const ShapeError& e) {
+    throw ShapeError(std::string("executor: ") + e.what());
+  }
+  if (m.options.activations.empty()) {
+    m.options.activations.assign(static_cast<std::size_t>(layers), Activation::relu);
+    m.options.activations.back() = Activation::none;
+  }
+  if (static_cast<std::int32_t>(m.options.activations.size()) != layers) {
+    throw ShapeError("executor: " + std::to_string(m.options.activations.size()) +
+                     " activations for " + std::to_string(layers) + " layers");
+  }
+  for (const Activation a : m.options.activations) {
+    if (a != Activation::none && a != Activation::relu && a != Activation::gelu) {
+      throw ShapeError("executor: unknown activation " + std::to_string(static_cast<int>(a)));
+    }
+  }
+  if (m.options.loss != Loss::softmax_cross_entropy && m.options.loss != Loss::mse) {
+    throw ShapeError("executor: unknown loss " + std::to_string(static_cast<int>(m.options.loss)));
+  }
+  if (m.options.precisions.empty()) {
+    m.options.precisions.assign(static_cast<std::size_t>(layers), Precision::fp32);
+  }
+  if (static_cast<std::int32_t>(m.options.precisions.size()) != layers) {
+    throw ShapeError("executor: " + std::to_string(m.options.precisions.size()) +
+                     " precisions for " + std::to_string(layers) + " layers");
+  }
+  for (std::int32_t l = 0; l < layers; ++l) {
+    try {
+      const LayerShape w = memory.layer_shape(l);
+      stream_header_for(w.rows, w.cols, w.nnz, StreamKind::weights,
+                        m.options.precisions[static_cast<std::size_t>(l)]);
+    } catch (const ShapeError& e) {
+      throw ShapeError("executor: layer " + std::to_string(l) + ": " + e.what());
+    }
+  }
+  if (m.options.prefetch_bytes < 0) throw ShapeError("executor: negative prefetch budget");
+  m.options.dynamic.validate();
+  if (m.options.chunk_packets < 1) throw ShapeError("executor: chunk_packets must be >= 1");
+  if (m.options.memory_budget_bytes < 0) throw ShapeError("executor: negative memory budget");
+  m.engines = fabric.engine_count();
+}
+
+LayerStreamingExecutor::~LayerStreamingExecutor() = default;
+
+std::int32_t LayerStreamingExecutor::layer_count() const {
+  return impl_->layers();
+}
+std::int64_t LayerStreamingExecutor::input_features() const {
+  return impl_->sizes.front();
+}
+std::int64_t LayerStreamingExecutor::output_features() const {
+  return impl_->sizes.back();
+}
+
+std::int64_t LayerStreamingExecutor::activation_bytes(std::int64_t tokens, bool training) const {
+  return impl_->bytes_for(tokens, training);
+}
+
+namespace {
+
+/// Engine counters and fabric counters before a call, to take a call's share of them.
+struct CounterMark {
+  std::vector<EngineCounters> engines;
+  FabricCounters fabric;
+  double threads = 0;
+  explicit CounterMark(Fabric& f) : fabric(f.counters()) {
+    for (std::int32_t k = 0; k < f.engine_count(); ++k) {
+      engines.push_back(f.engine(k).counters());
+      threads += f.engine(k).threads();
+    }
+  }
+  void since(Fabric& f, StepMetrics& mt) const {
+    for (std::int32_t k = 0; k < f.engine_count(); ++k) {
+      const EngineCounters& now = f.engine(k).counters();
+      const EngineCounters& then = engines[static_cast<std::size_t>(k)];
+      mt.engine_busy_seconds += now.busy_seconds - then.busy_seconds;
+      mt.stream_arrival_seconds += now.stream_arrival_seconds - then.stream_arrival_seconds;
+      mt.overlapped_seconds += now.overlapped_seconds - then.overlapped_seconds;
+    }
+    mt.driver_bytes_sent += f.counters().driver_bytes_sent - fabric.driver_bytes_sent;
+    mt.driver_bytes_received += f.counters().driver_bytes_received - fabric.driver_bytes_received;
+  }
+};
+
+}  // namespace
+
+StepResult LayerStreamingExecutor::train_step(const Batch& batch) {
+  return train(batch.features.cols,
+               [&](const Impl::Sink& sink) { return impl_->forward_backward(batch, sink); });
+}
+
+StepResult LayerStreamingExecutor::train_step_samples(std::span<const std::int64_t> samples) {
+  return train(static_cast<std::int64_t>(samples.size()), [&](const Impl::Sink& sink) {
+    impl_->load_samples(samples);
+    return impl_->forward_backward_loaded(sink);
+  });
+}
+
+StepResult LayerStreamingExecutor::train(std::int64_t tokens, const StepRunner& run) {
+  Impl& m = *impl_;
+  m.metrics = {};
+  const CounterMark before(m.fabric);
+  const auto t0 = Clock::now();
+  StepResult r;
+  LossSums loss;
+  // A mask update after this step: RigL scores the layers during its backward pass.
+  const std::int64_t step = m.memory.step() + 1;
+  const bool mask_step = m.options.dynamic.is_update_step(step);
+  std::vector<std::vector<std::int64_t>> growth(static_cast<std::size_t>(m.layers()));
+  if (mask_step && m.options.dynamic.rule == MaskUpdateRule::rigl) {
+    m.growth = &growth;
+    m.growth_step = step;
+  }
+  struct NoGrowth {  // the pointer never outlives this call
+    Impl& m;
+    ~NoGrowth() { m.growth = nullptr; }
+  } no_growth{m};
+  try {
+    loss = run([&](std::int32_t layer, ReducedGradient&& g) {
+      m.memory.submit_gradient(layer, g.weights, g.bias);
+    });
+  } catch (...) {
+    // Layers submitted before the failure would otherwise wait for a commit, and the
+    // next step would find them there (and could only commit a mix of two steps).
+    m.memory.discard_step();
+    throw;
+  }
+  r.report = m.memory.commit_step();
+  if (mask_step && r.report.applied && r.report.step == step) m.update_masks(step, growth);
+  StepMetrics& mt = m.metrics;
+  mt.wall_seconds = since(t0);
+  before.since(m.fabric, mt);
+  mt.engine_thread_seconds = mt.wall_seconds * before.threads;
+  mt.optimizer_seconds = r.report.seconds;
+  mt.tokens = tokens;
+  mt.steps = 1;
+  const auto n = static_cast<double>(tokens);
+  r.loss = loss.loss / n;
+  r.accuracy = static_cast<double>(loss.correct) / n;
+  r.metrics = mt;
+  totals_ += mt;
+  return r;
+}
+
+std::vector<LayerGradient> LayerStreamingExecutor::gradients(const Batch& batch, double* loss) {
+  Impl& m = *impl_;
+  m.metrics = {};
+  std::vector<LayerGradient> out(static_cast<std::size_t>(m.layers()));
+  const LossSums sums = m.forward_backward(batch, [&](std::int32_t layer, ReducedGradient&& g) {
+    auto& slot = out[static_cast<std::size_t>(layer)];
+    g.weights.header.kind = StreamKind::weights;  // decode wants values, not a gradient tag
+    slot.weights = decode_stream(g.weights);
+    slot.bias = std::move(g.bias);
+  });
+  if (loss != nullptr) *loss = sums.loss / static_cast<double>(batch.features.cols);
+  return out;
+}
+
+DenseMatrix LayerStreamingExecutor::infer(ConstMatrixView features) {
+  Impl& m = *impl_;
+  m.metrics = {};
+  Batch batch;
+  batch.features = features;
+  m.load(batch, false, false);
+  m.forward();
+  return m.fabric.gather_output();
+}
+
+Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batch_tokens) {
+  Impl& m = *impl_;
+  m.check_batch(data);
+  if (batch_tokens < 1) {
+    throw ShapeError("evaluate: batch_tokens must be at least 1, got " +
+                     std::to_string(batch_tokens));
+  }
+  const std::int64_t total = data.features.cols;
+  batch_tokens = std::max<std::int64_t>(batch_tokens, m.engines);
+  Evaluation e;
+  LossSums sums;
+  for (std::int64_t begin = 0; begin < total;) {
+    std::int64_t end = std::min(total, begin + batch_tokens);
+    const std::int64_t rest = total - end;
+    if (rest > 0 && rest < m.engines) {
+      // A remainder too small to give every engine a token: the last two batches share
+      // what is left evenly, so neither exceeds batch_tokens (nor the memory budget that
+      // allows it); only where that cannot give both a token an engine does it join this one.
+      const std::int64_t left = total - begin;
+      end = left >= 2 * m.engines ? begin + (left + 1) / 2 : total;
+    }
+    Batch part;
+    part.features = {data.features.data + begin, data.features.rows, end - begin,
+                     data.features.stride};
+    if (m.options.loss == Loss::softmax_cross_entropy) {
+      part.labels.assign(data.labels.begin() + begin, data.labels.begin() + end);
+    } else {
+      const ConstMatrixView& t = *data.targets;
+      part.targets = ConstMatrixView{t.data + begin, t.rows, end - begin, t.stride};
+    }
+    m.load(part, false, true);
+    m.forward();
+    sums += m.fabric.loss(false, end - begin);
+    begin = end;
+  }
+  e.tokens = total;
+  e.loss = total > 0 ? sums.loss / static_cast<double>(total) : 0;
+  e.accuracy = total > 0 ? static_cast<double>(sums.correct) / static_cast<double>(total) : 0;
+  return e;
+}
+
+std::vector<std::int64_t> mlp_sizes(const ModelMemory& memory) {
+  const std::int32_t layers = memory.layer_count();
+  if (layers < 1) throw ShapeError("the ModelMemory holds no layers");
+  std::vector<std::int64_t> sizes{memory.layer_shape(0).cols};
+  for (std::int32_t l = 0; l < layers; ++l) {
+    const LayerShape w = memory.layer_shape(l);
+    if (w.cols != sizes.back()) {
+      throw ShapeError("layer " + std::to_string(l) + " takes " + std::to_string(w.cols) +
+                       " inputs but the layer below gives " + std::to_string(sizes.back()));
+    }
+    sizes.push_back(w.rows);
+  }
+  return sizes;
+}
+
+void build_sparse_mlp(ModelMemory& memory, const std::vector<std::int64_t>& sizes, double sparsity,
+                      std::uint64_t seed) {
+  if (sizes.size() < 2) throw ShapeError("build_sparse_mlp: needs at least two sizes");
+  for (std::size_t l = 0; l < sizes.size(); ++l) {
+    // A layer of width 0 would pass nothing on: the net's output would not depend on X.
+    if (sizes[l] < 1) {
+      throw ShapeError("build_sparse_mlp: size " + std::to_string(l) + " is " +
+                       std::to_string(sizes[l]) + "; every layer needs at least one feature");
+    }
+  }
+  for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
+    CsrMatrix w = CsrMatrix::random(sizes[l + 1], sizes[l], sparsity, seed + 7919 * (l + 1));
+    const double fan_in = std::max(1.0, (1.0 - sparsity) * static_cast<double>(sizes[l]));
+    w.fill_values(seed + 104729 * (l + 1), static_cast<float>(std::sqrt(6.0 / fan_in)));
+    memory.add_layer(std::move(w),
+                     std::vector<float>(static_cast<std::size_t>(sizes[l + 1]), 0.0F));
+  }
+}
+
+}  // namespace sluice

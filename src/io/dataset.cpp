@@ -1,0 +1,283 @@
+// Data sets: CSV (plain or gzip'd, through zlib), the digits file, a synthetic
+// teacher-student task, a seeded split and standardization.
+#include "sluice/dataset.hpp"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "core/splitmix.hpp"
+#include "sluice/csr_matrix.hpp"
+#include "sluice/error.hpp"
+
+namespace sluice {
+namespace {
+
+std::string where(const std::filesystem::path& path, std::int64_t line) {
+  return path.string() + ":" + std::to_string(line);
+}
+
+// Reads every line of a plain or gzip'd file (gzread passes plain files through).
+std::vector<std::string> read_lines(const std::filesystem::path& path) {
+  gzFile file = gzopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    throw IoError("cannot open " + path.string() + ": " + std::strerror(errno));
+  }
+  std::string text;
+  char buffer[1 << 16];
+  int n = 0;
+  while ((n = gzread(file, buffer, sizeof buffer)) > 0)
+    text.append(buffer, static_cast<std::size_t>(n));
+  int err = Z_OK;
+  const char* message = gzerror(file, &err);
+  const std::string error_text = message != nullptr ? message : "";
+  gzclose(file);
+  if (n < 0 || (err != Z_OK && err != Z_STREAM_END)) {
+    throw FormatError("cannot read " + path.string() + ": " + error_text);
+  }
+  std::vector<std::string> lines;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(start, end - start);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(std::move(line));
+    start = end + 1;
+  }
+  return lines;
+}
+
+Dataset subset(const Dataset& data, const std::vector<std::int64_t>& order, std::size_t begin,
+               std::size_t end) {
+  Dataset out;
+  out.classes = data.classes;
+  out.features = DenseMatrix(data.features.rows(), static_cast<std::int64_t>(end - begin));
+  for (std::size_t j = begin; j < end; ++j) {
+    const std::int64_t src = order[j];
+    const auto dst = static_cast<std::int64_t>(j - begin);
+    for (std::int64_t f = 0; f < data.features.rows(); ++f)
+      out.features(f, dst) = data.features(f, src);
+    out.labels.push_back(data.labels[static_cast<std::size_t>(src)]);
+  }
+  return out;
+}
+
+}  // namespace
+
+Dataset load_csv(const std::filesystem::path& path) {
+  const std::vector<std::string> lines = read_lines(path);
+  std::vector<std::vector<double>> rows;
+  std::vector<int> labels;
+  std::size_t columns = 0;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    const auto line_no = static_cast<std::int64_t>(i + 1);
+    std::vector<double> values;
+    std::size_t start = 0;
+    while (true) {
+      std::size_t end = line.find(',', start);
+      if (end == std::string::npos) end = line.size();
+      std::string cell = line.substr(start, end - start);
+      const auto first = cell.find_first_not_of(" \t");
+      const auto last = cell.find_last_not_of(" \t");
+      cell = first == std::string::npos ? "" : cell.substr(first, last - first + 1);
+      double v = 0;
+      const auto [ptr, ec] = std::from_chars(cell.data(), cell.data() + cell.size(), v);
+      if (cell.empty() || ec != std::errc() || ptr != cell.data() + cell.size() ||
+          !std::isfinite(v)) {
+        throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
+                          " is not a finite number: '" + cell + "'");
+      }
+      // Features are held in fp32: a larger value would become infinite there.
+      if (std::fabs(v) > std::numeric_limits<float>::max()) {
+        throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
+                          " is outside the fp32 range: '" + cell + "'");
+      }
+      values.push_back(v);
+      if (end == line.size()) break;
+      start = end + 1;
+    }
+    if (values.size() < 2) {
+      throw FormatError(where(path, line_no) + ": needs at least one feature and a label");
+    }
+    if (columns == 0) columns = values.size();
+    if (values.size() != columns) {
+      throw FormatError(where(path, line_no) + ": " + std::to_string(values.size()) +
+                        " columns, expected " + std::to_string(columns));
+    }
+    const double label = values.back();
+    if (label < 0 || label != std::floor(label) || label > 1e6) {
+      throw FormatError(where(path, line_no) + ": label " + std::to_string(label) +
+                        " is not a non-negative integer");
+    }
+    labels.push_back(static_cast<int>(label));
+    values.pop_back();
+    rows.push_back(std::move(values));
+  }
+  if (rows.empty()) throw FormatError(path.string() + ": no data rows");
+  Dataset d;
+  d.features =
+      DenseMatrix(static_cast<std::int64_t>(columns - 1), static_cast<std::int64_t>(rows.size()));
+  for (std::size_t s = 0; s < rows.size(); ++s) {
+    for (std::size_t f = 0; f + 1 < columns; ++f) {
+      d.features(static_cast<std::int64_t>(f), static_cast<std::int64_t>(s)) =
+          static_cast<float>(rows[s][f]);
+    }
+  }
+  d.labels = std::move(labels);
+  d.classes = *std::max_element(d.labels.begin(), d.labels.end()) + 1;
+  return d;
+}
+
+Dataset load_digits(const std::filesystem::path& path) {
+  Dataset d = load_csv(path);
+  if (d.features.rows() != 64 || d.classes > 10) {
+    throw FormatError(path.string() +
+                      ": not the digits set (expected 64 pixel columns and labels 0..9, got " +
+                      std::to_string(d.features.rows()) + " features and " +
+                      std::to_string(d.classes) + " classes)");
+  }
+  d.classes = 10;
+  return d;
+}
+
+std::optional<std::filesystem::path> find_digits_file(
+    const std::optional<std::filesystem::path>& explicit_path) {
+  if (explicit_path) return explicit_path;
+  if (const char* env = std::getenv("SLUICE_DIGITS"); env != nullptr && *env != '\0') {
+    return std::filesystem::path(env);
+  }
+  std::vector<std::filesystem::path> candidates;
+  if (const char* xdg = std::getenv("XDG_DATA_HOME"); xdg != nullptr && *xdg != '\0') {
+    candidates.emplace_back(std::filesystem::path(xdg) / "sluice/digits.csv.gz");
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    candidates.emplace_back(std::filesystem::path(home) / ".local/share/sluice/digits.csv.gz");
+  }
+  // Beside the running program: scripts/sluice-setup puts it in <build>/data/.
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) candidates.emplace_back(exe.parent_path() / "data/digits.csv.gz");
+  candidates.emplace_back("/usr/local/share/sluice/digits.csv.gz");
+  candidates.emplace_back("/usr/share/sluice/digits.csv.gz");
+  candidates.emplace_back("/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz");
+  for (const auto& c : candidates) {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(c, ec)) return c;
+  }
+  return std::nullopt;
+}
+
+Dataset make_synthetic_dataset(std::int64_t samples, std::int64_t features, int classes,
+                               std::uint64_t seed) {
+  // The teacher network is features x 4*classes x classes, held densely.
+  constexpr std::int64_t kMaxSide = std::int64_t{1} << 24;
+  if (samples < 1 || features < 1 || classes < 2 || samples > kMaxSide || features > kMaxSide ||
+      classes > kMaxSide / 4) {
+    throw ShapeError(
+        "synthetic data set: needs 1 <= samples, features <= 2^24 and 2 <= classes "
+        "<= 2^22, got " +
+        std::to_string(samples) + ", " + std::to_string(features) + ", " + std::to_string(classes));
+  }
+  const std::int64_t hidden = 4 * classes;
+  const double density = std::min(1.0, 8.0 / static_cast<double>(features));
+  const DenseMatrix w1 =
+      CsrMatrix::random(hidden, features, std::max(0.0, 1.0 - std::max(density, 0.5)), seed + 1)
+          .to_dense();
+  const DenseMatrix w2 = CsrMatrix::random(classes, hidden, 0.5, seed + 2).to_dense();
+  Dataset d;
+  d.classes = classes;
+  d.features = DenseMatrix(features, samples);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (std::int64_t s = 0; s < samples; ++s) {
+    for (std::int64_t f = 0; f < features; ++f) d.features(f, s) = normal(rng);
+  }
+  std::vector<double> h(static_cast<std::size_t>(hidden));
+  for (std::int64_t s = 0; s < samples; ++s) {
+    for (std::int64_t j = 0; j < hidden; ++j) {
+      double acc = 0;
+      for (std::int64_t f = 0; f < features; ++f) acc += w1(j, f) * d.features(f, s);
+      h[static_cast<std::size_t>(j)] = std::max(0.0, acc);
+    }
+    int best = 0;
+    double peak = -1e300;
+    for (int c = 0; c < classes; ++c) {
+      double acc = 0;
+      for (std::int64_t j = 0; j < hidden; ++j) acc += w2(c, j) * h[static_cast<std::size_t>(j)];
+      if (acc > peak) {
+        peak = acc;
+        best = c;
+      }
+    }
+    d.labels.push_back(best);
+  }
+  return d;
+}
+
+std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fraction,
+                                          std::uint64_t seed) {
+  if (!(test_fraction >= 0 && test_fraction < 1)) {
+    throw ShapeError("split_dataset: test fraction must be in [0, 1), got " +
+                     std::to_string(test_fraction));
+  }
+  if (static_cast<std::int64_t>(data.labels.size()) != data.samples()) {
+    throw ShapeError("split_dataset: " + std::to_string(data.labels.size()) + " labels for " +
+                     std::to_string(data.samples()) + " samples");
+  }
+  const auto n = static_cast<std::size_t>(data.samples());
+  std::vector<std::int64_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<std::int64_t>(i);
+  std::uint64_t state = seed;
+  for (std::size_t i = n; i > 1; --i) {  // Fisher-Yates, own generator: same split everywhere
+    state = detail::splitmix64(state);
+    std::swap(order[i - 1], order[state % i]);
+  }
+  const auto test_n =
+      static_cast<std::size_t>(std::llround(test_fraction * static_cast<double>(n)));
+  Dataset test = subset(data, order, 0, test_n);
+  Dataset train = subset(data, order, test_n, n);
+  return {std::move(train), std::move(test)};
+}
+
+void standardize(Dataset& train, Dataset& test) {
+  if (test.samples() > 0 && test.features.rows() != train.features.rows()) {
+    throw ShapeError("standardize: train and test have different feature counts");
+  }
+  const std::int64_t n = train.samples();
+  for (std::int64_t f = 0; f < train.features.rows(); ++f) {
+    double sum = 0, sq = 0;
+    for (std::int64_t s = 0; s < n; ++s) sum += train.features(f, s);
+    const double mean = n > 0 ? sum / static_cast<double>(n) : 0;
+    for (std::int64_t s = 0; s < n; ++s) {
+      const double d = train.features(f, s) - mean;
+      sq += d * d;
+    }
+    const double sd = n > 0 ? std::sqrt(sq / static_cast<double>(n)) : 0;
+    const double inv = sd > 1e-12 ? 1.0 / sd : 1.0;
+    for (Dataset* set : {&train, &test}) {
+      for (std::int64_t s = 0; s < set->samples(); ++s) {
+        set->features(f, s) = static_cast<float>((set->features(f, s) - mean) * inv);
+      }
+    }
+  }
+}
+
+ConstMatrixView sample_view(const Dataset& data, std::int64_t begin, std::int64_t end) {
+  if (begin < 0 || end < begin || end > data.samples()) {
+    throw ShapeError("sample_view: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                     ") is outside " + std::to_string(data.samples()) + " samples");
+  }
+  return {data.features.data() + begin, data.features.rows(), end - begin, data.features.stride()};
+}
+
+}  // namespace sluice

@@ -1,0 +1,335 @@
+#pragma once
+// Internal: the file helpers of the checkpoint format (docs/checkpoint_format.md) —
+// sections of tag, length, CRC-32 and payload; buffered, fsync'd output; input that
+// trusts no length before checking it against the bytes left — shared by HostModelMemory's
+// checkpoints and TieredModelMemory's store. Every error names the file (and the byte).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/crc32.hpp"
+#include "sluice/error.hpp"
+
+namespace sluice::detail {
+
+constexpr std::uint32_t fourcc(const char (&s)[5]) {
+  return static_cast<std::uint32_t>(static_cast<unsigned char>(s[0])) |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(s[1])) << 8 |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(s[2])) << 16 |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(s[3])) << 24;
+}
+
+inline constexpr std::size_t kSectionHeaderBytes = 4 + 8 + 4;
+
+inline std::string tag_name(std::uint32_t tag) {
+  std::string s;
+  for (int i = 0; i < 4; ++i) {
+    const auto c = static_cast<char>((tag >> (8 * i)) & 0xFFU);
+    s += (c >= 0x20 && c < 0x7F) ? c : '?';
+  }
+  return "'" + s + "'";
+}
+
+template <typename T>
+std::span<const std::byte> bytes_of(const std::vector<T>& v) {
+  return std::as_bytes(std::span<const T>(v));
+}
+
+// --- writing -------------------------------------------------------------------------
+
+// Little-endian scalar fields of a section, built in memory (at most a few dozen bytes).
+class FieldWriter {
+ public:
+  template <typename T>
+  void put(T value) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    if (size_ + sizeof(T) > bytes_.size()) throw Error("checkpoint: section fields overflow");
+    std::memcpy(bytes_.data() + size_, &value, sizeof(T));
+    size_ += sizeof(T);
+  }
+  std::span<const std::byte> bytes() const { return {bytes_.data(), size_}; }
+
+ private:
+  std::array<std::byte, 128> bytes_{};
+  std::size_t size_ = 0;
+};
+
+// A section's payload as pieces that already exist in memory: no copy of the arrays.
+struct Section {
+  std::uint32_t tag = 0;
+  FieldWriter fields;
+  std::vector<std::span<const std::byte>> arrays;
+
+  std::uint64_t length() const {
+    std::uint64_t n = fields.bytes().size();
+    for (const auto& a : arrays) n += a.size();
+    return n;
+  }
+  std::uint32_t crc() const {
+    std::uint32_t c = crc32(fields.bytes());
+    for (const auto& a : arrays) c = crc32(a, c);
+    return c;
+  }
+};
+
+inline std::string os_error(const std::string& what, const std::filesystem::path& path) {
+  return what + " " + path.string() + ": " + std::strerror(errno);
+}
+
+// POSIX file output with a buffer; every failure is an IoError naming the file.
+class FileWriter {
+ public:
+  /// `context` starts every error message.
+  explicit FileWriter(std::filesystem::path path, std::string context = "save checkpoint")
+      : path_(std::move(path)), context_(std::move(context)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw IoError(os_error(context_ + ": cannot create", path_));
+    buffer_.reserve(kBufferBytes);
+  }
+  ~FileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+
+  void write(std::span<const std::byte> bytes) {
+    if (bytes.size() >= kBufferBytes) {
+      flush();
+      write_all(bytes);
+      return;
+    }
+    if (buffer_.size() + bytes.size() > kBufferBytes) flush();
+    buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
+  }
+  template <typename T>
+  void put(T value) {
+    write(std::as_bytes(std::span<const T>(&value, 1)));
+  }
+
+  /// Flushes, fsyncs and closes: after this the bytes are on disk.
+  void commit() {
+    flush();
+    if (::fsync(fd_) != 0) throw IoError(os_error(context_ + ": cannot fsync", path_));
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) throw IoError(os_error(context_ + ": cannot close", path_));
+  }
+
+ private:
+  static constexpr std::size_t kBufferBytes = 1 << 20;
+
+  void flush() {
+    write_all(buffer_);
+    buffer_.clear();
+  }
+  void write_all(std::span<const std::byte> bytes) {
+    const std::byte* p = bytes.data();
+    std::size_t left = bytes.size();
+    while (left > 0) {
+      const ssize_t n = ::write(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(os_error(context_ + ": cannot write", path_));
+      }
+      p += n;
+      left -= static_cast<std::size_t>(n);
+    }
+  }
+
+  std::filesystem::path path_;
+  std::string context_;
+  int fd_ = -1;
+  std::vector<std::byte> buffer_;
+};
+
+inline void write_section(FileWriter& out, const Section& s) {
+  out.put(s.tag);
+  out.put(s.length());
+  out.put(s.crc());
+  out.write(s.fields.bytes());
+  for (const auto& a : s.arrays) out.write(a);
+}
+
+/// Makes a rename in `dir` durable. `context` starts the error message.
+inline void fsync_directory(const std::filesystem::path& dir,
+                            const std::string& context = "save checkpoint") {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw IoError(os_error(context + ": cannot open directory", dir));
+  const int rc = ::fsync(fd);
+  const int saved_errno = errno;
+  ::close(fd);
+  if (rc != 0) {
+    errno = saved_errno;
+    throw IoError(os_error(context + ": cannot fsync directory", dir));
+  }
+}
+
+// Reads a file front to back; knows how many bytes are left, so no length read from the
+// file is trusted (or allocated) before it has been checked against them.
+class FileReader {
+ public:
+  /// `context` starts every error message, followed by the file's name.
+  explicit FileReader(std::filesystem::path path, std::string context = "load checkpoint")
+      : path_(std::move(path)), context_(std::move(context)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw IoError(os_error(context_ + ": cannot open", path_));
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) {
+      const int saved_errno = errno;
+      ::close(fd_);
+      errno = saved_errno;
+      throw IoError(os_error(context_ + ": cannot stat", path_));
+    }
+    size_ = static_cast<std::uint64_t>(info.st_size);
+  }
+  ~FileReader() { ::close(fd_); }
+  FileReader(const FileReader&) = delete;
+  FileReader& operator=(const FileReader&) = delete;
+
+  std::uint64_t position() const { return pos_; }
+  std::uint64_t remaining() const { return size_ - pos_; }
+
+  /// Skips `bytes` (checked against what is left), e.g. a section not wanted.
+  void skip(std::uint64_t bytes, const char* what) {
+    if (bytes > remaining()) {
+      fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
+           std::to_string(bytes) + " bytes, " + std::to_string(remaining()) + " left");
+    }
+    if (::lseek(fd_, static_cast<off_t>(pos_ + bytes), SEEK_SET) < 0) {
+      throw IoError(os_error(context_ + ": cannot seek in", path_));
+    }
+    pos_ += bytes;
+  }
+  /// Drops the file's pages from the page cache: for a file read once, in order.
+  void drop_cache() { ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED); }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw FormatError(context_ + " " + path_.string() + ": " + what);
+  }
+
+  void read(std::span<std::byte> out, const char* what) {
+    if (out.size() > remaining()) {
+      fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
+           std::to_string(out.size()) + " bytes, " + std::to_string(remaining()) + " left");
+    }
+    std::byte* p = out.data();
+    std::size_t left = out.size();
+    while (left > 0) {
+      const ssize_t n = ::read(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(os_error(context_ + ": cannot read", path_));
+      }
+      if (n == 0) fail("the file shrank while being read, at byte " + std::to_string(pos_));
+      p += n;
+      left -= static_cast<std::size_t>(n);
+      pos_ += static_cast<std::uint64_t>(n);
+    }
+  }
+  template <typename T>
+  T get(const char* what) {
+    T value{};
+    read(std::as_writable_bytes(std::span<T>(&value, 1)), what);
+    return value;
+  }
+
+ private:
+  std::filesystem::path path_;
+  std::string context_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+  std::uint64_t pos_ = 0;
+};
+
+// One section's payload: reads pieces and keeps the CRC; `expect_end` checks that the
+// section's length was used exactly.
+class SectionReader {
+ public:
+  SectionReader(FileReader& in, std::uint32_t expected_tag, const std::string& name)
+      : in_(in), name_(name) {
+    start_ = in.position();
+    const auto tag = in.get<std::uint32_t>("section header");
+    length_ = in.get<std::uint64_t>("section header");
+    crc_ = in.get<std::uint32_t>("section header");
+    if (tag != expected_tag) {
+      in.fail("section at byte " + std::to_string(start_) + ": tag " + tag_name(tag) +
+              ", expected " + tag_name(expected_tag) + " (" + name_ + ")");
+    }
+    if (length_ > in.remaining()) {
+      in.fail("truncated: " + name_ + " at byte " + std::to_string(start_) + " claims " +
+              std::to_string(length_) + " bytes, " + std::to_string(in.remaining()) + " left");
+    }
+    left_ = length_;
+  }
+
+  std::uint64_t length() const { return length_; }
+
+  template <typename T>
+  T get(const char* what) {
+    T value{};
+    read(std::as_writable_bytes(std::span<T>(&value, 1)), what);
+    return value;
+  }
+  /// Reads `count` elements; the caller has checked `count` against the section length.
+  template <typename T>
+  std::vector<T> get_array(std::uint64_t count, const char* what) {
+    std::vector<T> v(static_cast<std::size_t>(count));
+    read(std::as_writable_bytes(std::span<T>(v)), what);
+    return v;
+  }
+
+  /// Checks that the payload was read exactly and that its CRC matches.
+  void finish() {
+    if (left_ != 0) {
+      in_.fail(name_ + " at byte " + std::to_string(start_) + ": " + std::to_string(left_) +
+               " unexpected bytes at its end");
+    }
+    if (computed_ != crc_) {
+      in_.fail(name_ + " at byte " + std::to_string(start_) + ": CRC mismatch (stored " +
+               std::to_string(crc_) + ", computed " + std::to_string(computed_) +
+               "): the file is corrupt");
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    in_.fail(name_ + " at byte " + std::to_string(start_) + ": " + what);
+  }
+
+ private:
+  void read(std::span<std::byte> out, const char* what) {
+    if (out.size() > left_) {
+      fail(std::string(what) + " runs past the section's end (length " + std::to_string(length_) +
+           ")");
+    }
+    in_.read(out, what);
+    computed_ = crc32(out, computed_);
+    left_ -= out.size();
+  }
+
+  FileReader& in_;
+  std::string name_;
+  std::uint64_t start_ = 0, length_ = 0, left_ = 0;
+  std::uint32_t crc_ = 0, computed_ = 0;
+};
+
+// `count` elements of `size` bytes, if that fits in `budget` bytes; false otherwise (also on
+// overflow). Used before allocating anything a file asks for.
+inline bool fits(std::uint64_t count, std::uint64_t size, std::uint64_t& budget) {
+  if (count > budget / size) return false;
+  budget -= count * size;
+  return true;
+}
+
+}  // namespace sluice::detail

@@ -1,0 +1,482 @@
+#include "model_memory/model_store_files.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "model_memory/checkpoint_io.hpp"
+
+namespace sluice::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr char kManifestMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'M', 'F'};
+constexpr char kPatternMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'P', 'T'};
+constexpr char kStateMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'S', 'T'};
+constexpr std::uint32_t kVersion = 1;
+constexpr std::uint64_t kPrefixBytes = 8 + 4;
+constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
+
+constexpr std::uint32_t kHeadTag = fourcc("HEAD");
+constexpr std::uint32_t kLayerTag = fourcc("LAYR");
+constexpr std::uint32_t kEndTag = fourcc("END ");
+constexpr std::uint32_t kStateHeadTag = fourcc("LHDR");
+constexpr std::array<std::uint32_t, 5> kPatternTags = {
+    fourcc("ROWS"), fourcc("COLS"), fourcc("TROW"), fourcc("TCOL"), fourcc("TSRC")};
+
+void write_prefix(FileWriter& out, const char (&magic)[8]) {
+  out.write(std::as_bytes(std::span(magic)));
+  out.put(kVersion);
+}
+
+void read_prefix(FileReader& in, const char (&magic)[8], const char* what) {
+  char found[8];
+  in.read(std::as_writable_bytes(std::span(found)), "magic");
+  if (std::memcmp(found, magic, sizeof found) != 0) {
+    in.fail(std::string("at byte 0: not a ") + what + " (wrong magic)");
+  }
+  const auto version = in.get<std::uint32_t>("version");
+  if (version != kVersion) {
+    in.fail("at byte 8: version " + std::to_string(version) + ", expected " +
+            std::to_string(kVersion));
+  }
+}
+
+std::uint32_t section_tag(int index, int slots) {
+  if (index == 0) return fourcc("VALS");
+  if (index == 1) return fourcc("BIAS");
+  const int s = index - 2;
+  const char* base = s < slots ? "STA" : "BST";
+  const char name[5] = {base[0], base[1], base[2], static_cast<char>('0' + s % slots), 0};
+  return fourcc(name);
+}
+
+int section_count(int slots) {
+  return 2 + 2 * slots;
+}
+
+std::uint64_t section_floats(const StateLayout& l, int index) {
+  if (index == 0) return static_cast<std::uint64_t>(l.nnz);
+  if (index == 1) return static_cast<std::uint64_t>(l.bias);
+  return static_cast<std::uint64_t>(index - 2 < l.slots ? l.nnz : l.bias);
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
+std::filesystem::path manifest_path(const std::filesystem::path& dir) {
+  return dir / "MANIFEST";
+}
+
+std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer) {
+  char name[64];
+  std::snprintf(name, sizeof name, "layer-%06d.pattern", layer);
+  return dir / name;
+}
+
+std::filesystem::path state_path(const std::filesystem::path& dir, std::int32_t layer,
+                                 std::int64_t generation) {
+  char name[64];
+  std::snprintf(name, sizeof name, "layer-%06d.g%010lld.state", layer,
+                static_cast<long long>(generation));
+  return dir / name;
+}
+
+// --- manifest --------------------------------------------------------------------------
+
+void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
+  const std::filesystem::path final_path = manifest_path(dir);
+  std::filesystem::path tmp = final_path;
+  tmp += ".tmp";
+  {
+    FileWriter out(tmp, "model store: write manifest");
+    write_prefix(out, kManifestMagic);
+    Section head;
+    head.tag = kHeadTag;
+    const OptimizerConfig& c = m.config;
+    head.fields.put(static_cast<std::uint32_t>(m.layers.size()));
+    head.fields.put(m.step);
+    head.fields.put(m.next_generation);
+    head.fields.put(m.seed);
+    head.fields.put(static_cast<std::uint32_t>(c.kind));
+    for (double x : {c.learning_rate, c.momentum, c.beta1, c.beta2, c.epsilon, c.weight_decay,
+                     c.clip_global_norm}) {
+      head.fields.put(x);
+    }
+    head.fields.put(static_cast<std::uint32_t>(m.policy == NonFinitePolicy::error ? 1 : 0));
+    write_section(out, head);
+    for (std::size_t i = 0; i < m.layers.size(); ++i) {
+      const ManifestLayer& l = m.layers[i];
+      Section s;
+      s.tag = kLayerTag;
+      s.fields.put(static_cast<std::uint32_t>(i));
+      for (std::int64_t x :
+           {l.shape.rows, l.shape.cols, l.shape.nnz, l.shape.bias, l.updates, l.generation}) {
+        s.fields.put(x);
+      }
+      s.fields.put(static_cast<std::uint32_t>(l.has_state ? 1 : 0));
+      write_section(out, s);
+    }
+    Section end;
+    end.tag = kEndTag;
+    write_section(out, end);
+    out.commit();
+  }
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    throw IoError(os_error("model store: cannot rename " + tmp.string() + " to", final_path));
+  }
+  fsync_directory(dir, "model store");
+}
+
+Manifest read_manifest(const std::filesystem::path& dir) {
+  FileReader in(manifest_path(dir), "model store: manifest");
+  read_prefix(in, kManifestMagic, "model store manifest");
+  Manifest m;
+  SectionReader head(in, kHeadTag, "HEAD section");
+  const auto count = head.get<std::uint32_t>("layer count");
+  m.step = head.get<std::int64_t>("step");
+  m.next_generation = head.get<std::int64_t>("next generation");
+  m.seed = head.get<std::uint64_t>("seed");
+  const auto kind = head.get<std::uint32_t>("optimizer kind");
+  OptimizerConfig& c = m.config;
+  for (double* x : {&c.learning_rate, &c.momentum, &c.beta1, &c.beta2, &c.epsilon, &c.weight_decay,
+                    &c.clip_global_norm}) {
+    *x = head.get<double>("optimizer config");
+  }
+  const auto policy = head.get<std::uint32_t>("non-finite policy");
+  head.finish();
+  if (kind > 2) head.fail("unknown optimizer kind " + std::to_string(kind));
+  if (policy > 1) head.fail("unknown non-finite policy " + std::to_string(policy));
+  if (m.step < 0 || m.next_generation <= 0) head.fail("negative step or generation");
+  c.kind = static_cast<OptimizerKind>(kind);
+  m.policy = policy == 1 ? NonFinitePolicy::error : NonFinitePolicy::skip_step;
+  try {
+    validate_optimizer_config(c);
+  } catch (const Error& e) {
+    head.fail(e.what());
+  }
+  if (count > in.remaining() / kSectionHeaderBytes) head.fail("more layers than the file holds");
+  for (std::uint32_t i = 0; i < count; ++i) {
+    SectionReader s(in, kLayerTag, "LAYR section of layer " + std::to_string(i));
+    if (s.get<std::uint32_t>("layer index") != i) s.fail("layers out of order");
+    ManifestLayer l;
+    for (std::int64_t* x :
+         {&l.shape.rows, &l.shape.cols, &l.shape.nnz, &l.shape.bias, &l.updates, &l.generation}) {
+      *x = s.get<std::int64_t>("layer fields");
+    }
+    l.has_state = s.get<std::uint32_t>("state flag") != 0;
+    s.finish();
+    const LayerShape& sh = l.shape;
+    if (sh.rows < 0 || sh.cols < 0 || sh.nnz < 0 || sh.nnz > sh.rows * sh.cols ||
+        (sh.bias != 0 && sh.bias != sh.rows) || l.updates < 0 || l.generation < 0 ||
+        l.generation >= m.next_generation) {
+      s.fail("invalid layer fields");
+    }
+    m.layers.push_back(l);
+  }
+  SectionReader end(in, kEndTag, "END section");
+  end.finish();
+  if (in.remaining() != 0)
+    in.fail("at byte " + std::to_string(in.position()) + ": bytes after the END section");
+  return m;
+}
+
+// --- pattern files ---------------------------------------------------------------------
+
+void write_pattern(const std::filesystem::path& path, const CsrMatrix& mask,
+                   const TransposedPattern& transposed) {
+  FileWriter out(path, "model store: write pattern");
+  write_prefix(out, kPatternMagic);
+  std::array<Section, 5> s;
+  for (std::size_t i = 0; i < s.size(); ++i) s[i].tag = kPatternTags[i];
+  s[0].arrays.push_back(bytes_of(mask.row_offsets()));
+  s[1].arrays.push_back(bytes_of(mask.col_indices()));
+  s[2].arrays.push_back(bytes_of(transposed.row_offsets));
+  s[3].arrays.push_back(bytes_of(transposed.col_indices));
+  s[4].arrays.push_back(bytes_of(transposed.source));
+  for (const Section& x : s) write_section(out, x);
+  Section end;
+  end.tag = kEndTag;
+  write_section(out, end);
+  out.commit();
+}
+
+std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& shape,
+                           CsrMatrix* mask, TransposedPattern* transposed) {
+  FileReader in(path, "model store: pattern");
+  read_prefix(in, kPatternMagic, "model store pattern file");
+  const auto rows = static_cast<std::uint64_t>(shape.rows);
+  const auto cols = static_cast<std::uint64_t>(shape.cols);
+  const auto nnz = static_cast<std::uint64_t>(shape.nnz);
+  std::uint64_t bytes = 0;
+  auto array = [&](int i, std::uint64_t count, std::uint64_t size, bool want, const char* name,
+                   auto tag) {
+    SectionReader s(in, kPatternTags[static_cast<std::size_t>(i)], name);
+    if (s.length() != count * size) {
+      s.fail("holds " + std::to_string(s.length()) + " bytes, the manifest's shape needs " +
+             std::to_string(count * size));
+    }
+    if (!want) {
+      in.skip(s.length(), name);
+      return std::vector<decltype(tag)>();
+    }
+    auto v = s.template get_array<decltype(tag)>(count, name);
+    s.finish();
+    bytes += count * size;
+    return v;
+  };
+  auto offsets = array(0, rows + 1, 8, mask != nullptr, "ROWS section", std::int64_t{});
+  auto indices = array(1, nnz, 4, mask != nullptr, "COLS section", std::uint32_t{});
+  if (mask != nullptr) {
+    try {
+      *mask = CsrMatrix(shape.rows, shape.cols, std::move(offsets), std::move(indices),
+                        std::vector<float>(nnz, 0.0F));
+    } catch (const Error& e) {
+      in.fail(std::string("the mask is not a valid pattern: ") + e.what());
+    }
+  }
+  if (transposed != nullptr) {
+    TransposedPattern& t = *transposed;
+    t.rows = shape.cols;
+    t.cols = shape.rows;
+    t.row_offsets = array(2, cols + 1, 8, true, "TROW section", std::int64_t{});
+    t.col_indices = array(3, nnz, 4, true, "TCOL section", std::uint32_t{});
+    t.source = array(4, nnz, 4, true, "TSRC section", std::uint32_t{});
+    SectionReader end(in, kEndTag, "END section");
+    end.finish();
+    if (in.remaining() != 0)
+      in.fail("at byte " + std::to_string(in.position()) + ": bytes after the END section");
+    if (t.row_offsets.front() != 0 || t.row_offsets.back() != shape.nnz) {
+      in.fail("the transposed pattern's offsets do not cover the mask");
+    }
+    for (std::uint64_t r = 0; r < cols; ++r) {
+      if (t.row_offsets[r + 1] < t.row_offsets[r]) {
+        in.fail("the transposed pattern's offsets decrease at input " + std::to_string(r));
+      }
+    }
+    for (std::uint64_t k = 0; k < nnz; ++k) {
+      if (t.source[k] >= nnz || t.col_indices[k] >= rows) {
+        in.fail("the transposed pattern's entry " + std::to_string(k) + " is out of range");
+      }
+    }
+  }
+  in.drop_cache();
+  return bytes;
+}
+
+// --- state files -----------------------------------------------------------------------
+
+StateLayout StateLayout::of(std::int64_t nnz, std::int64_t bias, int slots) {
+  StateLayout l;
+  l.nnz = nnz;
+  l.bias = bias;
+  l.slots = slots;
+  std::uint64_t pos = kPrefixBytes + kSectionHeaderBytes + kStateHeadBytes;
+  auto place = [&](std::int64_t floats) {
+    const std::uint64_t at = pos + kSectionHeaderBytes;
+    pos = at + 4 * static_cast<std::uint64_t>(floats);
+    return at;
+  };
+  l.values = place(nnz);
+  l.bias_at = place(bias);
+  for (int s = 0; s < slots; ++s) l.state[s] = place(nnz);
+  for (int s = 0; s < slots; ++s) l.bias_state[s] = place(bias);
+  l.end = pos;
+  l.size = pos + kSectionHeaderBytes;
+  return l;
+}
+
+std::uint64_t state_section(const StateLayout& l, int index) {
+  if (index == 0) return l.values;
+  if (index == 1) return l.bias_at;
+  const int s = index - 2;
+  return s < l.slots ? l.state[s] : l.bias_state[s - l.slots];
+}
+
+StateReader::StateReader(std::filesystem::path path, const StateLayout& layout, IoCounters& io)
+    : path_(std::move(path)), layout_(layout), io_(io) {
+  FileReader in(path_, "model store: state");  // the header, read in order
+  read_prefix(in, kStateMagic, "model store state file");
+  SectionReader head(in, kStateHeadTag, "LHDR section");
+  const auto nnz = head.get<std::int64_t>("nnz");
+  const auto bias = head.get<std::int64_t>("bias size");
+  const auto slots = head.get<std::uint32_t>("slots");
+  head.finish();
+  if (nnz != layout.nnz || bias != layout.bias ||
+      slots != static_cast<std::uint32_t>(layout.slots)) {
+    head.fail("holds " + std::to_string(nnz) + " non-zeros, " + std::to_string(bias) +
+              " biases and " + std::to_string(slots) + " state slots; the manifest expects " +
+              std::to_string(layout.nnz) + ", " + std::to_string(layout.bias) + " and " +
+              std::to_string(layout.slots));
+  }
+  if (in.remaining() + in.position() != layout.size) {
+    in.fail("is " + std::to_string(in.remaining() + in.position()) + " bytes, expected " +
+            std::to_string(layout.size));
+  }
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw IoError(os_error("model store: cannot open", path_));
+  ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+  // Every section header: the tag and length where the layout puts them.
+  for (int i = 0; i <= section_count(layout.slots); ++i) {
+    const bool end = i == section_count(layout.slots);
+    const std::uint64_t at = end ? layout.end : state_section(layout, i) - kSectionHeaderBytes;
+    std::uint32_t tag = 0, crc = 0;
+    std::uint64_t length = 0;
+    if (::pread(fd_, &tag, 4, static_cast<off_t>(at)) != 4 ||
+        ::pread(fd_, &length, 8, static_cast<off_t>(at + 4)) != 8 ||
+        ::pread(fd_, &crc, 4, static_cast<off_t>(at + 12)) != 4) {
+      throw IoError(os_error("model store: cannot read", path_));
+    }
+    const std::uint32_t want = end ? kEndTag : section_tag(i, layout.slots);
+    const std::uint64_t want_length = end ? 0 : 4 * section_floats(layout, i);
+    if (tag != want || length != want_length || (end && crc != crc32({}))) {
+      throw FormatError("model store: state " + path_.string() + ": section at byte " +
+                        std::to_string(at) + ": tag " + tag_name(tag) + " of " +
+                        std::to_string(length) + " bytes, expected " + tag_name(want) + " of " +
+                        std::to_string(want_length));
+    }
+  }
+}
+
+StateReader::~StateReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void StateReader::read(std::uint64_t section, std::int64_t first, std::span<float> out,
+                       std::uint32_t& crc) {
+  const auto start = Clock::now();
+  auto* p = reinterpret_cast<char*>(out.data());
+  std::uint64_t at = section + 4 * static_cast<std::uint64_t>(first);
+  std::size_t left = out.size_bytes();
+  while (left > 0) {
+    const ssize_t n =
+        ::pread(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30), static_cast<off_t>(at));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw IoError(os_error("model store: cannot read", path_));
+    if (n == 0) {
+      throw FormatError("model store: state " + path_.string() + ": truncated at byte " +
+                        std::to_string(at));
+    }
+    p += n;
+    at += static_cast<std::uint64_t>(n);
+    left -= static_cast<std::size_t>(n);
+  }
+  crc = crc32(std::as_bytes(out), crc);
+  io_.read_bytes += out.size_bytes();
+  io_.read_seconds += seconds_since(start);
+}
+
+void StateReader::check_crc(std::uint64_t section, std::uint32_t crc, const char* name) {
+  std::uint32_t stored = 0;
+  const std::uint64_t at = section - 4;
+  if (::pread(fd_, &stored, 4, static_cast<off_t>(at)) != 4) {
+    throw IoError(os_error("model store: cannot read", path_));
+  }
+  if (stored != crc) {
+    throw FormatError("model store: state " + path_.string() + ": " + name + " section at byte " +
+                      std::to_string(section - kSectionHeaderBytes) + ": CRC mismatch (stored " +
+                      std::to_string(stored) + ", computed " + std::to_string(crc) +
+                      "): the file is corrupt");
+  }
+}
+
+void StateReader::drop_cache() {
+  ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+}
+
+StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io)
+    : path_(std::move(path)),
+      layout_(layout),
+      io_(io),
+      crcs_(static_cast<std::size_t>(section_count(layout.slots)), 0),
+      written_(crcs_.size(), 0) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw IoError(os_error("model store: cannot create", path_));
+}
+
+StateWriter::~StateWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!finished_) ::unlink(path_.c_str());
+}
+
+void StateWriter::write(int index, std::int64_t first, std::span<const float> data) {
+  auto& done = written_[static_cast<std::size_t>(index)];
+  if (first != done) throw Error("model store: internal error: state written out of order");
+  const auto start = Clock::now();
+  const auto bytes = std::as_bytes(data);
+  std::uint64_t at = state_section(layout_, index) + 4 * static_cast<std::uint64_t>(first);
+  const std::byte* p = bytes.data();
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t n =
+        ::pwrite(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30), static_cast<off_t>(at));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw IoError(os_error("model store: cannot write", path_));
+    p += n;
+    at += static_cast<std::uint64_t>(n);
+    left -= static_cast<std::size_t>(n);
+  }
+  crcs_[static_cast<std::size_t>(index)] = crc32(bytes, crcs_[static_cast<std::size_t>(index)]);
+  done += static_cast<std::int64_t>(data.size());
+  io_.write_bytes += bytes.size();
+  io_.write_seconds += seconds_since(start);
+}
+
+void StateWriter::finish() {
+  const auto start = Clock::now();
+  auto put = [&](std::uint64_t at, auto value) {
+    if (::pwrite(fd_, &value, sizeof value, static_cast<off_t>(at)) !=
+        static_cast<ssize_t>(sizeof value)) {
+      throw IoError(os_error("model store: cannot write", path_));
+    }
+  };
+  auto put_header = [&](std::uint64_t payload, std::uint32_t tag, std::uint64_t length,
+                        std::uint32_t crc) {
+    put(payload - kSectionHeaderBytes, tag);
+    put(payload - kSectionHeaderBytes + 4, length);
+    put(payload - kSectionHeaderBytes + 12, crc);
+  };
+  if (::pwrite(fd_, kStateMagic, 8, 0) != 8) {
+    throw IoError(os_error("model store: cannot write", path_));
+  }
+  put(8, kVersion);
+  Section h;
+  h.fields.put(layout_.nnz);
+  h.fields.put(layout_.bias);
+  h.fields.put(static_cast<std::uint32_t>(layout_.slots));
+  const std::uint64_t head_at = kPrefixBytes + kSectionHeaderBytes;
+  put_header(head_at, kStateHeadTag, kStateHeadBytes, h.crc());
+  const auto fields = h.fields.bytes();
+  if (::pwrite(fd_, fields.data(), fields.size(), static_cast<off_t>(head_at)) !=
+      static_cast<ssize_t>(fields.size())) {
+    throw IoError(os_error("model store: cannot write", path_));
+  }
+  for (int i = 0; i < section_count(layout_.slots); ++i) {
+    const auto floats = section_floats(layout_, i);
+    if (written_[static_cast<std::size_t>(i)] != static_cast<std::int64_t>(floats)) {
+      throw Error("model store: internal error: section " +
+                  tag_name(section_tag(i, layout_.slots)) + " of " + path_.string() +
+                  " not fully written");
+    }
+    put_header(state_section(layout_, i), section_tag(i, layout_.slots), 4 * floats,
+               crcs_[static_cast<std::size_t>(i)]);
+  }
+  put_header(layout_.end + kSectionHeaderBytes, kEndTag, 0, crc32({}));
+  if (::fsync(fd_) != 0) throw IoError(os_error("model store: cannot fsync", path_));
+  // Written once, read next step at the earliest: not worth the page cache.
+  ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) throw IoError(os_error("model store: cannot close", path_));
+  finished_ = true;
+  io_.write_seconds += seconds_since(start);
+}
+
+}  // namespace sluice::detail

@@ -1,0 +1,133 @@
+#pragma once
+// Internal: the files of a TieredModelMemory store (docs/model_store.md), in the
+// checkpoint format's sections (tag, length, CRC-32, payload; checkpoint_io.hpp):
+//
+//   MANIFEST                     what is committed: step, optimizer, every layer's shape,
+//                                update count and the generation of its state file
+//   layer-LLLLLL.pattern         the mask and its transpose; written once, never changed
+//   layer-LLLLLL.gGGGGGGGG.state master values, bias, optimizer state of one generation
+//
+// A step writes every updated layer's state file of a new generation (fsync'd), then the
+// manifest beside it, fsync'd and renamed over MANIFEST: the rename is the commit. Files
+// no manifest names are what a killed step left behind, removed when the store opens.
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model_memory/optimizer_kernels.hpp"
+#include "sluice/csr_matrix.hpp"
+#include "sluice/model_memory.hpp"
+#include "sluice/optimizer.hpp"
+
+namespace sluice::detail {
+
+struct ManifestLayer {
+  LayerShape shape;
+  std::int64_t updates = 0;     ///< Adam's t
+  std::int64_t generation = 0;  ///< of the state file that holds the layer
+  bool has_state = false;       ///< false: optimizer state all zero (none in the file)
+};
+
+struct Manifest {
+  std::int64_t step = 0;
+  std::int64_t next_generation = 1;  ///< of the next state files written
+  std::uint64_t seed = 0;
+  OptimizerConfig config;  ///< without the schedule (code, not data)
+  NonFinitePolicy policy = NonFinitePolicy::skip_step;
+  std::vector<ManifestLayer> layers;
+};
+
+std::filesystem::path manifest_path(const std::filesystem::path& dir);
+std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer);
+std::filesystem::path state_path(const std::filesystem::path& dir, std::int32_t layer,
+                                 std::int64_t generation);
+
+/// Writes the manifest beside MANIFEST, fsyncs it, renames it over MANIFEST and fsyncs
+/// the directory.
+void write_manifest(const std::filesystem::path& dir, const Manifest& m);
+/// FormatError naming the file and the byte if it is corrupt, IoError if unreadable.
+Manifest read_manifest(const std::filesystem::path& dir);
+
+/// Writes (and fsyncs) a layer's pattern file: its mask and transposed pattern.
+void write_pattern(const std::filesystem::path& path, const CsrMatrix& mask,
+                   const TransposedPattern& transposed);
+/// Reads the pattern file into `mask` (values zero) and/or `transposed` (either may be
+/// null: its sections are skipped), checking their CRCs and the shape against `shape`.
+/// Returns the bytes read.
+std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& shape,
+                           CsrMatrix* mask, TransposedPattern* transposed);
+
+/// Byte counts and times of the store's file I/O, summed by every thread.
+struct IoCounters {
+  std::atomic<std::uint64_t> read_bytes{0}, write_bytes{0};
+  std::atomic<double> read_seconds{0}, write_seconds{0};
+};
+
+/// Where a state file's sections are: the layout follows from nnz, bias size and slots.
+struct StateLayout {
+  std::int64_t nnz = 0, bias = 0;
+  int slots = 0;
+  /// Payload offsets: values, bias, state[s], bias_state[s]; then the END section.
+  std::uint64_t values = 0, bias_at = 0;
+  std::array<std::uint64_t, kMaxOptimizerSlots> state{}, bias_state{};
+  std::uint64_t end = 0, size = 0;
+  static StateLayout of(std::int64_t nnz, std::int64_t bias, int slots);
+};
+
+/// Reads a state file section's payload range [first, first + out.size()) floats with
+/// pread; `crc` chains the section's CRC over reads made in order. FormatError naming
+/// the file and the offset on a short file.
+class StateReader {
+ public:
+  StateReader(std::filesystem::path path, const StateLayout& layout, IoCounters& io);
+  ~StateReader();
+  StateReader(const StateReader&) = delete;
+  StateReader& operator=(const StateReader&) = delete;
+  /// Reads `out.size()` floats of the section whose payload starts at `section`, from
+  /// element `first`, chaining `crc`.
+  void read(std::uint64_t section, std::int64_t first, std::span<float> out, std::uint32_t& crc);
+  /// Checks a whole section's CRC (read in order through `crc`) against the stored one.
+  void check_crc(std::uint64_t section, std::uint32_t crc, const char* name);
+  const std::filesystem::path& path() const { return path_; }
+  /// Drops the file's pages from the page cache (it was read once, in order).
+  void drop_cache();
+
+ private:
+  std::filesystem::path path_;
+  StateLayout layout_;
+  IoCounters& io_;
+  int fd_ = -1;
+};
+
+/// Writes a state file in order of sections or by ranges within them (pwrite), then
+/// finish() writes the section headers with their CRCs, fsyncs and closes it.
+class StateWriter {
+ public:
+  StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io);
+  ~StateWriter();  ///< removes an unfinished file
+  StateWriter(const StateWriter&) = delete;
+  StateWriter& operator=(const StateWriter&) = delete;
+  /// Writes floats [first, first + data.size()) of the section at `section`; ranges of
+  /// one section must come in order (the CRC is chained over them). `index` names the
+  /// section: 0 values, 1 bias, 2 + s state[s], 2 + slots + s bias_state[s].
+  void write(int index, std::int64_t first, std::span<const float> data);
+  void finish();
+
+ private:
+  std::filesystem::path path_;
+  StateLayout layout_;
+  IoCounters& io_;
+  int fd_ = -1;
+  std::vector<std::uint32_t> crcs_;
+  std::vector<std::int64_t> written_;
+  bool finished_ = false;
+};
+
+/// The payload offset of section `index` (numbered as StateWriter::write's).
+std::uint64_t state_section(const StateLayout& layout, int index);
+
+}  // namespace sluice::detail
