@@ -5,6 +5,9 @@
 // cost model names.
 #include <gtest/gtest.h>
 
+#include <random>
+
+#include "engine/kernels/densify.hpp"
 #include "reference.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
@@ -32,8 +35,11 @@ struct Case {
 };
 
 // Shapes that are no multiple of anything: tiles, slices and AMX blocks all end ragged.
-const Case kCases[] = {{1, 1, 1, 0.0},    {67, 131, 37, 0.0}, {130, 65, 129, 0.5},
-                       {200, 97, 3, 0.9}, {64, 128, 64, 0.3}, {33, 300, 17, 0.99}};
+// Past 256 rows a stream's matrix takes whole tiles and a short last one per group (a
+// group holds several chunks); by input, a layer 600 wide does.
+const Case kCases[] = {{1, 1, 1, 0.0},     {67, 131, 37, 0.0}, {130, 65, 129, 0.5},
+                       {200, 97, 3, 0.9},  {64, 128, 64, 0.3}, {33, 300, 17, 0.99},
+                       {601, 77, 35, 0.2}, {45, 600, 19, 0.6}};
 
 TEST(DensePath, ForwardMatchesFloat64) {
   for (const Precision precision : {Precision::fp32, Precision::bf16}) {
@@ -102,6 +108,49 @@ TEST(DensePath, BackwardMatchesFloat64EitherOrder) {
         }
         g.validate();
       }
+    }
+  }
+}
+
+// The packet kernels of this CPU against the scalar ones, on runs of every density and
+// widths that end inside a vector: the row written whole (zeros between, and past the
+// run up to the width), the gradient read at the run's tags.
+TEST(DensePath, DensifyKernelsMatchScalar) {
+  const detail::DensifyKernels& fast = detail::densify_kernels();
+  const detail::DensifyKernels& slow = detail::kScalarDensify;
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::uint32_t width = 1 + rng() % 150;
+    const double density = std::uniform_real_distribution<double>(0, 1)(rng);
+    std::vector<Packet> run;
+    std::vector<Bf16Packet> run_bf16;
+    for (std::uint32_t i = 0; i < width; ++i) {
+      if (std::uniform_real_distribution<double>(0, 1)(rng) < density) {
+        const float v = static_cast<float>(rng() % 1000) - 500.0F;
+        run.push_back({i, v});
+        run_bf16.push_back({static_cast<std::uint16_t>(i), to_bf16(v)});
+      }
+    }
+    const auto n = static_cast<std::uint32_t>(run.size());
+    const std::size_t room = width + detail::kDenseRowPad;
+    std::vector<float> a(room, 7.0F), b(room, 7.0F);
+    fast.fp32(run.data(), n, a.data(), width);
+    slow.fp32(run.data(), n, b.data(), width);
+    ASSERT_TRUE(std::equal(a.begin(), a.begin() + width, b.begin())) << "trial " << trial;
+    std::vector<std::uint16_t> c(room, 7), d(room, 7);
+    fast.bf16(run_bf16.data(), n, c.data(), width);
+    slow.bf16(run_bf16.data(), n, d.data(), width);
+    ASSERT_TRUE(std::equal(c.begin(), c.begin() + width, d.begin())) << "trial " << trial;
+    std::vector<Packet> g1(n), g2(n), g3(n);
+    fast.gradient_fp32(run.data(), n, a.data(), g1.data());
+    slow.gradient_fp32(run.data(), n, a.data(), g2.data());
+    fast.gradient_bf16(run_bf16.data(), n, a.data(), g3.data());
+    for (std::uint32_t k = 0; k < n; ++k) {
+      ASSERT_EQ(g1[k].tag, run[k].tag);
+      ASSERT_EQ(g1[k].value, run[k].value);
+      ASSERT_EQ(g2[k].value, run[k].value);
+      ASSERT_EQ(g3[k].tag, run[k].tag);
+      ASSERT_EQ(g3[k].value, run[k].value);
     }
   }
 }

@@ -28,15 +28,35 @@ dnnl::memory::desc plain(DenseType type, std::int64_t rows, std::int64_t cols, b
 
 }  // namespace
 
+/// Sets the callers' OpenMP threads for a scope (0: leaves them), and restores them.
+class OmpThreads {
+ public:
+  explicit OmpThreads(int threads) : before_(omp_get_max_threads()), set_(threads > 0) {
+    if (set_) omp_set_num_threads(threads);
+  }
+  ~OmpThreads() {
+    if (set_) omp_set_num_threads(before_);
+  }
+  OmpThreads(const OmpThreads&) = delete;
+  OmpThreads& operator=(const OmpThreads&) = delete;
+
+ private:
+  int before_;
+  bool set_;
+};
+
 struct DenseMatmul::Impl {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul primitive;
   dnnl::memory::desc a, b, c;
+  dnnl::memory::desc b_f32;    ///< B stored as the caller says, in fp32 (pack_b's source)
+  dnnl::memory::desc b_plain;  ///< B stored as the caller says, in the matmul's type
+  std::int64_t m = 0;
 };
 
 DenseMatmul::DenseMatmul(DenseType type, std::int64_t m, std::int64_t n, std::int64_t k,
                          bool transpose_a, std::int64_t lda, bool transpose_b, std::int64_t ldb,
-                         std::int64_t ldc)
+                         std::int64_t ldc, bool packed_b)
     : impl_(std::make_unique<Impl>()) {
   if (m <= 0 || n <= 0 || k <= 0) {
     throw ShapeError("dense matmul: every dimension must be positive, got " + std::to_string(m) +
@@ -44,16 +64,23 @@ DenseMatmul::DenseMatmul(DenseType type, std::int64_t m, std::int64_t n, std::in
                      std::to_string(n));
   }
   try {
+    impl_->m = m;
     impl_->a = plain(type, m, k, transpose_a, lda);
-    impl_->b = plain(type, k, n, transpose_b, ldb);
+    impl_->b_plain = plain(type, k, n, transpose_b, ldb);
+    impl_->b_f32 = plain(DenseType::f32, k, n, transpose_b, ldb);
     impl_->c = plain(DenseType::f32, m, n, false, ldc);
-    const dnnl::matmul::desc desc(impl_->a, impl_->b, impl_->c);
+    const dnnl::memory::desc b_any(
+        {k, n},
+        type == DenseType::bf16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32,
+        dnnl::memory::format_tag::any);
+    const dnnl::matmul::desc desc(impl_->a, packed_b ? b_any : impl_->b_plain, impl_->c);
     // The caller's scratchpad: one primitive then runs on several threads at once (the
     // engine's dense path calls it from each of its tasks).
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     impl_->pd = dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
     impl_->primitive = dnnl::matmul(impl_->pd);
+    impl_->b = impl_->pd.weights_desc();
   } catch (const dnnl::error& e) {
     throw Error(std::string("oneDNN matmul could not be set up: ") + e.what());
   }
@@ -64,8 +91,7 @@ DenseMatmul::DenseMatmul(DenseMatmul&&) noexcept = default;
 DenseMatmul& DenseMatmul::operator=(DenseMatmul&&) noexcept = default;
 
 void DenseMatmul::run(const void* a, const void* b, float* c, int threads) const {
-  const int before = omp_get_max_threads();
-  if (threads > 0) omp_set_num_threads(threads);
+  const OmpThreads scope(threads);
   try {
     dnnl::stream stream(cpu_engine());
     const Impl& m = *impl_;
@@ -82,10 +108,33 @@ void DenseMatmul::run(const void* a, const void* b, float* c, int threads) const
                                  {DNNL_ARG_SCRATCHPAD, ms}});
     stream.wait();
   } catch (const dnnl::error& e) {
-    if (threads > 0) omp_set_num_threads(before);
     throw Error(std::string("oneDNN matmul failed: ") + e.what());
   }
-  if (threads > 0) omp_set_num_threads(before);
+}
+
+bool DenseMatmul::packs_b_as(const DenseMatmul& other) const {
+  return impl_->b == other.impl_->b;
+}
+
+std::int64_t DenseMatmul::rows() const {
+  return impl_->m;
+}
+
+std::size_t DenseMatmul::packed_b_bytes() const {
+  return impl_->b.get_size();
+}
+
+void DenseMatmul::pack_b(const void* b, bool b_f32, void* packed, int threads) const {
+  const OmpThreads scope(threads);
+  try {
+    dnnl::stream stream(cpu_engine());
+    dnnl::memory from(b_f32 ? impl_->b_f32 : impl_->b_plain, cpu_engine(), const_cast<void*>(b));
+    dnnl::memory to(impl_->b, cpu_engine(), packed);
+    dnnl::reorder(from, to).execute(stream, from, to);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("oneDNN could not pack a matmul operand: ") + e.what());
+  }
 }
 
 std::string DenseMatmul::implementation() const {

@@ -1,240 +1,292 @@
 #include "engine/dense_path.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <new>
+#include <tuple>
 #include <vector>
 
 #include "core/parallel.hpp"
 #include "engine/dense_matmul.hpp"
+#include "engine/dense_runs.hpp"
+#include "engine/kernels/densify.hpp"
 #include "sluice/bf16.hpp"
-#include "sluice/error.hpp"
-#include "stream/stream_check.hpp"
 
 namespace sluice::detail {
 namespace {
 
-// Rows of the stream's matrix per tile: a tile of a 4096-wide layer (and its gradient
-// tile in fp32) stays in a core's L2 while its matmul runs.
-constexpr std::int64_t kTileRows = 64;
+// Rows of the stream's matrix per tile: each tile's matmul reads all of B (packed), so
+// fewer, taller tiles read it less often; a bf16 tile of a 4096-wide layer is about a
+// core's L2. (Measured against 64, 128 and 512: docs/performance_notes.md.)
+constexpr std::int64_t kTileRows = 256;
+// A group's last tile of fewer rows is multiplied as the next multiple of this many.
+constexpr std::int64_t kRowStep = 32;
 
 using Clock = std::chrono::steady_clock;
 
-/// Where row r of the stream's matrix lies: packets [begin, end) of chunk `chunk`.
-struct RowRun {
-  std::uint32_t chunk = 0, begin = 0, end = 0;
+/// Buffers kept per thread between calls (each use has its own), 64-byte aligned, zeroed
+/// when first allocated: a tile's rows past its runs are read but never written.
+enum Slot {
+  kTile,
+  kRuns,
+  kResult,
+  kGradientRows,
+  kGradientTile,
+  kPackedRow,
+  kPackedGradient,
+  kActivations,
+  kWhole,
+  kSlots
 };
-
-/// The whole stream, taken in and checked (in parallel over chunks), with its rows found.
-struct TakenStream {
-  StreamHeader header;
-  std::vector<ChunkPtr> chunks;
-  std::vector<RowRun> rows;
-  std::uint64_t packets = 0, bytes = 0;
-  bool bf16() const { return header.precision == Precision::bf16; }
-};
-
-TakenStream take(StreamSource& source, tbb::task_arena& arena) {
-  TakenStream t;
-  t.header = source.header();
-  check_header(t.header);
-  std::uint64_t outputs = 0;
-  while (ChunkPtr chunk = source.next()) {
-    check_sequence(t.header, *chunk, t.chunks.size(), outputs, false);
-    outputs += chunk->outputs;
-    t.packets += chunk->size();
-    t.bytes += chunk->byte_size();
-    t.chunks.push_back(std::move(chunk));
+template <typename T>
+T* scratch(Slot slot, std::size_t count) {
+  struct Buffer {
+    void* p = nullptr;
+    std::size_t size = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buffers[kSlots];
+  Buffer& b = buffers[slot];
+  const std::size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+  if (b.size < bytes) {
+    std::free(b.p);
+    b.p = std::aligned_alloc(64, bytes);
+    b.size = b.p != nullptr ? bytes : 0;
+    if (b.p == nullptr) throw std::bad_alloc();
+    std::memset(b.p, 0, bytes);
   }
-  t.rows.resize(t.header.outputs);
-  std::vector<std::uint64_t> weights(t.chunks.size());
-  std::vector<char> ends(t.chunks.size());
-  arena.execute([&] {
-    parallel_for(std::size_t{0}, t.chunks.size(), [&](std::size_t c) {
-      const StreamChunk& chunk = *t.chunks[c];
-      std::vector<std::uint32_t> returns(chunk.outputs);
-      const ChunkFacts facts = check_chunk(t.header, chunk, c, returns.data());
-      weights[c] = facts.weights;
-      ends[c] = facts.ends_layer ? 1 : 0;
-      for (std::uint32_t r = 0; r < chunk.outputs; ++r) {
-        t.rows[chunk.first_output + r] = {static_cast<std::uint32_t>(c),
-                                          r == 0 ? 0 : returns[r - 1] + 1, returns[r]};
-      }
-    });
-  });
-  std::uint64_t total = 0;
-  for (std::size_t c = 0; c < t.chunks.size(); ++c) {
-    if (ends[c] && c + 1 != t.chunks.size()) {
-      throw FormatError(describe_chunk(*t.chunks[c + 1], c + 1) + ": data after end-of-layer");
-    }
-    total += weights[c];
-  }
-  check_finished(t.header, outputs, total, !t.chunks.empty() && ends.back());
-  return t;
+  return static_cast<T*>(b.p);
 }
 
-/// The dense element type of a precision: fp32 as float, bf16 as its 16 bits.
+/// Set-up matmuls kept between calls: setting one up costs more than a tile's product.
+using MatmulKey = std::tuple<int, std::int64_t, std::int64_t, std::int64_t, bool, std::int64_t,
+                             bool, std::int64_t, std::int64_t>;
+std::shared_ptr<const DenseMatmul> matmul_for(DenseType type, std::int64_t m, std::int64_t n,
+                                              std::int64_t k, bool ta, std::int64_t lda, bool tb,
+                                              std::int64_t ldb, std::int64_t ldc) {
+  static std::mutex mutex;
+  static std::map<MatmulKey, std::shared_ptr<const DenseMatmul>> cache;
+  const MatmulKey key{static_cast<int>(type), m, n, k, ta, lda, tb, ldb, ldc};
+  const std::lock_guard lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (cache.size() >= 64) cache.clear();  // shapes come and go: keep the recent ones
+  auto mm = std::make_shared<const DenseMatmul>(type, m, n, k, ta, lda, tb, ldb, ldc, true);
+  cache.emplace(key, mm);
+  return mm;
+}
+
 template <typename T>
 constexpr DenseType dense_type() {
   return std::is_same_v<T, float> ? DenseType::f32 : DenseType::bf16;
 }
 
-/// Rows [r0, r1) of the stream's matrix into `tile` (kTileRows x ld, zeros elsewhere).
+/// A tile row's stride: the layer's width with the room the densify kernels write
+/// (whole cache lines), off multiples of 4 KiB (rows that far apart share the L1's sets).
 template <typename T>
-void densify(const TakenStream& t, std::int64_t r0, std::int64_t r1, T* tile, std::int64_t ld) {
-  std::memset(tile, 0, sizeof(T) * static_cast<std::size_t>((r1 - r0) * ld));
-  for (std::int64_t r = r0; r < r1; ++r) {
-    const RowRun& run = t.rows[r];
-    T* row = tile + (r - r0) * ld;
-    const StreamChunk& chunk = *t.chunks[run.chunk];
-    if constexpr (std::is_same_v<T, float>) {
-      const Packet* p = chunk.packets.data();
-      for (std::uint32_t k = run.begin; k < run.end; ++k) row[p[k].tag] = p[k].value;
-    } else {
-      const Bf16Packet* p = chunk.packets_bf16.data();
-      for (std::uint32_t k = run.begin; k < run.end; ++k) row[p[k].index] = p[k].value;
-    }
-  }
+std::int64_t tile_ld(std::int64_t width) {
+  constexpr std::int64_t pad = kDenseRowPad;
+  std::int64_t ld = (width + pad - 1) / pad * pad;
+  if ((ld * static_cast<std::int64_t>(sizeof(T))) % 4096 == 0) ld += pad;
+  return ld;
 }
 
-/// An activation matrix as the matmul reads it: fp32 in place, or a bf16 copy.
+/// The matmuls of one product, for a tile of each multiple of kRowStep rows: all read B
+/// packed once per call (where oneDNN packs B for a short tile as for a full one; else a
+/// short tile is multiplied as a full one).
+struct TileMatmuls {
+  std::shared_ptr<const DenseMatmul> by_rows[kTileRows / kRowStep];
+  int threads = 1;
+  void* packed_b = nullptr;
+
+  template <typename Make>
+  TileMatmuls(Make make, const void* b, bool b_f32, Slot slot, int pack_threads) {
+    auto& full = by_rows[kTileRows / kRowStep - 1];
+    full = make(kTileRows);
+    packed_b = scratch<std::byte>(slot, full->packed_b_bytes());
+    full->pack_b(b, b_f32, packed_b, pack_threads);
+    for (std::int64_t i = 0; i + 1 < kTileRows / kRowStep; ++i) {
+      by_rows[i] = make((i + 1) * kRowStep);
+      if (!by_rows[i]->packs_b_as(*full)) by_rows[i] = full;
+    }
+  }
+  /// The matmul for a tile of `rows`, and the rows it multiplies.
+  const DenseMatmul& for_rows(std::int64_t rows, std::int64_t* padded) const {
+    const std::int64_t i = (rows + kRowStep - 1) / kRowStep - 1;
+    *padded = by_rows[i]->rows();
+    return *by_rows[i];
+  }
+};
+
+/// An activation matrix as a matmul reads it for A: fp32 in place, bf16 rounded once.
 template <typename T>
-struct Operand {
-  std::vector<std::uint16_t> copy;
+struct Rows {
   const T* data = nullptr;
-  std::int64_t ld = 0;
-  Operand(ConstMatrixView m, tbb::task_arena& arena) {
+  std::int64_t ld = 0, rows = 0;
+  Rows(ConstMatrixView m, tbb::task_arena& arena) : rows(m.rows) {
     if constexpr (std::is_same_v<T, float>) {
       data = m.data;
       ld = m.stride;
     } else {
-      copy.resize(static_cast<std::size_t>(m.rows * m.cols));
+      auto* copy = scratch<std::uint16_t>(kActivations, static_cast<std::size_t>(m.rows * m.cols));
       arena.execute([&] {
         parallel_for(std::int64_t{0}, m.rows, [&](std::int64_t r) {
           for (std::int64_t c = 0; c < m.cols; ++c) copy[r * m.cols + c] = to_bf16(m.row(r)[c]);
         });
       });
-      data = copy.data();
+      data = copy;
       ld = m.cols;
     }
   }
-  const T* row(std::int64_t r) const { return data + r * ld; }
 };
 
-/// A task's buffers, kept per thread between calls; each of the four uses has its own.
-enum Buffer { kWeightTile, kRowResult, kGradientRows, kGradientTile };
+/// One call's products over the stream's runs, a group of chunks per task: each group's
+/// runs are checked and densified tile by tile, each tile multiplied while in cache.
 template <typename T>
-std::vector<T>& tile_buffer(std::size_t size, Buffer which) {
-  thread_local std::vector<T> buffers[4];
-  if (buffers[which].size() < size) buffers[which].resize(size);
-  return buffers[which];
-}
-
-/// The weight gradient of each packet: the gradient stream's chunks, tags copied, values
-/// taken from dense gradient tiles.
-std::vector<std::shared_ptr<StreamChunk>> gradient_chunks(const TakenStream& t,
-                                                          tbb::task_arena& arena) {
-  std::vector<std::shared_ptr<StreamChunk>> out(t.chunks.size());
-  arena.execute([&] {
-    parallel_for(std::size_t{0}, t.chunks.size(), [&](std::size_t c) {
-      const StreamChunk& from = *t.chunks[c];
-      auto g = std::make_shared<StreamChunk>();
-      g->first_output = from.first_output;
-      g->outputs = from.outputs;
-      g->packets.resize(from.size());
-      if (t.bf16()) {
-        for (std::size_t k = 0; k < from.size(); ++k) {
-          g->packets[k] = {tag_of(from.packets_bf16[k]), 0.0F};
-        }
-      } else {
-        for (std::size_t k = 0; k < from.size(); ++k) g->packets[k] = {from.packets[k].tag, 0.0F};
-      }
-      out[c] = std::move(g);
-    });
-  });
-  return out;
-}
-
-/// The products of one call, tile by tile over the stream's rows.
-template <typename T>
-struct RowProducts {
-  const TakenStream& t;
-  std::int64_t rows, inputs, tokens;
-  // Row product: out = M b_row (b_row: inputs x tokens); skipped when `out` is null.
-  const Operand<T>* b_row = nullptr;
+struct TileProducts {
+  const DenseStream& s;
+  std::int64_t inputs, tokens, ld;
+  // Row product: out = M B (B packed in `row`); skipped when `out` is null.
+  std::unique_ptr<TileMatmuls> row;
   MutableMatrixView* out = nullptr;
-  // Gradient: G = a_grad b_grad^T at the mask; skipped when `gradient` is empty.
-  const Operand<T>* a_grad = nullptr;
-  const Operand<T>* b_grad = nullptr;
+  // Gradient: G = A B^T at the mask (B packed in `grad`); skipped when `gradient` is null.
+  std::unique_ptr<TileMatmuls> grad;
+  const Rows<T>* a = nullptr;
   std::vector<std::shared_ptr<StreamChunk>>* gradient = nullptr;
+  std::atomic<std::uint64_t> weights{0};
 
-  void run(tbb::task_arena& arena) const {
-    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-    std::unique_ptr<DenseMatmul> row_mm, grad_mm;
-    if (out != nullptr) {
-      row_mm = std::make_unique<DenseMatmul>(dense_type<T>(), kTileRows, tokens, inputs, false,
-                                             inputs, false, b_row->ld, tokens);
-    }
-    if (gradient != nullptr) {
-      grad_mm = std::make_unique<DenseMatmul>(dense_type<T>(), kTileRows, inputs, tokens, false,
-                                              tokens, true, b_grad->ld, inputs);
-    }
+  TileProducts(const DenseStream& stream, std::int64_t tokens_)
+      : s(stream),
+        inputs(stream.header.inputs),
+        tokens(tokens_),
+        ld(tile_ld<T>(stream.header.inputs)) {}
+
+  void run(tbb::task_arena& arena) {
+    if (gradient != nullptr) gradient->resize(s.chunks.size());
     arena.execute([&] {
-      parallel_for(std::int64_t{0}, tiles, [&](std::int64_t i) {
-        const std::int64_t r0 = i * kTileRows, r1 = std::min(rows, r0 + kTileRows);
-        if (row_mm) {
-          std::vector<T>& tile = tile_buffer<T>(kTileRows * inputs, kWeightTile);
-          std::vector<float>& result = tile_buffer<float>(kTileRows * tokens, kRowResult);
-          densify(t, r0, r1, tile.data(), inputs);
-          row_mm->run(tile.data(), b_row->data, result.data(), 1);
-          for (std::int64_t r = r0; r < r1; ++r) {
-            std::copy_n(result.data() + (r - r0) * tokens, tokens, out->row(r));
-          }
-        }
-        if (grad_mm) gradient_tile(*grad_mm, r0, r1);
-      });
+      parallel_for(
+          std::size_t{0}, s.groups(), [&](std::size_t g) { group(g); },
+          /*one_task_each=*/true);
     });
+    s.finish(weights.load());
   }
 
-  void gradient_tile(const DenseMatmul& mm, std::int64_t r0, std::int64_t r1) const {
-    std::vector<T>& a = tile_buffer<T>(kTileRows * tokens, kGradientRows);
-    std::vector<float>& g = tile_buffer<float>(kTileRows * inputs, kGradientTile);
-    for (std::int64_t r = r0; r < r1; ++r)
-      std::copy_n(a_grad->row(r), tokens, a.data() + (r - r0) * tokens);
-    std::fill(a.begin() + (r1 - r0) * tokens, a.begin() + kTileRows * tokens, T{});
-    mm.run(a.data(), b_grad->data, g.data(), 1);
-    for (std::int64_t r = r0; r < r1; ++r) {
-      const RowRun& run = t.rows[r];
-      Packet* to = (*gradient)[run.chunk]->packets.data();
-      const float* from = g.data() + (r - r0) * inputs;
-      for (std::uint32_t k = run.begin; k < run.end; ++k) to[k].value = from[to[k].tag];
+  void group(std::size_t g) {
+    if (gradient != nullptr) start_gradient(g);
+    RunWalker<T> walk(s, g);
+    T* tile = row ? scratch<T>(kTile, static_cast<std::size_t>(kTileRows * ld)) : nullptr;
+    RowRun* runs = scratch<RowRun>(kRuns, kTileRows);
+    for (;;) {
+      const std::int64_t r0 = walk.first_row();
+      const std::int64_t n = walk.next(kTileRows, tile, ld, runs);
+      if (n == 0) break;
+      if (row) {
+        std::int64_t m = 0;
+        const DenseMatmul& mm = row->for_rows(n, &m);
+        float* result = scratch<float>(kResult, static_cast<std::size_t>(kTileRows * tokens));
+        mm.run(tile, row->packed_b, result, 1);
+        for (std::int64_t r = 0; r < n; ++r) {
+          std::copy_n(result + r * tokens, tokens, out->row(r0 + r));
+        }
+      }
+      if (gradient != nullptr) gradient_tile(r0, n, runs);
+    }
+    weights += walk.weights();
+  }
+
+  /// The gradient chunks of group g: their controls where the stream has them.
+  void start_gradient(std::size_t g) const {
+    for (std::size_t c = s.group_start[g]; c < s.group_start[g + 1]; ++c) {
+      const StreamChunk& from = *s.chunks[c];
+      auto to = std::make_shared<StreamChunk>();
+      to->first_output = from.first_output;
+      to->outputs = from.outputs;
+      to->packets.resize(from.size());
+      if (!to->packets.empty()) {
+        const std::uint32_t last =
+            s.bf16() ? tag_of(from.packets_bf16.back()) : tag_of(from.packets.back());
+        if (last == kEndOfLayer) to->packets.back() = {kEndOfLayer, 0.0F};
+      }
+      (*gradient)[c] = std::move(to);
+    }
+  }
+
+  /// The gradient at the tile's runs: A's rows times B^T (zero without a product).
+  void gradient_tile(std::int64_t r0, std::int64_t n, const RowRun* runs) const {
+    float* g = scratch<float>(kGradientTile, static_cast<std::size_t>(kTileRows * inputs));
+    if (grad) {
+      std::int64_t m = 0;
+      const DenseMatmul& mm = grad->for_rows(n, &m);
+      const T* rows = a->data + r0 * a->ld;
+      if (r0 + m > a->rows) {  // a short last tile: its rows padded
+        T* padded = scratch<T>(kGradientRows, static_cast<std::size_t>(kTileRows * a->ld));
+        for (std::int64_t r = 0; r < n; ++r) {
+          std::copy_n(rows + r * a->ld, tokens, padded + r * a->ld);
+        }
+        rows = padded;
+      }
+      mm.run(rows, grad->packed_b, g, 1);
+    } else {
+      std::fill_n(g, n * inputs, 0.0F);
+    }
+    const DensifyKernels& kernels = densify_kernels();
+    for (std::int64_t r = 0; r < n; ++r) {
+      const RowRun& run = runs[r];
+      const StreamChunk& from = *s.chunks[run.chunk];
+      Packet* to = (*gradient)[run.chunk]->packets.data() + run.begin;
+      const float* values = g + r * inputs;
+      if (s.bf16()) {
+        kernels.gradient_bf16(from.packets_bf16.data() + run.begin, run.end - run.begin, values,
+                              to);
+      } else {
+        kernels.gradient_fp32(from.packets.data() + run.begin, run.end - run.begin, values, to);
+      }
+      to[run.end - run.begin] = {kCarriageReturn, 0.0F};
     }
   }
 };
 
-/// dX = M^T dY (a stream by output): M densified whole (its rows padded to whole tiles of
-/// columns), then each task multiplies a slice of its columns, as in the row products: on
-/// the engine's threads, one matmul thread each.
+/// dX = M^T dY (a stream by output): M densified whole, in parallel over the groups, then
+/// each task multiplies a slice of its columns by dY (packed once), as the tiles do.
 template <typename T>
-void transposed_product(const TakenStream& t, const Operand<T>& dy, MutableMatrixView dx,
+void transposed_product(const DenseStream& s, ConstMatrixView dy, MutableMatrixView dx,
                         tbb::task_arena& arena) {
-  const std::int64_t rows = t.header.outputs, inputs = t.header.inputs, tokens = dx.cols;
-  const std::int64_t slices = (inputs + kTileRows - 1) / kTileRows, ld = slices * kTileRows;
-  std::vector<T> m(static_cast<std::size_t>(rows * ld));
-  const DenseMatmul mm(dense_type<T>(), kTileRows, tokens, rows, true, ld, false, dy.ld, tokens);
+  const std::int64_t rows = s.header.outputs, inputs = s.header.inputs, tokens = dx.cols;
+  const std::int64_t slices = (inputs + kTileRows - 1) / kTileRows;
+  const std::int64_t ld = tile_ld<T>(slices * kTileRows);
+  T* m = scratch<T>(kWhole, static_cast<std::size_t>(rows * ld));
+  const auto mm =
+      matmul_for(dense_type<T>(), kTileRows, tokens, rows, true, ld, false, dy.stride, tokens);
+  void* packed = scratch<std::byte>(kPackedRow, mm->packed_b_bytes());
+  mm->pack_b(dy.data, true, packed, arena.max_concurrency());
+  std::atomic<std::uint64_t> weights{0};
   arena.execute([&] {
-    parallel_for(std::int64_t{0}, (rows + kTileRows - 1) / kTileRows, [&](std::int64_t i) {
-      const std::int64_t r0 = i * kTileRows;
-      densify(t, r0, std::min(rows, r0 + kTileRows), m.data() + r0 * ld, ld);
-    });
+    parallel_for(
+        std::size_t{0}, s.groups(),
+        [&](std::size_t g) {
+          RunWalker<T> walk(s, g);
+          RowRun* runs = scratch<RowRun>(kRuns, kTileRows);
+          for (;;) {
+            const std::int64_t r0 = walk.first_row();
+            if (walk.next(kTileRows, m + r0 * ld, ld, runs) == 0) break;
+          }
+          weights += walk.weights();
+        },
+        /*one_task_each=*/true);
+    s.finish(weights.load());
     parallel_for(std::int64_t{0}, slices, [&](std::int64_t i) {
       const std::int64_t c0 = i * kTileRows, c1 = std::min(inputs, c0 + kTileRows);
-      std::vector<float>& result = tile_buffer<float>(kTileRows * tokens, kRowResult);
-      mm.run(m.data() + c0, dy.data, result.data(), 1);
+      float* result = scratch<float>(kResult, static_cast<std::size_t>(kTileRows * tokens));
+      mm->run(m + c0, packed, result, 1);
       for (std::int64_t c = c0; c < c1; ++c) {
-        std::copy_n(result.data() + (c - c0) * tokens, tokens, dx.row(c));
+        std::copy_n(result + (c - c0) * tokens, tokens, dx.row(c));
       }
     });
   });
@@ -244,42 +296,76 @@ void fill_zero(MutableMatrixView m) {
   for (std::int64_t r = 0; r < m.rows; ++r) std::fill_n(m.row(r), m.cols, 0.0F);
 }
 
-void count(const TakenStream& t, EngineCounters& counters, Clock::time_point start) {
-  counters.packets += t.packets;
-  counters.bytes += t.bytes;
+void count(const DenseStream& s, EngineCounters& counters, Clock::time_point start) {
+  counters.packets += s.packets;
+  counters.bytes += s.bytes;
   counters.busy_seconds += std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+/// Tiles multiplying M by `b` (inputs x tokens): packed once for every tile.
 template <typename T>
-void forward_as(const TakenStream& t, ConstMatrixView x, MutableMatrixView y,
-                tbb::task_arena& arena) {
-  const Operand<T> b(x, arena);
-  RowProducts<T> p{t, y.rows, x.rows, x.cols};
-  p.b_row = &b;
-  p.out = &y;
-  p.run(arena);
+std::unique_ptr<TileMatmuls> row_matmuls(std::int64_t ld, ConstMatrixView b, Slot slot,
+                                         int threads) {
+  auto make = [&](std::int64_t m) {
+    return matmul_for(dense_type<T>(), m, b.cols, b.rows, false, ld, false, b.stride, b.cols);
+  };
+  return std::make_unique<TileMatmuls>(make, b.data, true, slot, threads);
 }
 
+/// Tiles of the gradient A B^T, A (rows x tokens) held as `a`, B (inputs x tokens).
 template <typename T>
-void backward_as(const TakenStream& t, const ConstMatrixView* x, ConstMatrixView dy,
-                 MutableMatrixView* dx, std::vector<std::shared_ptr<StreamChunk>>* gradient,
-                 tbb::task_arena& arena) {
-  const bool by_input = t.header.by_input();
-  const Operand<T> dy_op(dy, arena);
-  std::unique_ptr<Operand<T>> x_op;
-  if (x != nullptr) x_op = std::make_unique<Operand<T>>(*x, arena);
-  RowProducts<T> p{t, t.header.outputs, t.header.inputs, dy.cols};
-  if (dx != nullptr && by_input) {
-    p.b_row = &dy_op;
-    p.out = dx;
+std::unique_ptr<TileMatmuls> gradient_matmuls(const Rows<T>& a, ConstMatrixView b, int threads) {
+  auto make = [&](std::int64_t m) {
+    return matmul_for(dense_type<T>(), m, b.rows, b.cols, false, a.ld, true, b.stride, b.rows);
+  };
+  return std::make_unique<TileMatmuls>(make, b.data, true, kPackedGradient, threads);
+}
+
+/// What one call computes; any of it may be absent (an empty batch): the stream is
+/// checked all the same, and a gradient asked for is zero.
+struct Wanted {
+  const ConstMatrixView* row_b = nullptr;  ///< out = M row_b
+  MutableMatrixView* out = nullptr;
+  const ConstMatrixView* grad_a = nullptr;  ///< gradient = grad_a grad_b^T at the mask
+  const ConstMatrixView* grad_b = nullptr;
+  std::vector<std::shared_ptr<StreamChunk>>* gradient = nullptr;
+  const ConstMatrixView* transposed_b = nullptr;  ///< transposed_out = M^T transposed_b
+  MutableMatrixView* transposed_out = nullptr;
+};
+
+template <typename T>
+void run_as(const DenseStream& s, const Wanted& w, tbb::task_arena& arena) {
+  const int threads = arena.max_concurrency();
+  TileProducts<T> p(s, w.row_b != nullptr ? w.row_b->cols : 0);
+  std::unique_ptr<Rows<T>> a;
+  if (w.row_b != nullptr) {
+    p.row = row_matmuls<T>(p.ld, *w.row_b, kPackedRow, threads);
+    p.out = w.out;
   }
-  if (gradient != nullptr) {
-    p.a_grad = by_input ? x_op.get() : &dy_op;
-    p.b_grad = by_input ? &dy_op : x_op.get();
-    p.gradient = gradient;
+  if (w.grad_a != nullptr) {
+    a = std::make_unique<Rows<T>>(*w.grad_a, arena);
+    p.tokens = w.grad_a->cols;
+    p.grad = gradient_matmuls<T>(*a, *w.grad_b, threads);
+    p.a = a.get();
   }
-  if (p.rows > 0 && p.inputs > 0 && (p.out != nullptr || p.gradient != nullptr)) p.run(arena);
-  if (dx != nullptr && !by_input) transposed_product<T>(t, dy_op, *dx, arena);
+  p.gradient = w.gradient;
+  if (w.transposed_b == nullptr || p.row || p.gradient != nullptr) p.run(arena);
+  if (w.transposed_b != nullptr)
+    transposed_product<T>(s, *w.transposed_b, *w.transposed_out, arena);
+}
+
+void run(const DenseStream& s, const Wanted& w, tbb::task_arena& arena) {
+  if (s.bf16()) {
+    run_as<std::uint16_t>(s, w, arena);
+  } else {
+    run_as<float>(s, w, arena);
+  }
+}
+
+/// Runs per task: a few groups per thread, each of whole tiles but the last.
+std::int64_t rows_per_group(std::int64_t rows, tbb::task_arena& arena) {
+  const std::int64_t groups = 4 * static_cast<std::int64_t>(arena.max_concurrency());
+  return std::max(2 * kTileRows, (rows + groups - 1) / groups);
 }
 
 }  // namespace
@@ -287,42 +373,50 @@ void backward_as(const TakenStream& t, const ConstMatrixView* x, ConstMatrixView
 void DensePath::forward(StreamSource& weights, ConstMatrixView x, MutableMatrixView y,
                         EngineCounters& counters) {
   const auto start = Clock::now();
-  const TakenStream t = take(weights, arena_);
-  if (y.rows > 0 && x.cols > 0) {
-    if (x.rows == 0) {
-      fill_zero(y);
-    } else if (t.bf16()) {
-      forward_as<std::uint16_t>(t, x, y, arena_);
-    } else {
-      forward_as<float>(t, x, y, arena_);
-    }
+  const DenseStream s = DenseStream::take(weights, rows_per_group(y.rows, arena_));
+  Wanted w;
+  if (y.rows > 0 && x.cols > 0 && x.rows > 0) {
+    w.row_b = &x;
+    w.out = &y;
+  } else {
+    fill_zero(y);
   }
-  count(t, counters, start);
+  run(s, w, arena_);
+  count(s, counters, start);
 }
 
 WeightStream DensePath::backward(StreamSource& weights, const ConstMatrixView* x,
                                  ConstMatrixView dy, MutableMatrixView* dx,
                                  EngineCounters& counters) {
   const auto start = Clock::now();
-  const TakenStream t = take(weights, arena_);
+  const DenseStream s =
+      DenseStream::take(weights, rows_per_group(weights.header().outputs, arena_));
   std::vector<std::shared_ptr<StreamChunk>> gradient;
-  if (x != nullptr) gradient = gradient_chunks(t, arena_);
-  if (dx != nullptr && (dy.cols == 0 || dx->rows == 0 || dy.rows == 0)) {
-    fill_zero(*dx);
-    dx = nullptr;
-  }
-  if (dy.cols > 0) {
-    auto* g = x != nullptr ? &gradient : nullptr;
-    if (t.bf16()) {
-      backward_as<std::uint16_t>(t, x, dy, dx, g, arena_);
+  const bool products = dy.cols > 0 && s.header.outputs > 0 && s.header.inputs > 0;
+  Wanted w;
+  if (dx != nullptr && products) {
+    if (s.header.by_input()) {
+      w.row_b = &dy;
+      w.out = dx;
     } else {
-      backward_as<float>(t, x, dy, dx, g, arena_);
+      w.transposed_b = &dy;
+      w.transposed_out = dx;
+    }
+  } else if (dx != nullptr) {
+    fill_zero(*dx);
+  }
+  if (x != nullptr) {
+    w.gradient = &gradient;
+    if (products) {
+      w.grad_a = s.header.by_input() ? x : &dy;
+      w.grad_b = s.header.by_input() ? &dy : x;
     }
   }
-  count(t, counters, start);
+  run(s, w, arena_);
+  count(s, counters, start);
   if (x == nullptr) return {};
   WeightStream out;
-  out.header = t.header;
+  out.header = s.header;
   out.header.kind = StreamKind::gradient;
   out.header.precision = Precision::fp32;
   out.chunks.assign(gradient.begin(), gradient.end());
