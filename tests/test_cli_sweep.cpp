@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "sweep_paths.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -114,6 +115,67 @@ TEST_F(CliSweep, TrainingStepSweepRuns) {
   ASSERT_EQ(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("\"training_step\""), std::string::npos) << o.output;
   EXPECT_EQ(split(read_file(out / "sweep.csv"), '\n').size(), 3u);
+}
+
+// --path both times each point on the dense path too, and fits the path model to it.
+TEST_F(CliSweep, BothPathsTimeEachPointAndFitThePathModel) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    SCOPED_TRACE(precision);
+    const fs::path out = dir_ / precision;
+    const Outcome o = run(std::string(kTiny) + "--sparsities 0,0.5,0.9 --path both --precision " +
+                              precision + " --json --out " + out.string(),
+                          /*merge_stderr=*/false);
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_EQ(count(o.output, "\"dense_path_ms\""), 3u) << o.output;
+    for (const char* key : {"\"path_fit\"", "\"dense_fitted\": true", "\"sparse_fitted\": true",
+                            "\"densify_per_packet\"", "\"crossover_sparsity\"",
+                            "\"dense_path_acceleration_vs_best\""}) {
+      EXPECT_NE(o.output.find(key), std::string::npos) << key << " missing in\n" << o.output;
+    }
+    EXPECT_NE(o.output.find(std::string("\"precision\": \"") + precision), std::string::npos);
+  }
+  const Outcome dense = run(std::string(kTiny) + "--sparsities 0.5 --path dense --training --out " +
+                            (dir_ / "dense").string());
+  ASSERT_EQ(dense.exit_code, 0) << dense.output;
+  EXPECT_NE(dense.output.find("dense_path_ms"), std::string::npos) << dense.output;
+  EXPECT_EQ(run("sweep --path fastest --out " + (dir_ / "never").string()).exit_code, 2);
+  EXPECT_EQ(run("sweep --precision fp16 --out " + (dir_ / "never").string()).exit_code, 2);
+}
+
+// The fit recovers the constants points were made from, and the crossover they imply.
+TEST(SweepPathFit, RecoversTheConstantsOfItsPoints) {
+  using namespace sluice;
+  PathCosts truth = PathCosts::for_this_cpu();
+  truth.sparse_per_nnz_token[1] = 5e-11;
+  truth.dense_per_mac[1] = 3e-12;
+  truth.densify_per_slot[1] = 4e-10;
+  truth.densify_per_packet[1] = 9e-10;
+  const std::int64_t out = 512, in = 256, tokens = 64;
+  const int threads = 2;
+  std::vector<cli::PathPoint> points;
+  for (const double density : {1.0, 0.5, 0.2, 0.05}) {
+    const double nnz = density * out * in;
+    points.push_back({nnz, truth.sparse_seconds(nnz, tokens, Precision::bf16, threads),
+                      truth.dense_seconds(out, in, nnz, tokens, Precision::bf16, threads)});
+  }
+  const double matmul = static_cast<double>(out) * in * tokens * truth.dense_per_mac[1] / threads;
+  const cli::PathFit f =
+      cli::fit_path_costs(out, in, tokens, threads, Precision::bf16, matmul, points);
+  ASSERT_TRUE(f.sparse_fitted);
+  ASSERT_TRUE(f.dense_fitted);
+  EXPECT_NEAR(f.costs.sparse_per_nnz_token[1], 5e-11, 1e-16);
+  EXPECT_NEAR(f.costs.dense_per_mac[1], 3e-12, 1e-17);
+  EXPECT_NEAR(f.costs.densify_per_slot[1], 4e-10, 1e-15);
+  EXPECT_NEAR(f.costs.densify_per_packet[1], 9e-10, 1e-15);
+  EXPECT_NEAR(f.crossover, truth.crossover_sparsity(tokens, Precision::bf16), 1e-9);
+  EXPECT_LT(f.rms_dense_residual, 1e-9);
+  // Only streamed points: the dense terms stay built in.
+  for (auto& p : points) p.dense_seconds = 0;
+  const cli::PathFit sparse_only =
+      cli::fit_path_costs(out, in, tokens, threads, Precision::bf16, 0, points);
+  EXPECT_FALSE(sparse_only.dense_fitted);
+  EXPECT_EQ(sparse_only.costs.densify_per_packet[1],
+            PathCosts::for_this_cpu().densify_per_packet[1]);
 }
 
 TEST_F(CliSweep, BadArgumentsExitWithTwo) {

@@ -31,6 +31,7 @@
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
 #include "sluice/topology.hpp"
+#include "sweep_paths.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -47,6 +48,10 @@ struct SweepOptions {
   bool training = false;
   bool json = false;
   std::string out_dir = "sweep-out";
+  std::string path = "sparse";  ///< the paths each point is timed on: sparse, dense or both
+  std::string precision = "fp32";
+  bool times_sparse() const { return path != "dense"; }
+  bool times_dense() const { return path != "sparse"; }
 };
 
 struct SweepPoint {
@@ -54,6 +59,7 @@ struct SweepPoint {
   std::int64_t nnz = 0;
   double measured_seconds = 0;
   double predicted_seconds = 0;
+  double dense_path_seconds = 0;  ///< the engine's dense path (--path dense or both)
 };
 
 struct Sweep {
@@ -70,17 +76,27 @@ struct Sweep {
   CalibrationResult fit;
   std::vector<std::string> fitted_terms;
   std::vector<std::string> unidentifiable_terms;
+  std::string path, precision;
+  bool sparse_timed = true, dense_timed = false;
+  PathFit path_fit;
 
   double measured_acceleration(const SweepPoint& p) const {
-    return dense_seconds / p.measured_seconds;
+    return p.measured_seconds > 0 ? dense_seconds / p.measured_seconds : 0;
   }
   double predicted_acceleration(const SweepPoint& p) const {
-    return dense_seconds / p.predicted_seconds;
+    return p.predicted_seconds > 0 ? dense_seconds / p.predicted_seconds : 0;
   }
   double measured_acceleration_vs_best(const SweepPoint& p) const {
-    return dense_best_seconds / p.measured_seconds;
+    return p.measured_seconds > 0 ? dense_best_seconds / p.measured_seconds : 0;
+  }
+  double dense_path_acceleration(const SweepPoint& p) const {
+    return p.dense_path_seconds > 0 ? dense_seconds / p.dense_path_seconds : 0;
+  }
+  double dense_path_acceleration_vs_best(const SweepPoint& p) const {
+    return p.dense_path_seconds > 0 ? dense_best_seconds / p.dense_path_seconds : 0;
   }
   static double residual(const SweepPoint& p) {
+    if (p.measured_seconds <= 0) return 0;
     return (p.predicted_seconds - p.measured_seconds) / p.measured_seconds;
   }
 };
@@ -141,9 +157,13 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   EngineOptions eo;
   eo.threads = runnable_threads(o.threads, "sweep");
   // The points calibrate the streamed product's model: every one runs sparse, also where
-  // the engine would take the dense path (whose model, PathCosts, the table reports).
+  // the engine would take the dense path; with --path dense or both each point is also
+  // (or only) timed on the dense path, which calibrates PathCosts' dense terms.
   eo.path = ProductPath::sparse;
   CpuEngine engine(eo);
+  eo.path = ProductPath::dense;
+  CpuEngine dense_engine(eo);
+  const Precision precision = parse_precision(o.precision);
   baseline::set_dense_threads(engine.threads());
 
   Sweep s;
@@ -155,6 +175,10 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   s.geometry = engine.geometry_for(outputs, inputs, o.tokens);
   s.training = o.training;
   s.repeat = o.repeat;
+  s.path = o.path;
+  s.precision = o.precision;
+  s.sparse_timed = o.times_sparse();
+  s.dense_timed = o.times_dense();
 
   const DenseMatrix x = testing::random_dense(inputs, o.tokens, o.seed + 101);
   const DenseMatrix dy = testing::random_dense(outputs, o.tokens, o.seed + 202);
@@ -171,9 +195,10 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   std::vector<Layer> layers;
   for (const double sparsity : sparsities) {
     const CsrMatrix w = CsrMatrix::random(outputs, inputs, sparsity, o.seed);
-    Layer layer{round_robin_placement(w, s.geometry.lanes), encode_stream(w),
-                o.training ? encode_stream(w, StreamKind::weights, kDefaultChunkPackets,
-                                           Precision::fp32, StreamOrder::by_input)
+    Layer layer{round_robin_placement(w, s.geometry.lanes),
+                encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision),
+                o.training ? encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision,
+                                           StreamOrder::by_input)
                            : WeightStream{}};
     SweepPoint p;
     p.sparsity = sparsity;
@@ -184,7 +209,7 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     run.work.inputs = inputs;
     run.work.tokens = o.tokens;
     // As the product will run (a very sparse point may be too little work to share).
-    run.work.geometry = engine.geometry_for(outputs, inputs, o.tokens, Precision::fp32, w.nnz());
+    run.work.geometry = engine.geometry_for(outputs, inputs, o.tokens, precision, w.nnz());
     run.work.max_lane_nnz = static_cast<double>(layer.placement.max_lane_nnz());
     run.work.cache_bytes = static_cast<double>(topology().cache_share_bytes() * engine.threads());
     run.work.packed_tiles = CpuEngine::packs_tiles(s.geometry.lanes, w.nnz(), inputs);
@@ -202,19 +227,29 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
       products.push_back({w_dense.view(), true, dy.view(), false, dx.view()});
       products.push_back({dy.view(), false, x.view(), true, dw.view()});
     }
-    const baseline::DenseTiming dense = baseline::time_dense(products, Precision::fp32, o.repeat);
+    const baseline::DenseTiming dense = baseline::time_dense(products, precision, o.repeat);
     s.dense_seconds = 1e-3 * dense.same_ms;
     s.dense_kind = baseline::to_string(dense.same_kind);
     s.dense_best_seconds = 1e-3 * dense.best_ms;
     s.dense_best_kind = baseline::to_string(dense.best_kind);
   }
+  // Item 2i times point i streamed, 2i + 1 on the dense path (each where asked for).
   std::vector<std::function<void()>> items;
-  for (const Layer& layer : layers) {
-    items.push_back([&] {
-      engine.forward(layer.stream, layer.placement, x.view(), y.view());
-      if (o.training)
-        (void)engine.backward(layer.backward, layer.placement, x.view(), dy.view(), &dx_view);
-    });
+  std::vector<std::size_t> item_point;
+  std::vector<bool> item_dense;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    for (CpuEngine* e : {&engine, &dense_engine}) {
+      const bool dense = e == &dense_engine;
+      if (dense ? !o.times_dense() : !o.times_sparse()) continue;
+      const Layer& layer = layers[i];
+      items.push_back([&layer, e, &o, &x, &y, &dy, &dx_view] {
+        e->forward(layer.stream, layer.placement, x.view(), y.view());
+        if (o.training)
+          (void)e->backward(layer.backward, layer.placement, x.view(), dy.view(), &dx_view);
+      });
+      item_point.push_back(i);
+      item_dense.push_back(dense);
+    }
   }
 
   // ... then each timed back to back: one warm-up call (it also absorbs the wake-up of
@@ -223,7 +258,8 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   ProgressBar progress(static_cast<int>(items.size()) * (o.repeat + 1));
   std::vector<std::vector<double>> times(items.size());
   for (std::size_t i = 0; i < items.size(); ++i) {
-    progress.set_label("sparsity " + json_number(s.points[i].sparsity));
+    progress.set_label("sparsity " + json_number(s.points[item_point[i]].sparsity) +
+                       (item_dense[i] ? " dense" : ""));
     for (int call = 0; call <= o.repeat; ++call) {
       const double t = seconds_of(items[i]);
       if (call > 0) times[i].push_back(t);
@@ -231,9 +267,10 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
     }
   }
   progress.finish();
-  for (std::size_t i = 0; i < s.points.size(); ++i) {
-    s.points[i].measured_seconds = median(times[i]);
-    runs[i].seconds = s.points[i].measured_seconds;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    SweepPoint& p = s.points[item_point[i]];
+    (item_dense[i] ? p.dense_path_seconds : p.measured_seconds) = median(times[i]);
+    if (!item_dense[i]) runs[item_point[i]].seconds = p.measured_seconds;
   }
   return s;
 }
@@ -279,7 +316,22 @@ std::array<bool, kCostTerms> identifiable_terms(const std::vector<MeasuredRun>& 
   return keep;
 }
 
+/// PathCosts fitted to the points (sweep_paths.hpp), for the sweep's precision. A
+/// training step is three products: the dense rate and the times are per product.
+void fit_paths(Sweep& s) {
+  std::vector<PathPoint> points;
+  const double products = s.training ? 3 : 1;
+  for (const SweepPoint& p : s.points) {
+    points.push_back({static_cast<double>(p.nnz), p.measured_seconds / products,
+                      p.dense_path_seconds / products});
+  }
+  s.path_fit = fit_path_costs(s.outputs, s.inputs, s.tokens, s.threads,
+                              parse_precision(s.precision), s.dense_seconds / products, points);
+}
+
 void calibrate_sweep(Sweep& s, const std::vector<MeasuredRun>& runs) {
+  fit_paths(s);
+  if (!s.sparse_timed) return;  // the streamed model has nothing to fit
   CalibrationOptions options;
   options.fit = identifiable_terms(runs);
   // The dense rate as measured, so CostModel::dense_seconds reproduces the baseline.
@@ -321,6 +373,23 @@ void write_fit_json(JsonWriter& w, const Sweep& s) {
   w.end_object();
 }
 
+/// PathCosts as fitted for the sweep's precision, and the crossover they imply.
+void write_path_fit_json(JsonWriter& w, const Sweep& s) {
+  const PathFit& f = s.path_fit;
+  const std::size_t p = s.precision == "bf16" ? 1 : 0;
+  w.begin_object();
+  w.field("precision", s.precision);
+  w.field("sparse_fitted", f.sparse_fitted).field("dense_fitted", f.dense_fitted);
+  w.field("sparse_per_nnz_token", f.costs.sparse_per_nnz_token[p]);
+  w.field("dense_per_mac", f.costs.dense_per_mac[p]);
+  w.field("densify_per_slot", f.costs.densify_per_slot[p]);
+  w.field("densify_per_packet", f.costs.densify_per_packet[p]);
+  w.field("rms_dense_residual", f.rms_dense_residual);
+  w.field("crossover_sparsity", f.crossover);
+  w.field("builtin_crossover_sparsity", f.builtin_crossover);
+  w.end_object();
+}
+
 std::string to_json(const Sweep& s) {
   JsonWriter w(2);
   w.begin_object();
@@ -335,6 +404,9 @@ std::string to_json(const Sweep& s) {
   const PathCosts paths = PathCosts::for_this_cpu();
   w.field("crossover_sparsity_fp32", paths.crossover_sparsity(s.tokens, Precision::fp32));
   w.field("crossover_sparsity_bf16", paths.crossover_sparsity(s.tokens, Precision::bf16));
+  w.field("path", s.path).field("precision", s.precision);
+  w.key("path_fit");
+  write_path_fit_json(w, s);
   w.key("points").begin_array();
   for (const auto& p : s.points) {
     w.begin_object();
@@ -345,6 +417,11 @@ std::string to_json(const Sweep& s) {
     w.field("predicted_acceleration", s.predicted_acceleration(p));
     w.field("residual", Sweep::residual(p));
     w.field("acceleration_vs_best", s.measured_acceleration_vs_best(p));
+    if (s.dense_timed) {
+      w.field("dense_path_ms", 1e3 * p.dense_path_seconds);
+      w.field("dense_path_acceleration", s.dense_path_acceleration(p));
+      w.field("dense_path_acceleration_vs_best", s.dense_path_acceleration_vs_best(p));
+    }
     w.end_object();
   }
   w.end_array();
@@ -357,7 +434,8 @@ std::string to_json(const Sweep& s) {
 std::string to_csv(const Sweep& s) {
   std::ostringstream csv;
   csv << "sparsity,inverse_density,nnz,measured_ms,predicted_ms,dense_ms,measured_acceleration,"
-         "predicted_acceleration,residual,dense_best_ms,acceleration_vs_best\n";
+         "predicted_acceleration,residual,dense_best_ms,acceleration_vs_best,dense_path_ms,"
+         "dense_path_acceleration\n";
   for (const auto& p : s.points) {
     csv << json_number(p.sparsity) << "," << json_number(1.0 / (1.0 - p.sparsity)) << "," << p.nnz
         << "," << json_number(1e3 * p.measured_seconds) << ","
@@ -365,7 +443,9 @@ std::string to_csv(const Sweep& s) {
         << "," << json_number(s.measured_acceleration(p)) << ","
         << json_number(s.predicted_acceleration(p)) << "," << json_number(Sweep::residual(p)) << ","
         << json_number(1e3 * s.dense_best_seconds) << ","
-        << json_number(s.measured_acceleration_vs_best(p)) << "\n";
+        << json_number(s.measured_acceleration_vs_best(p)) << ","
+        << json_number(1e3 * p.dense_path_seconds) << ","
+        << json_number(s.dense_path_acceleration(p)) << "\n";
   }
   return csv.str();
 }
@@ -386,6 +466,26 @@ void print_crossovers(const Sweep& s) {
       "in fp32, %.3f in bf16 (%lld tokens); below, --path auto multiplies dense\n",
       paths.crossover_sparsity(s.tokens, Precision::fp32),
       paths.crossover_sparsity(s.tokens, Precision::bf16), static_cast<long long>(s.tokens));
+  const PathFit& f = s.path_fit;
+  const std::size_t p = s.precision == "bf16" ? 1 : 0;
+  std::printf(
+      "path model fitted to this sweep (%s; %s%s): sparse %.3g s per nnz and token, dense %.3g s "
+      "per multiply-add (oneDNN's), densifying %.3g s per slot and %.3g s per packet (per "
+      "thread); rms dense residual %.1f%%; crossover %.3f (built in: %.3f)\n",
+      s.precision.c_str(), f.sparse_fitted ? "streamed measured" : "streamed built in",
+      f.dense_fitted ? ", dense path measured" : ", dense path built in",
+      f.costs.sparse_per_nnz_token[p], f.costs.dense_per_mac[p], f.costs.densify_per_slot[p],
+      f.costs.densify_per_packet[p], 100 * f.rms_dense_residual, f.crossover, f.builtin_crossover);
+}
+
+void print_dense_path(const Sweep& s) {
+  std::printf("dense path (--path %s):\n%9s %10s %14s %12s %9s\n", s.path.c_str(), "sparsity",
+              "nnz", "dense_path_ms", "accel", "vs_best");
+  for (const auto& p : s.points) {
+    std::printf("%9.4g %10lld %14.4f %11.2fx %8.2fx\n", p.sparsity, static_cast<long long>(p.nnz),
+                1e3 * p.dense_path_seconds, s.dense_path_acceleration(p),
+                s.dense_path_acceleration_vs_best(p));
+  }
 }
 
 void print_table(const Sweep& s) {
@@ -431,6 +531,8 @@ bool plot(const Sweep& s, const fs::path& dir) {
      << "set ylabel 'acceleration (dense time / sparse time)'\n"
      << "plot " << csv << " using 2:7 with points pt 7 ps 1.5 title 'measured', " << csv
      << " using 2:8 with linespoints lw 2 title 'predicted (calibrated cost model)', "
+     << (s.dense_timed ? csv + " using 2:13 with linespoints lw 2 title 'dense path (measured)', "
+                       : std::string())
      << "1 with lines dashtype 2 lc rgb 'gray' title 'break-even'\n"
      << "set output\n";
   return run_gnuplot(gp.str(), dir, {png}, "sluice sweep");
@@ -455,7 +557,8 @@ int run_sweep(const SweepOptions& o) {
   if (o.json) {
     std::cout << json << "\n";
   } else {
-    print_table(s);
+    if (s.sparse_timed) print_table(s);
+    if (s.dense_timed) print_dense_path(s);
     print_crossovers(s);
     std::cout << "Wrote " << (dir / "sweep.csv").string() << ", sweep.json"
               << (plotted ? ", sweep.png" : "") << "\n";
@@ -493,6 +596,16 @@ Command add_sweep_command(CLI::App& app) {
          "Directory for sweep.csv, sweep.json and sweep.png (plot when gnuplot is on PATH)")
       ->capture_default_str()
       ->check(path_argument());
+  cmd->add_option("--path", o->path,
+                  "Which path each point is timed on: sparse (the streamed product, which "
+                  "calibrates its cost model), dense (the engine's dense path) or both; the "
+                  "dense points fit PathCosts' densifying terms and the crossover")
+      ->check(CLI::IsMember({"sparse", "dense", "both"}))
+      ->capture_default_str();
+  cmd->add_option("--precision", o->precision,
+                  "fp32, or bf16 (weights streamed and the dense baselines in bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
   return [o] { return run_sweep(*o); };
 }
