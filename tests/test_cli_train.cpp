@@ -45,14 +45,7 @@ json run_json(const std::string& args) {
   return json::parse(o.output);
 }
 
-class CliTrain : public sluice::testing::TempDirTest {
- protected:
-  void SetUp() override {
-    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
-    TempDirTest::SetUp();
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-};
+using CliTrain = sluice::testing::CliDirTest;
 
 const std::string kTrain = "train --dataset synthetic --layers 64,24,10 ";
 

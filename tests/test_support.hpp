@@ -60,6 +60,18 @@ class TempDirTest : public ::testing::Test {
   std::filesystem::path dir_;
 };
 
+#ifdef SLUICE_CLI_PATH
+/// A TempDirTest of the `sluice` binary, skipped when the CLI is not built.
+class CliDirTest : public TempDirTest {
+ protected:
+  void SetUp() override {
+    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
+    TempDirTest::SetUp();
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+};
+#endif
+
 /// The whole content of a file ("" when it cannot be read).
 inline std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -263,6 +263,31 @@ TEST_F(TieredStore, SaveAndLoadSayTheStoreIsTheCheckpoint) {
   EXPECT_THROW(m.weights(0), ShapeError);
 }
 
+// What a trainer resuming from the store needs besides the model, as a checkpoint keeps it.
+TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
+  make_store(3);
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_EQ(m.step(), 3);
+    EXPECT_EQ(m.seed, 0U);
+    EXPECT_EQ(m.epochs, 0);
+    m.epochs = 4;
+    m.seed = 11;
+    m.commit_counters();
+    OptimizerConfig c;
+    c.kind = OptimizerKind::adamw;
+    c.learning_rate = 0.003;
+    c.weight_decay = 0.01;
+    m.set_optimizer(c);
+  }
+  TieredModelMemory m(store(), std::int64_t{1} << 30);
+  EXPECT_EQ(m.epochs, 4);
+  EXPECT_EQ(m.seed, 11U);
+  EXPECT_EQ(m.step(), 3);
+  EXPECT_EQ(m.optimizer().kind, OptimizerKind::adamw);
+  EXPECT_EQ(m.optimizer().learning_rate, 0.003);
+  EXPECT_EQ(m.optimizer().weight_decay, 0.01);
+}
 // A child trains on the store and is killed with SIGKILL at a random moment; the store
 // must open at a committed step whose weights are exactly the reference's after as many
 // steps, with nothing left over from the step that was cut short.

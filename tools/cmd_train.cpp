@@ -20,6 +20,7 @@
 
 #include "json_writer.hpp"
 #include "measure.hpp"
+#include "model_store_option.hpp"
 #include "output_files.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dynamic_sparsity.hpp"
@@ -58,6 +59,7 @@ struct TrainOptions {
   std::int64_t update_every = 100;
   double drop = 0.3;
   double update_until = 0.75;
+  ModelStoreOptions store;
 };
 
 #ifdef SLUICE_HAVE_MPI
@@ -136,13 +138,13 @@ void check_checkpoint_path(const std::filesystem::path& path) {
 
 /// The sparsity of the model trained: as asked for a new one; a resumed one's masks fix
 /// it, so it is read off them.
-double model_sparsity(const HostModelMemory& memory, const TrainOptions& o) {
-  if (o.resume.empty()) return o.sparsity;
+double model_sparsity(const ModelMemory& memory, const TrainOptions& o, bool resumed) {
+  if (!resumed) return o.sparsity;
   double weights = 0, cells = 0;
   for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
-    const CsrMatrix& w = memory.weights(l);
-    weights += static_cast<double>(w.nnz());
-    cells += static_cast<double>(w.rows()) * static_cast<double>(w.cols());
+    const LayerShape w = memory.layer_shape(l);
+    weights += static_cast<double>(w.nnz);
+    cells += static_cast<double>(w.rows) * static_cast<double>(w.cols);
   }
   return cells > 0 ? 1.0 - weights / cells : o.sparsity;
 }
@@ -194,21 +196,25 @@ OptimizerConfig new_optimizer(OptimizerKind kind, double learning_rate) {
   return config;
 }
 
+/// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
+std::string model_source(const TrainOptions& o) {
+  return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
+}
+
 /// Loads --resume into `memory` and returns the sizes of its layers; the checkpoint's
 /// seed becomes the run's, as it fixes the data, the split and the shuffles. A checkpoint
 /// whose layers do not make a network is bad data (exit 1), named.
-std::vector<std::int64_t> resume_model(HostModelMemory& memory, TrainOptions& o, bool seed_given) {
-  memory.load(o.resume);
+std::vector<std::int64_t> resume_model(ModelMemory& memory, TrainOptions& o, bool seed_given) {
+  if (!o.resume.empty()) memory.load(o.resume);  // else a --model-store holds the model
   std::vector<std::int64_t> sizes;
   try {
     sizes = mlp_sizes(memory);
   } catch (const ShapeError& e) {
-    throw FormatError("checkpoint " + o.resume +
-                      " holds no network that can be trained: " + e.what());
+    throw FormatError(model_source(o) + " holds no network that can be trained: " + e.what());
   }
   if (seed_given && o.seed != memory.seed) {
     throw UsageError("--seed " + std::to_string(o.seed) + " differs from the seed " +
-                     std::to_string(memory.seed) + " of checkpoint " + o.resume +
+                     std::to_string(memory.seed) + " of " + model_source(o) +
                      ", which fixes the data, its split and its order (leave --seed out to "
                      "resume)");
   }
@@ -218,24 +224,25 @@ std::vector<std::int64_t> resume_model(HostModelMemory& memory, TrainOptions& o,
 
 /// The optimizer of a resumed run: the checkpoint's, state and all, unless --optimizer or
 /// --lr say otherwise; what was chosen is said on `progress`.
-void resume_optimizer(HostModelMemory& memory, const TrainOptions& o, bool kind_given,
-                      bool lr_given, std::ostream& progress) {
+void resume_optimizer(ModelMemory& memory, const TrainOptions& o, bool kind_given, bool lr_given,
+                      std::ostream& progress) {
   const OptimizerConfig saved = memory.optimizer();
   OptimizerConfig config = saved;
   config.schedule = nullptr;
   const OptimizerKind kind = parse_optimizer(o.optimizer);
-  std::string note = "the checkpoint's";
+  const std::string whose = o.resume.empty() ? "the store's" : "the checkpoint's";
+  std::string note = whose;
   if (kind_given && kind != saved.kind) {
     config = new_optimizer(kind, lr_given ? o.lr : saved.learning_rate);
-    note = std::string("--optimizer replaces the checkpoint's ") + to_string(saved.kind);
+    note = "--optimizer replaces " + whose + " " + to_string(saved.kind);
   }
   if (lr_given && o.lr != saved.learning_rate) {
     config.learning_rate = o.lr;
     note += ", --lr replaces its learning rate " + json_number(saved.learning_rate);
   }
   memory.set_optimizer(config);
-  progress << "resuming " << o.resume << " after " << memory.epochs << " epochs, " << memory.step()
-           << " steps: optimizer " << to_string(config.kind) << ", learning rate "
+  progress << "resuming " << model_source(o) << " after " << memory.epochs << " epochs, "
+           << memory.step() << " steps: optimizer " << to_string(config.kind) << ", learning rate "
            << json_number(config.learning_rate) << " (" << note << ")\n";
 }
 
@@ -259,12 +266,14 @@ Batch batch_of(const Dataset& data, std::span<const std::int64_t> samples, Dense
   return b;
 }
 
-/// Trains `o.epochs` epochs after the `done` the model has had, each over the training
-/// set in an order shuffled from the seed: epoch k's order is the same whether or not the
-/// run was resumed in between.
-TrainTotals train_epochs(LayerStreamingExecutor& executor, const Dataset& train,
-                         const TrainOptions& o, std::int64_t done, std::ostream& progress,
+/// Trains `o.epochs` epochs after the `memory.epochs` the model has had, each over the
+/// training set in an order shuffled from the seed: epoch k's order is the same whether or
+/// not the run was resumed in between. Counts the epochs in `memory` as they end (a model
+/// store commits the count, so a run killed later resumes from the right order).
+TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
+                         const Dataset& train, const TrainOptions& o, std::ostream& progress,
                          bool by_index) {
+  const std::int64_t done = memory.epochs;
   const std::int64_t n = train.samples();
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
@@ -309,6 +318,8 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, const Dataset& train,
     progress << line;
     if (epoch_skipped > 0) progress << "  " << epoch_skipped << " steps skipped";
     progress << "\n" << std::flush;
+    memory.epochs = done + epoch;
+    commit_store_counters(memory);
   }
   return t;
 }
@@ -398,6 +409,7 @@ Command add_train_command(CLI::App& app) {
                       "Fraction of the run after which the masks stay fixed (--dynamic)")
           ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
+  add_model_store_options(*cmd, o->store);
 
   const std::vector<CLI::Option*> dynamic_options{update_every, drop, update_until};
   return [o, optimizer, lr, sparsity, engines, dynamic_options, seed] {
@@ -416,6 +428,7 @@ Command add_train_command(CLI::App& app) {
     if (!o->resume.empty() && sparsity->count() > 0) {
       throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
     }
+    check_model_store_options(o->store, !o->resume.empty(), !o->checkpoint.empty());
     if (!o->data.empty() && o->dataset != "auto" && o->dataset != "digits") {
       throw UsageError("--data names the digits file; with --dataset " + o->dataset +
                        " it would be ignored");
@@ -470,8 +483,13 @@ Command add_train_command(CLI::App& app) {
     if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
     std::ostream& progress = o->json ? std::cerr : std::cout;
     // A resumed model comes first: its seed fixes the data, the split and the order.
-    HostModelMemory memory;
-    const bool resuming = !o->resume.empty();
+    const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o->store);
+    ModelMemory& memory = *memory_owner;
+    const bool resuming = !o->resume.empty() || memory.layer_count() > 0;
+    if (resuming && o->resume.empty() && sparsity->count() > 0) {
+      throw UsageError("--sparsity cannot be given when --model-store " + o->store.directory +
+                       " holds a model: its masks fix it");
+    }
     const std::vector<std::int64_t> saved =
         resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
     std::string dataset_name;
@@ -497,7 +515,7 @@ Command add_train_command(CLI::App& app) {
                            : std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes};
     if (resuming && sizes != saved) {
       throw UsageError("--layers " + join_sizes(sizes) + " differs from the layers " +
-                       join_sizes(saved) + " of checkpoint " + o->resume +
+                       join_sizes(saved) + " of " + model_source(*o) +
                        " (leave --layers out to resume)");
     }
     if (sizes.front() != all.features.rows() || sizes.back() < all.classes) {
@@ -505,8 +523,8 @@ Command add_train_command(CLI::App& app) {
           "that does not fit the data: " + std::to_string(all.features.rows()) + " features, " +
           std::to_string(all.classes) + " classes";
       if (resuming) {
-        throw FormatError("checkpoint " + o->resume + " holds a model with layers " +
-                          join_sizes(saved) + " " + what);
+        throw FormatError(model_source(*o) + " holds a model with layers " + join_sizes(saved) +
+                          " " + what);
       }
       throw UsageError("--layers " + o->layers + " " + what);
     }
@@ -516,6 +534,7 @@ Command add_train_command(CLI::App& app) {
       resume_optimizer(memory, *o, optimizer->count() > 0, lr->count() > 0, progress);
     } else {
       memory.seed = o->seed;
+      check_model_store_budget(o->store, sizes, o->sparsity);
       build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
       memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
     }
@@ -549,9 +568,8 @@ Command add_train_command(CLI::App& app) {
     // rank from its own copy, which it has unless the run resumed).
     const bool by_index = o->fabric == "local" || !resuming;
     if (by_index) fabric.attach_dataset(&train);
-    const TrainTotals t = train_epochs(executor, train, *o, memory.epochs, progress, by_index);
+    const TrainTotals t = train_epochs(executor, memory, train, *o, progress, by_index);
     refuse_failed_training(t, *o);
-    memory.epochs += o->epochs;
     // Saved before evaluating, so a failing evaluation does not cost the trained model.
     if (!o->checkpoint.empty()) memory.save(o->checkpoint);
     // In batches of --batch tokens, so --memory-budget holds here too.
@@ -566,7 +584,7 @@ Command add_train_command(CLI::App& app) {
           .field("test_loss", e.loss);
       j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", o->epochs);
       j.field("skipped_steps", t.skipped);
-      j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o));
+      j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o, resuming));
       j.field("precision", o->precision);
       j.field("optimizer", to_string(memory.optimizer().kind));
       j.field("learning_rate", memory.optimizer().learning_rate);
@@ -584,6 +602,7 @@ Command add_train_command(CLI::App& app) {
       j.field("driver_bytes_received_per_step", total.driver_bytes_received_per_step());
       j.field("overlap", total.overlap());
       j.field("peak_rss_bytes", peak_resident_bytes());
+      add_model_store_fields(j, memory);
       j.end_object();
       std::cout << j.str() << "\n";
     } else {

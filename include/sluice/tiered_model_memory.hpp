@@ -47,6 +47,9 @@ class TieredModelMemory final : public ModelMemory {
   /// optimizer's buffers): the least budget that trains it.
   static std::int64_t working_set_bytes(const LayerShape& shape);
   ModelStoreCounters counters() const;
+  /// Commits `seed` and `epochs` to the store now (every step's commit and add_layer
+  /// also does): what a trainer resuming from the store needs besides the model.
+  void commit_counters();
 
  protected:
   std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) override;

@@ -18,6 +18,8 @@ constexpr char kManifestMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'M', 'F'};
 constexpr char kPatternMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'P', 'T'};
 constexpr char kStateMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'S', 'T'};
 constexpr std::uint32_t kVersion = 1;
+/// The manifest's version 2 adds the epoch count; version 1 (without it) is still read.
+constexpr std::uint32_t kManifestVersion = 2;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
 
@@ -28,22 +30,25 @@ constexpr std::uint32_t kStateHeadTag = fourcc("LHDR");
 constexpr std::array<std::uint32_t, 5> kPatternTags = {
     fourcc("ROWS"), fourcc("COLS"), fourcc("TROW"), fourcc("TCOL"), fourcc("TSRC")};
 
-void write_prefix(FileWriter& out, const char (&magic)[8]) {
+void write_prefix(FileWriter& out, const char (&magic)[8], std::uint32_t version = kVersion) {
   out.write(std::as_bytes(std::span(magic)));
-  out.put(kVersion);
+  out.put(version);
 }
 
-void read_prefix(FileReader& in, const char (&magic)[8], const char* what) {
+/// Checks the magic and a version in [oldest, newest]; returns the version.
+std::uint32_t read_prefix(FileReader& in, const char (&magic)[8], const char* what,
+                          std::uint32_t oldest = kVersion, std::uint32_t newest = kVersion) {
   char found[8];
   in.read(std::as_writable_bytes(std::span(found)), "magic");
   if (std::memcmp(found, magic, sizeof found) != 0) {
     in.fail(std::string("at byte 0: not a ") + what + " (wrong magic)");
   }
   const auto version = in.get<std::uint32_t>("version");
-  if (version != kVersion) {
+  if (version < oldest || version > newest) {
     in.fail("at byte 8: version " + std::to_string(version) + ", expected " +
-            std::to_string(kVersion));
+            (oldest == newest ? "" : std::to_string(oldest) + " to ") + std::to_string(newest));
   }
+  return version;
 }
 
 std::uint32_t section_tag(int index, int slots) {
@@ -97,7 +102,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
   tmp += ".tmp";
   {
     FileWriter out(tmp, "model store: write manifest");
-    write_prefix(out, kManifestMagic);
+    write_prefix(out, kManifestMagic, kManifestVersion);
     Section head;
     head.tag = kHeadTag;
     const OptimizerConfig& c = m.config;
@@ -111,6 +116,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
       head.fields.put(x);
     }
     head.fields.put(static_cast<std::uint32_t>(m.policy == NonFinitePolicy::error ? 1 : 0));
+    head.fields.put(m.epochs);
     write_section(out, head);
     for (std::size_t i = 0; i < m.layers.size(); ++i) {
       const ManifestLayer& l = m.layers[i];
@@ -137,7 +143,8 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
 
 Manifest read_manifest(const std::filesystem::path& dir) {
   FileReader in(manifest_path(dir), "model store: manifest");
-  read_prefix(in, kManifestMagic, "model store manifest");
+  const std::uint32_t version =
+      read_prefix(in, kManifestMagic, "model store manifest", 1, kManifestVersion);
   Manifest m;
   SectionReader head(in, kHeadTag, "HEAD section");
   const auto count = head.get<std::uint32_t>("layer count");
@@ -151,10 +158,13 @@ Manifest read_manifest(const std::filesystem::path& dir) {
     *x = head.get<double>("optimizer config");
   }
   const auto policy = head.get<std::uint32_t>("non-finite policy");
+  m.epochs = version >= 2 ? head.get<std::int64_t>("epochs") : 0;
   head.finish();
   if (kind > 2) head.fail("unknown optimizer kind " + std::to_string(kind));
   if (policy > 1) head.fail("unknown non-finite policy " + std::to_string(policy));
-  if (m.step < 0 || m.next_generation <= 0) head.fail("negative step or generation");
+  if (m.step < 0 || m.next_generation <= 0 || m.epochs < 0) {
+    head.fail("negative step, generation or epoch count");
+  }
   c.kind = static_cast<OptimizerKind>(kind);
   m.policy = policy == 1 ? NonFinitePolicy::error : NonFinitePolicy::skip_step;
   try {

@@ -2,8 +2,8 @@
 // Internal: the files of a TieredModelMemory store (docs/model_store.md), in the
 // checkpoint format's sections (tag, length, CRC-32, payload; checkpoint_io.hpp):
 //
-//   MANIFEST                     what is committed: step, optimizer, every layer's shape,
-//                                update count and the generation of its state file
+//   MANIFEST                     what is committed: step, epochs, seed, optimizer, every
+//                                layer's shape, update count and its state file's generation
 //   layer-LLLLLL.pattern         the mask and its transpose; written once, never changed
 //   layer-LLLLLL.gGGGGGGGG.state master values, bias, optimizer state of one generation
 //
@@ -34,6 +34,7 @@ struct ManifestLayer {
 
 struct Manifest {
   std::int64_t step = 0;
+  std::int64_t epochs = 0;           ///< passes over the training data (ModelMemory::epochs)
   std::int64_t next_generation = 1;  ///< of the next state files written
   std::uint64_t seed = 0;
   OptimizerConfig config;  ///< without the schedule (code, not data)

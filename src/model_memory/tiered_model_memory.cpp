@@ -440,6 +440,7 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   st.manifest = detail::read_manifest(st.dir);
   st.config = st.manifest.config;
   seed = st.manifest.seed;
+  epochs = st.manifest.epochs;
   for (std::size_t l = 0; l < st.manifest.layers.size(); ++l) {
     const LayerShape& s = st.manifest.layers[l].shape;
     if (working_set_bytes(s) > budget_bytes) {
@@ -519,6 +520,7 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
   next.layers.push_back({s, 0, generation, false});
   next.next_generation = generation + 1;
   next.seed = seed;
+  next.epochs = epochs;
   detail::write_manifest(st.dir, next);
 
   auto layer = std::make_unique<detail::TieredLayer>();
@@ -691,6 +693,7 @@ StepReport TieredModelMemory::commit_step_impl() {
   next.step += 1;
   next.next_generation += 1;
   next.seed = seed;
+  next.epochs = epochs;
   try {
     detail::fsync_directory(st.dir, "model store");
     detail::write_manifest(st.dir, next);
@@ -714,6 +717,16 @@ StepReport TieredModelMemory::commit_step_impl() {
   report.step = st.manifest.step;
   finish();
   return report;
+}
+
+void TieredModelMemory::commit_counters() {
+  State& st = *state_;
+  detail::Manifest next = st.manifest;
+  next.seed = seed;
+  next.epochs = epochs;
+  detail::write_manifest(st.dir, next);
+  std::lock_guard lock(st.mutex);
+  st.manifest = std::move(next);
 }
 
 void TieredModelMemory::set_optimizer_impl(const OptimizerConfig& config) {

@@ -1,0 +1,132 @@
+// `sluice train --model-store DIR` end to end on the real binary: a store created, then
+// resumed, trains bit for bit as one run and as the model in RAM; a budget too small is a
+// usage error that leaves no model behind; a corrupt store file is refused naming the
+// file and the byte, and nothing in the store changes.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "test_support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Outcome = sluice::testing::CliOutcome;
+using nlohmann::json;
+
+Outcome run(const std::string& args, bool merge_stderr = true) {
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args, merge_stderr);
+}
+
+json run_json(const std::string& args) {
+  const Outcome o = run(args + " --json", /*merge_stderr=*/false);
+  EXPECT_EQ(o.exit_code, 0) << args << "\n" << o.output;
+  if (o.exit_code != 0) return json::object();
+  return json::parse(o.output);
+}
+
+void expect_exit(const Outcome& o, int code, const std::string& words) {
+  EXPECT_EQ(o.exit_code, code) << o.output;
+  EXPECT_NE(o.output.find(words), std::string::npos) << "expected '" << words << "' in:\n"
+                                                     << o.output;
+}
+
+/// Every file of a directory, by name.
+std::map<std::string, std::string> files(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    out[e.path().filename().string()] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return out;
+}
+
+using CliModelStore = sluice::testing::CliDirTest;
+
+const std::string kTrain = "train --dataset synthetic --layers 64,24,10 --optimizer adam ";
+
+TEST_F(CliModelStore, ACreatedThenResumedStoreTrainsAsOneRunAndAsTheModelInRam) {
+  const json ram = run_json(kTrain + "--epochs 2");
+  const json whole = run_json(kTrain + "--epochs 2 --model-store " + path("whole"));
+  const json first = run_json(kTrain + "--epochs 1 --model-store " + path("split"));
+  const Outcome resumed = run(kTrain + "--epochs 1 --json --model-store " + path("split"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resuming model store " + path("split") + " after 1 epochs"),
+            std::string::npos)
+      << resumed.output;
+  const json second = json::parse(resumed.output.substr(resumed.output.find('{')));
+  for (const char* key : {"test_loss", "test_accuracy", "final_loss", "seed", "epochs_total"}) {
+    EXPECT_EQ(whole[key], ram[key]) << key;
+    EXPECT_EQ(second[key], whole[key]) << key;
+  }
+  EXPECT_EQ(first["epochs_total"], 1);
+  EXPECT_EQ(second["optimizer"], "adam");
+  EXPECT_EQ(files(path("whole")), files(path("split")));  // the same bytes, file by file
+
+  // The disk fields are measured, not made up; the model in RAM has none.
+  for (const char* key : {"model_store_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
+                          "disk_wait_seconds"}) {
+    EXPECT_FALSE(ram.contains(key)) << key;
+    ASSERT_TRUE(second.contains(key)) << key;
+  }
+  std::uint64_t bytes = 0;
+  for (const auto& e : fs::directory_iterator(path("split"))) bytes += fs::file_size(e.path());
+  EXPECT_EQ(second["model_store_bytes"].get<std::uint64_t>(), bytes);
+  EXPECT_GT(second["disk_read_bytes_per_s"].get<double>(), 0);  // the open reads every file
+  EXPECT_GT(second["disk_write_bytes_per_s"].get<double>(), 0);
+  EXPECT_GE(second["disk_wait_seconds"].get<double>(), 0);
+  EXPECT_GT(second["peak_rss_bytes"].get<double>(), 0);
+}
+
+TEST_F(CliModelStore, ABudgetTooSmallIsAUsageErrorThatLeavesNoModel) {
+  const std::string store = path("small");
+  expect_exit(run(kTrain + "--epochs 1 --model-store " + store + " --model-memory-budget 4096"), 2,
+              "--model-memory-budget 4096 is too small: layer 0 (24x64");
+  for (const auto& [name, bytes] : files(store)) EXPECT_EQ(name, "MANIFEST");
+  // The store is still new: a run with room creates its model.
+  EXPECT_EQ(run_json(kTrain + "--epochs 1 --model-store " + store)["epochs_total"], 1);
+  // Reopened with too little room, the trained store is refused and left as it was.
+  const auto before = files(store);
+  expect_exit(run(kTrain + "--epochs 1 --model-store " + store + " --model-memory-budget 4096"), 2,
+              "is too small");
+  EXPECT_EQ(files(store), before);
+}
+
+TEST_F(CliModelStore, ACorruptStoreFileIsRefusedNamingFileAndByteAndNothingChanges) {
+  const std::string store = path("store");
+  run_json(kTrain + "--epochs 1 --model-store " + store);
+  auto good = files(store);
+  for (const auto& [name, bytes] : good) {
+    if (name.find(".state") == std::string::npos) continue;
+    std::string bad = bytes;
+    bad[bad.size() / 2] = static_cast<char>(bad[bad.size() / 2] ^ 0x10);
+    std::ofstream(fs::path(store) / name, std::ios::binary | std::ios::trunc) << bad;
+    auto corrupt = files(store);
+    const Outcome o = run(kTrain + "--epochs 1 --model-store " + store);
+    expect_exit(o, 1, name);
+    EXPECT_NE(o.output.find("byte"), std::string::npos) << o.output;
+    EXPECT_EQ(files(store), corrupt) << "a refused store changed";
+    std::ofstream(fs::path(store) / name, std::ios::binary | std::ios::trunc) << bytes;
+  }
+  EXPECT_EQ(run_json(kTrain + "--epochs 1 --model-store " + store)["epochs_total"], 2);
+}
+
+TEST_F(CliModelStore, OptionsTheStoreMakesMeaninglessAreRefused) {
+  const std::string store = " --model-store " + path("s");
+  expect_exit(run(kTrain + "--epochs 1 --resume x.ckpt" + store), 2, "--model-store cannot");
+  expect_exit(run(kTrain + "--epochs 1 --checkpoint x.ckpt" + store), 2, "--model-store cannot");
+  expect_exit(run(kTrain + "--epochs 1 --model-memory-budget 100000000"), 2,
+              "--model-memory-budget needs --model-store");
+  expect_exit(run(kTrain + "--epochs 1 --model-memory-budget 0" + store), 2,
+              "--model-memory-budget");
+  run_json(kTrain + "--epochs 1" + store);
+  expect_exit(run(kTrain + "--epochs 1 --sparsity 0.5" + store), 2, "its masks fix it");
+  expect_exit(run("train --dataset synthetic --layers 64,32,10 --epochs 1" + store), 2,
+              "differs from the layers 64,24,10 of model store");
+}
+
+}  // namespace

@@ -1,0 +1,38 @@
+#pragma once
+// `sluice train --model-store DIR [--model-memory-budget BYTES]`: the model in a
+// TieredModelMemory store instead of RAM, and what the run reports about its disk.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "json_writer.hpp"
+#include "sluice/model_memory.hpp"
+
+namespace sluice::cli {
+
+struct ModelStoreOptions {
+  std::string directory;
+  std::int64_t budget = std::int64_t{2} << 30;
+  CLI::Option* budget_option = nullptr;
+};
+
+void add_model_store_options(CLI::App& cmd, ModelStoreOptions& o);
+/// UsageError for an option the store makes meaningless (`--resume`, `--checkpoint`:
+/// the store is the checkpoint) or a budget without a store.
+void check_model_store_options(const ModelStoreOptions& o, bool resume, bool checkpoint);
+/// A HostModelMemory, or the store opened (created if new; resumed if it holds a model).
+/// A budget too small for one of the store's layers is a UsageError naming it.
+std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o);
+/// UsageError, before a new store is built, if a layer of the MLP `sizes` at `sparsity`
+/// would need more RAM at once than the budget (nothing for a ModelMemory in RAM).
+void check_model_store_budget(const ModelStoreOptions& o, const std::vector<std::int64_t>& sizes,
+                              double sparsity);
+/// Commits ModelMemory::seed and epochs to a model store (nothing for one in RAM).
+void commit_store_counters(ModelMemory& memory);
+/// model_store_bytes, disk_read_bytes_per_s, disk_write_bytes_per_s, disk_wait_seconds
+/// (nothing for a ModelMemory in RAM).
+void add_model_store_fields(JsonWriter& j, const ModelMemory& memory);
+
+}  // namespace sluice::cli
