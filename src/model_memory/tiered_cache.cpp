@@ -1,0 +1,211 @@
+// TieredModelMemory's RAM cache: a layer's pieces read when a stream or an update asks
+// for them (the executor asks in its streaming order, so this is the read-ahead), pinned
+// while used, evicted least recently used first; and opening a store (every file read and
+// checked, leftovers of a killed step removed).
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "model_memory/layer_streams.hpp"
+#include "model_memory/tiered_model_memory_state.hpp"
+
+namespace sluice {
+namespace {
+using detail::Clock;
+using detail::forward_bytes;
+using detail::kUpdateChunk;
+using detail::layer_name;
+using detail::remove_quietly;
+using detail::seconds_since;
+using detail::transposed_bytes;
+}  // namespace
+
+// Frees unused pieces of other layers, least recently used first, until `need` more
+// bytes fit; false if they do not.
+bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep) {
+  while (used + need > budget) {
+    detail::TieredLayer* victim = nullptr;
+    bool transposed = false;
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      detail::TieredLayer& c = *layers[i];
+      if (static_cast<std::int32_t>(i) == keep || c.loading) continue;
+      const bool f = c.forward && c.forward.use_count() == 1;
+      const bool t = c.transposed && c.transposed.use_count() == 1;
+      if ((f || t) && (victim == nullptr || c.last_use < victim->last_use)) {
+        victim = &c;
+        transposed = t;  // the transpose first: the forward needs only the mask
+      }
+    }
+    if (victim == nullptr) return false;
+    const LayerShape& s = shape(
+        static_cast<std::int32_t>(std::find_if(layers.begin(), layers.end(),
+                                               [&](const auto& p) { return p.get() == victim; }) -
+                                  layers.begin()));
+    if (transposed) {
+      victim->transposed.reset();
+      used -= transposed_bytes(s);
+    } else {
+      victim->forward.reset();
+      used -= forward_bytes(s);
+    }
+  }
+  return true;
+}
+
+TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
+                                                                bool want_transposed,
+                                                                std::int64_t extra) {
+  const auto start = Clock::now();
+  bool waited = false;
+  std::unique_lock lock(mutex);
+  detail::TieredLayer& c = *layers[l];
+  const LayerShape& s = shape(l);
+  for (;;) {
+    if (c.loading) {
+      waited = true;
+      changed.wait(lock);
+      continue;
+    }
+    const std::int64_t generation = manifest.layers[l].generation;
+    const bool need_mask = !c.forward;
+    const bool stale = c.forward && c.values_generation != generation;
+    const bool need_t = want_transposed && !c.transposed;
+    if (stale && c.forward.use_count() > 1) {  // still streamed with the old values
+      waited = true;
+      changed.wait(lock);
+      continue;
+    }
+    const std::int64_t need =
+        (need_mask ? forward_bytes(s) : 0) + (need_t ? transposed_bytes(s) : 0) + extra;
+    const std::int64_t held =
+        (c.forward ? forward_bytes(s) : 0) + (c.transposed ? transposed_bytes(s) : 0);
+    if (held + need > budget) {
+      throw ResourceError("model store: " + layer_name(l) + " needs " +
+                          std::to_string(held + need) + " bytes at once, over the budget of " +
+                          std::to_string(budget));
+    }
+    if (!make_room(need, l)) {
+      waited = true;
+      changed.wait(lock);
+      continue;
+    }
+    used += need;
+    if (need_mask || stale || need_t) {
+      c.loading = true;
+      lock.unlock();
+      try {
+        load(l, need_mask, need_mask || stale, need_t);
+      } catch (...) {
+        lock.lock();
+        c.loading = false;
+        used -= need;
+        changed.notify_all();
+        throw;
+      }
+      lock.lock();
+      c.loading = false;
+      c.values_generation = generation;
+      waited = true;
+      changed.notify_all();
+    }
+    c.last_use = ++clock;
+    Pin pin;
+    pin.st = this;
+    pin.w = c.forward;
+    if (want_transposed) pin.t = c.transposed;
+    pin.reserved = extra;
+    if (waited) wait_seconds = wait_seconds + seconds_since(start);
+    return pin;
+  }
+}
+
+// Reads the pieces asked for into the layer's cache slots (marked loading, so no other
+// thread touches them).
+void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool transposed) {
+  detail::TieredLayer& c = *layers[l];
+  const LayerShape& s = shape(l);
+  const auto start = Clock::now();
+  if (mask || transposed) {
+    auto w = mask ? std::make_shared<CsrMatrix>() : nullptr;
+    auto t = transposed ? std::make_shared<TransposedPattern>() : nullptr;
+    io.read_bytes += detail::read_pattern(detail::pattern_path(dir, l), s, w.get(), t.get());
+    io.read_seconds = io.read_seconds + seconds_since(start);
+    if (w) c.forward = std::move(w);
+    if (t) c.transposed = std::move(t);
+  }
+  if (values) {
+    detail::StateReader in(detail::state_path(dir, l, manifest.layers[l].generation),
+                           committed_layout(l), io);
+    std::uint32_t crc = 0;
+    in.read(committed_layout(l).values, 0, c.forward->values(), crc);
+    in.check_crc(committed_layout(l).values, crc, "VALS");
+    in.drop_cache();
+  }
+}
+
+// Reads every byte of the layer's committed files, checking each CRC, and takes its bias
+// and bias state; keeps its pieces in the cache where the budget has room.
+void TieredModelMemory::State::verify_layer(std::int32_t l) {
+  detail::TieredLayer& c = *layers[l];
+  const LayerShape& s = shape(l);
+  auto w = std::make_shared<CsrMatrix>();
+  auto t = std::make_shared<TransposedPattern>();
+  io.read_bytes += detail::read_pattern(detail::pattern_path(dir, l), s, w.get(), t.get());
+  c.column_counts.resize(static_cast<std::size_t>(s.cols));
+  for (std::int64_t i = 0; i < s.cols; ++i)
+    c.column_counts[i] = t->row_offsets[i + 1] - t->row_offsets[i];
+  const detail::StateLayout layout = committed_layout(l);
+  detail::StateReader in(detail::state_path(dir, l, manifest.layers[l].generation), layout, io);
+  std::uint32_t crc = 0;
+  in.read(layout.values, 0, w->values(), crc);
+  in.check_crc(layout.values, crc, "VALS");
+  for (const float v : w->values()) {
+    if (!std::isfinite(v)) {
+      throw FormatError("model store: state " + in.path().string() + ": a value is not finite");
+    }
+  }
+  c.bias.assign(static_cast<std::size_t>(s.bias), 0.0F);
+  crc = 0;
+  in.read(layout.bias_at, 0, c.bias, crc);
+  in.check_crc(layout.bias_at, crc, "BIAS");
+  std::vector<float> chunk(static_cast<std::size_t>(std::min(s.nnz, kUpdateChunk)));
+  for (int k = 0; k < slots(); ++k) {
+    c.bias_state[k].assign(static_cast<std::size_t>(s.bias), 0.0F);
+    if (layout.slots == 0) continue;
+    crc = 0;
+    for (std::int64_t lo = 0; lo < s.nnz; lo += kUpdateChunk) {
+      const auto n = static_cast<std::size_t>(std::min(kUpdateChunk, s.nnz - lo));
+      in.read(layout.state[k], lo, {chunk.data(), n}, crc);
+    }
+    in.check_crc(layout.state[k], crc, k == 0 ? "STA0" : "STA1");
+    crc = 0;
+    in.read(layout.bias_state[k], 0, c.bias_state[k], crc);
+    in.check_crc(layout.bias_state[k], crc, k == 0 ? "BST0" : "BST1");
+  }
+  in.drop_cache();
+  std::lock_guard lock(mutex);
+  const std::int64_t bytes = forward_bytes(s) + transposed_bytes(s);
+  if (used + bytes <= budget) {
+    c.forward = std::move(w);
+    c.transposed = std::move(t);
+    c.values_generation = manifest.layers[l].generation;
+    c.last_use = ++clock;
+    used += bytes;
+  }
+}
+
+// Files no manifest names: a killed step's new state files, a killed add_layer's pattern,
+// a manifest never renamed, gradients waiting for a commit that never came.
+void TieredModelMemory::State::remove_leftovers() {
+  std::set<std::filesystem::path> keep{detail::manifest_path(dir)};
+  for (std::int32_t l = 0; l < static_cast<std::int32_t>(manifest.layers.size()); ++l) {
+    keep.insert(detail::pattern_path(dir, l));
+    keep.insert(detail::state_path(dir, l, manifest.layers[l].generation));
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    const bool ours = name.rfind("layer-", 0) == 0 || name == "MANIFEST.tmp";
+    if (ours && keep.count(entry.path()) == 0) remove_quietly(entry.path());
+  }
+}
+}  // namespace sluice

@@ -1,0 +1,147 @@
+#pragma once
+// Internal: the state of a TieredModelMemory, shared by its files by role —
+// tiered_model_memory.cpp (the interface, a step's commit), tiered_cache.cpp (the RAM
+// cache, its reads in the executor's order, opening a store) and tiered_update.cpp (the
+// optimizer's and a mask change's work per chunk, writing a layer's next state file).
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "model_memory/model_store_files.hpp"
+#include "model_memory/optimizer_kernels.hpp"
+#include "sluice/tiered_model_memory.hpp"
+
+namespace sluice {
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// Elements the optimizer reads, updates and writes at a time: large sequential I/O
+/// while its buffers stay a small part of a layer.
+constexpr std::int64_t kUpdateChunk = std::int64_t{1} << 21;
+constexpr std::size_t kOptimizerGrain = 1 << 14;
+
+inline std::int64_t forward_bytes(const LayerShape& s) {
+  return 8 * (s.rows + 1) + 8 * s.nnz;  // offsets, indices, values
+}
+inline std::int64_t transposed_bytes(const LayerShape& s) {
+  return 8 * (s.cols + 1) + 8 * s.nnz;  // offsets, indices, positions
+}
+inline std::int64_t update_bytes(const LayerShape& s) {
+  const std::int64_t chunk = std::min(s.nnz, kUpdateChunk);
+  return 4 * s.nnz + 4 * chunk * (2 + 2 * detail::kMaxOptimizerSlots);
+}
+
+inline std::filesystem::path spill_path(const std::filesystem::path& dir, std::int32_t l) {
+  char name[64];
+  std::snprintf(name, sizeof name, "layer-%06d.gradient", l);
+  return dir / name;
+}
+
+inline void remove_quietly(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::remove(path, ec);
+}
+
+struct TieredPending {
+  bool submitted = false;
+  bool finite = true;
+  bool computed = false;  ///< the new state file is written
+  bool spilled = false;   ///< the gradient waits in a file for the clipping norm
+  double sum_of_squares = 0;
+  double seconds = 0;
+  std::vector<float> bias_gradient;
+  std::vector<float> new_bias;
+  std::array<std::vector<float>, kMaxOptimizerSlots> new_bias_state;
+};
+
+struct TieredLayer {
+  std::vector<float> bias;  ///< committed; biases stay in RAM (one float per output)
+  std::array<std::vector<float>, kMaxOptimizerSlots> bias_state;
+  std::vector<std::int64_t> column_counts;  ///< for placements
+  std::mutex placement_mutex;
+  std::map<std::int32_t, Placement> placements;
+  // The cache (under State::mutex): pieces are shared while a stream or update uses them.
+  std::shared_ptr<CsrMatrix> forward;  ///< mask and values of generation values_generation
+  std::int64_t values_generation = -1;
+  std::shared_ptr<TransposedPattern> transposed;
+  std::uint64_t last_use = 0;
+  bool loading = false;
+  std::mutex pending_mutex;
+  TieredPending pending;
+};
+
+}  // namespace detail
+
+struct TieredModelMemory::State {
+  std::filesystem::path dir;
+  std::int64_t budget = 0;
+  detail::Manifest manifest;
+  OptimizerConfig config;  ///< the manifest's, with the schedule
+  std::vector<std::unique_ptr<detail::TieredLayer>> layers;
+  detail::IoCounters io;
+  std::atomic<double> wait_seconds{0};
+
+  std::mutex mutex;  ///< the cache: pieces, `used`, `loading`, `last_use`
+  std::condition_variable changed;
+  std::int64_t used = 0;
+  std::uint64_t clock = 0;
+
+  const LayerShape& shape(std::int32_t l) const { return manifest.layers[l].shape; }
+  int slots() const { return detail::optimizer_slot_count(config.kind); }
+  detail::StateLayout committed_layout(std::int32_t l) const {
+    const detail::ManifestLayer& m = manifest.layers[l];
+    return detail::StateLayout::of(m.shape.nnz, m.shape.bias, m.has_state ? slots() : 0);
+  }
+
+  /// A layer's pieces in use: held, they cannot be evicted; `reserved` bytes of the
+  /// budget are the holder's own buffers.
+  struct Pin {
+    State* st = nullptr;
+    std::shared_ptr<const CsrMatrix> w;
+    std::shared_ptr<const TransposedPattern> t;
+    std::int64_t reserved = 0;
+    Pin() = default;
+    Pin(Pin&& o) noexcept
+        : st(std::exchange(o.st, nullptr)),
+          w(std::move(o.w)),
+          t(std::move(o.t)),
+          reserved(o.reserved) {}
+    Pin(const Pin&) = delete;
+    Pin& operator=(const Pin&) = delete;
+    ~Pin() {
+      if (st == nullptr) return;
+      std::lock_guard lock(st->mutex);
+      w.reset();
+      t.reset();
+      st->used -= reserved;
+      st->changed.notify_all();
+    }
+  };
+
+  /// Frees unused pieces of other layers, least recently used first, until `need` more
+  /// bytes fit; false if they do not.
+  bool make_room(std::int64_t need, std::int32_t keep);
+  Pin acquire(std::int32_t l, bool want_transposed, std::int64_t extra);
+  void load(std::int32_t l, bool mask, bool values, bool transposed);
+  void write_update(std::int32_t l, std::span<const float> values, const float* gradient,
+                    double learning_rate, double scale);
+  void verify_layer(std::int32_t l);
+  void remove_leftovers();
+};
+
+}  // namespace sluice

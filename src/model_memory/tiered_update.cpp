@@ -1,0 +1,100 @@
+// TieredModelMemory's work per chunk of a layer: the optimizer's update (and a mask
+// change's carried-over state), read from the committed state file and written to the
+// next generation's, in chunks of kUpdateChunk elements.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "core/parallel.hpp"
+#include "model_memory/tiered_model_memory_state.hpp"
+
+namespace sluice {
+namespace {
+using detail::kOptimizerGrain;
+using detail::kUpdateChunk;
+using detail::spill_path;
+}  // namespace
+
+// Computes the layer's update chunk by chunk — values from `values`, gradient from
+// `gradient` (or the layer's spill file if null), optimizer state from its committed
+// file — into a state file of the next generation. Sets the pending update's flags.
+void TieredModelMemory::State::write_update(std::int32_t l, std::span<const float> values,
+                                            const float* gradient, double learning_rate,
+                                            double scale) {
+  detail::TieredLayer& c = *layers[l];
+  detail::TieredPending& p = c.pending;
+  const detail::ManifestLayer& m = manifest.layers[l];
+  const int n_slots = slots();
+  const std::int64_t nnz = m.shape.nnz;
+  const detail::StateLayout in_layout = committed_layout(l);
+  std::optional<detail::StateReader> in;
+  if (m.has_state) in.emplace(detail::state_path(dir, l, m.generation), in_layout, io);
+  std::optional<detail::StateReader> spill;
+  detail::StateLayout spill_layout = detail::StateLayout::of(nnz, 0, 0);
+  if (gradient == nullptr) {
+    spill.emplace(spill_path(dir, l), spill_layout, io);
+  }
+  detail::StateWriter out(detail::state_path(dir, l, manifest.next_generation),
+                          detail::StateLayout::of(nnz, m.shape.bias, n_slots), io);
+  const detail::UpdateScalars scalars =
+      detail::make_update_scalars(config, learning_rate, m.updates + 1, scale);
+
+  const auto chunk = static_cast<std::size_t>(std::min(nnz, kUpdateChunk));
+  std::vector<float> grad(gradient == nullptr ? chunk : 0), new_values(chunk);
+  std::array<std::vector<float>, detail::kMaxOptimizerSlots> state, new_state;
+  std::array<std::uint32_t, detail::kMaxOptimizerSlots> crcs{};
+  std::uint32_t spill_crc = 0;
+  for (int k = 0; k < n_slots; ++k) {
+    state[k].assign(chunk, 0.0F);
+    new_state[k].resize(chunk);
+  }
+  std::atomic<bool> finite{true};
+  for (std::int64_t lo = 0; lo < nnz; lo += kUpdateChunk) {
+    const auto n = static_cast<std::size_t>(std::min(kUpdateChunk, nnz - lo));
+    detail::UpdateArrays a;
+    a.weights = values.data() + lo;
+    if (spill) {
+      spill->read(spill_layout.values, lo, {grad.data(), n}, spill_crc);
+      a.gradient = grad.data();
+    } else {
+      a.gradient = gradient + lo;
+    }
+    a.new_weights = new_values.data();
+    for (int k = 0; k < n_slots; ++k) {
+      if (in) in->read(in_layout.state[k], lo, {state[k].data(), n}, crcs[k]);
+      a.state[k] = state[k].data();
+      a.new_state[k] = new_state[k].data();
+    }
+    detail::parallel_for_ranges(0, n, kOptimizerGrain, [&](std::size_t b, std::size_t e) {
+      if (!detail::optimizer_update(scalars, a, b, e)) finite.store(false);
+    });
+    out.write(0, lo, {new_values.data(), n});
+    for (int k = 0; k < n_slots; ++k) out.write(2 + k, lo, {new_state[k].data(), n});
+  }
+  for (int k = 0; in && k < n_slots; ++k) {
+    in->check_crc(in_layout.state[k], crcs[k], k == 0 ? "STA0" : "STA1");
+  }
+  if (in) in->drop_cache();
+  if (spill) spill->check_crc(spill_layout.values, spill_crc, "VALS");
+
+  const auto bias_size = static_cast<std::size_t>(m.shape.bias);
+  p.new_bias.resize(bias_size);
+  detail::UpdateArrays b;
+  b.weights = c.bias.data();
+  b.gradient = p.bias_gradient.data();
+  b.new_weights = p.new_bias.data();
+  for (int k = 0; k < n_slots; ++k) {
+    p.new_bias_state[k].resize(bias_size);
+    b.state[k] = c.bias_state[k].data();
+    b.new_state[k] = p.new_bias_state[k].data();
+  }
+  if (!detail::optimizer_update(scalars, b, 0, bias_size)) finite.store(false);
+  out.write(1, 0, p.new_bias);
+  for (int k = 0; k < n_slots; ++k) out.write(2 + n_slots + k, 0, p.new_bias_state[k]);
+  p.finite = p.finite && finite.load();
+  if (!p.finite) return;  // `out` removes its file
+  out.finish();
+  p.computed = true;
+}
+
+}  // namespace sluice
