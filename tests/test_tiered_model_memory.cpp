@@ -1,7 +1,7 @@
 // TieredModelMemory: trains bit for bit as HostModelMemory does (every optimizer, fp32 and
-// bf16, one and two engines, with clipping, across a reopen), survives SIGKILL at any
-// moment at a committed step, refuses corrupt or missing files naming them and changes
-// nothing, and refuses a budget smaller than a layer.
+// bf16, one and two engines, with clipping, SET and RIGL mask updates, across a reopen), survives
+// SIGKILL at any moment at a committed step, refuses corrupt or missing files naming them and
+// changes nothing, and refuses a budget smaller than a layer.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "sluice/dynamic_sparsity.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/tiered_model_memory.hpp"
@@ -92,8 +93,10 @@ std::int64_t tight_budget() {
 }
 
 struct Trainer {
-  Trainer(ModelMemory& m, int engines, Precision precision) : fabric(fabric_options(engines)) {
+  Trainer(ModelMemory& m, int engines, Precision precision, DynamicSparsity dynamic = {})
+      : fabric(fabric_options(engines)) {
     ExecutorOptions eo;
+    eo.dynamic = dynamic;
     eo.precisions.assign(kSizes.size() - 1, precision);
     eo.chunk_packets = 64;
     eo.prefetch_depth = 2;
@@ -169,6 +172,70 @@ INSTANTIATE_TEST_SUITE_P(Tiered, TrainsLikeHost,
                                            Case{Precision::bf16, OptimizerKind::sgd, 1, 0},
                                            Case{Precision::fp32, OptimizerKind::adamw, 1, 0.05},
                                            Case{Precision::bf16, OptimizerKind::adam, 2, 0.05}));
+
+/// Every layer's mask (row offsets and columns) and values, decoded from its stream.
+std::vector<std::vector<std::int64_t>> masks(const ModelMemory& m) {
+  std::vector<std::vector<std::int64_t>> out;
+  for (std::int32_t l = 0; l < m.layer_count(); ++l) {
+    const CsrMatrix w = decode_stream(m.stream(l, StreamKind::mask));
+    out.push_back(w.row_offsets());
+    out.emplace_back(w.col_indices().begin(), w.col_indices().end());
+  }
+  return out;
+}
+
+class MaskUpdatesLikeHost : public TempDirTest,
+                            public ::testing::WithParamInterface<MaskUpdateRule> {};
+
+// SET and RigL change the masks every other step: the store's masks, values and carried-
+// over optimizer state (seen in the steps after) stay those of HostModelMemory, across a
+// reopen, with a budget that makes the store evict between layers.
+TEST_P(MaskUpdatesLikeHost, BitForBitAcrossUpdatesAndAReopen) {
+  DynamicSparsity d;
+  d.rule = GetParam();
+  d.update_every = 2;
+  d.drop = 0.4;
+  d.update_until = 1;
+  d.total_steps = 12;
+  d.seed = 9;
+  const Data data = make_data(8, 4);
+  HostModelMemory host;
+  build_sparse_mlp(host, kSizes, 0.6, 3);
+  host.set_optimizer(config_of(OptimizerKind::adam));
+  const auto store = dir_ / "store";
+  const auto before = masks(host);
+  {
+    TieredModelMemory tiered(store, tight_budget());
+    tiered.set_optimizer(config_of(OptimizerKind::adam));
+    build_sparse_mlp(tiered, kSizes, 0.6, 3);
+    Trainer th(host, 2, Precision::fp32, d), tt(tiered, 2, Precision::fp32, d);
+    for (int s = 0; s < 7; ++s) {
+      const StepResult a = th.step(data, s), b = tt.step(data, s);
+      EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
+      ASSERT_EQ(masks(host), masks(tiered)) << "step " << s + 1;
+      expect_bitwise_equal(snapshot(host), snapshot(tiered), "step " + std::to_string(s + 1));
+    }
+    EXPECT_EQ(tt.exec->totals().mask_updates, 3);
+    EXPECT_EQ(th.exec->totals().mask_updates, 3);
+  }
+  EXPECT_NE(masks(host), before);  // the masks did change
+  TieredModelMemory reopened(store, std::int64_t{1} << 30);
+  ASSERT_EQ(masks(host), masks(reopened));
+  expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
+  Trainer th(host, 1, Precision::fp32), tt(reopened, 1, Precision::fp32);
+  for (int s = 7; s < 9; ++s) {
+    th.step(data, s);
+    tt.step(data, s);
+    expect_bitwise_equal(snapshot(host), snapshot(reopened), "resumed step " + std::to_string(s));
+  }
+  // Only the files the manifest names are left: one pattern and one state file per layer.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(store), {}),
+            static_cast<std::ptrdiff_t>(1 + 2 * (kSizes.size() - 1)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiered, MaskUpdatesLikeHost,
+                         ::testing::Values(MaskUpdateRule::set, MaskUpdateRule::rigl),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 class TieredStore : public TempDirTest {
  protected:

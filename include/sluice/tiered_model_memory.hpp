@@ -64,6 +64,8 @@ class TieredModelMemory final : public ModelMemory {
                             std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
   void discard_step_impl() override;
+  /// The mask change commits to the store at once, as a step does.
+  void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) override;
   void set_optimizer_impl(const OptimizerConfig& config) override;
   const OptimizerConfig& optimizer_impl() const override;
   void set_non_finite_policy_impl(NonFinitePolicy policy) override;

@@ -313,13 +313,22 @@ struct LayerStreamingExecutor::Impl {
     }
   }
 
+  // Layer l's mask: the matrix itself from a ModelMemory that keeps it in RAM, else
+  // decoded from its mask stream into `copy` (a tiered store's layer is in files).
+  const CsrMatrix& layer_mask(std::int32_t l, CsrMatrix& copy) const {
+    if (dynamic_cast<const HostModelMemory*>(&memory) != nullptr) return memory.weights(l);
+    copy = decode_stream(memory.stream(l, StreamKind::mask));
+    return copy;
+  }
+
   // RigL's growth for layer l: the inactive positions with the largest |dY X^T| over
   // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp). It
   // needs the layer's X and dZ themselves: the fabric lends them (over MPI, gathers them:
   // the only activations that cross a fabric, on mask-update steps alone).
   void score_growth(std::int32_t l) {
     const auto t0 = Clock::now();
-    const CsrMatrix& w = memory.weights(l);
+    CsrMatrix copy;
+    const CsrMatrix& w = layer_mask(l, copy);
     const std::int64_t k = options.dynamic.swap_count(growth_step, w.nnz(), w.rows() * w.cols());
     fabric.with_layer_activations(
         l, [&](std::span<const ConstMatrixView> xs, std::span<const ConstMatrixView> dys) {
@@ -336,10 +345,11 @@ struct LayerStreamingExecutor::Impl {
     const auto t0 = Clock::now();
     const DynamicSparsity& d = options.dynamic;
     for (std::int32_t l = 0; l < layers(); ++l) {
-      const CsrMatrix& w = memory.weights(l);
       if (d.rule == MaskUpdateRule::rigl) {
         memory.regrow(l, grown[static_cast<std::size_t>(l)]);
       } else {
+        CsrMatrix copy;
+        const CsrMatrix& w = layer_mask(l, copy);
         const std::int64_t k = d.swap_count(step, w.nnz(), w.rows() * w.cols());
         memory.regrow(l, random_inactive_positions(w, k, mask_update_seed(d.seed, step, l)));
       }

@@ -207,13 +207,12 @@ void ModelMemory::discard_step() {
 
 void ModelMemory::regrow(std::int32_t layer, std::span<const std::int64_t> grow) {
   check_layer(layer);
-  const CsrMatrix& w = weights_impl(layer);
-  if (static_cast<std::int64_t>(grow.size()) > w.nnz()) {
+  const LayerShape w = layer_shape_impl(layer);
+  if (static_cast<std::int64_t>(grow.size()) > w.nnz) {
     throw ShapeError("regrow: " + layer_name(layer) + ": " + std::to_string(grow.size()) +
-                     " positions to grow, but only " + std::to_string(w.nnz()) +
-                     " weights to drop");
+                     " positions to grow, but only " + std::to_string(w.nnz) + " weights to drop");
   }
-  const std::int64_t cells = w.rows() * w.cols();
+  const std::int64_t cells = w.rows * w.cols;
   for (std::size_t i = 0; i < grow.size(); ++i) {
     if (grow[i] < 0 || grow[i] >= cells || (i > 0 && grow[i] <= grow[i - 1])) {
       throw ShapeError("regrow: " + layer_name(layer) + ": position " + std::to_string(grow[i]) +

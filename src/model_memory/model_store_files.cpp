@@ -18,7 +18,8 @@ constexpr char kManifestMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'M', 'F'};
 constexpr char kPatternMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'P', 'T'};
 constexpr char kStateMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'S', 'T'};
 constexpr std::uint32_t kVersion = 1;
-/// The manifest's version 2 adds the epoch count; version 1 (without it) is still read.
+/// The manifest's version 2 adds the epoch count and each layer's pattern generation;
+/// version 1 (0 epochs, the first pattern files) is still read.
 constexpr std::uint32_t kManifestVersion = 2;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
@@ -80,9 +81,15 @@ std::filesystem::path manifest_path(const std::filesystem::path& dir) {
   return dir / "MANIFEST";
 }
 
-std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer) {
+std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer,
+                                   std::int64_t generation) {
   char name[64];
-  std::snprintf(name, sizeof name, "layer-%06d.pattern", layer);
+  if (generation == 0) {
+    std::snprintf(name, sizeof name, "layer-%06d.pattern", layer);
+  } else {
+    std::snprintf(name, sizeof name, "layer-%06d.g%010lld.pattern", layer,
+                  static_cast<long long>(generation));
+  }
   return dir / name;
 }
 
@@ -128,6 +135,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
         s.fields.put(x);
       }
       s.fields.put(static_cast<std::uint32_t>(l.has_state ? 1 : 0));
+      s.fields.put(l.pattern_generation);
       write_section(out, s);
     }
     Section end;
@@ -182,11 +190,13 @@ Manifest read_manifest(const std::filesystem::path& dir) {
       *x = s.get<std::int64_t>("layer fields");
     }
     l.has_state = s.get<std::uint32_t>("state flag") != 0;
+    l.pattern_generation = version >= 2 ? s.get<std::int64_t>("pattern generation") : 0;
     s.finish();
     const LayerShape& sh = l.shape;
     if (sh.rows < 0 || sh.cols < 0 || sh.nnz < 0 || sh.nnz > sh.rows * sh.cols ||
         (sh.bias != 0 && sh.bias != sh.rows) || l.updates < 0 || l.generation < 0 ||
-        l.generation >= m.next_generation) {
+        l.generation >= m.next_generation || l.pattern_generation < 0 ||
+        l.pattern_generation >= m.next_generation) {
       s.fail("invalid layer fields");
     }
     m.layers.push_back(l);

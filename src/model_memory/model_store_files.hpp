@@ -4,7 +4,8 @@
 //
 //   MANIFEST                     what is committed: step, epochs, seed, optimizer, every
 //                                layer's shape, update count and its state file's generation
-//   layer-LLLLLL.pattern         the mask and its transpose; written once, never changed
+//   layer-LLLLLL.pattern         the mask and its transpose as the layer was added
+//   layer-LLLLLL.gGGGGGGGG.pattern  ... after a mask change (regrow) of that generation
 //   layer-LLLLLL.gGGGGGGGG.state master values, bias, optimizer state of one generation
 //
 // A step writes every updated layer's state file of a new generation (fsync'd), then the
@@ -29,7 +30,10 @@ struct ManifestLayer {
   LayerShape shape;
   std::int64_t updates = 0;     ///< Adam's t
   std::int64_t generation = 0;  ///< of the state file that holds the layer
-  bool has_state = false;       ///< false: optimizer state all zero (none in the file)
+  /// Of the pattern file: 0 for the one written with the layer, a mask change's generation
+  /// after it (manifest v2; v1 has only the first).
+  std::int64_t pattern_generation = 0;
+  bool has_state = false;  ///< false: optimizer state all zero (none in the file)
 };
 
 struct Manifest {
@@ -43,7 +47,8 @@ struct Manifest {
 };
 
 std::filesystem::path manifest_path(const std::filesystem::path& dir);
-std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer);
+std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer,
+                                   std::int64_t generation);
 std::filesystem::path state_path(const std::filesystem::path& dir, std::int32_t layer,
                                  std::int64_t generation);
 

@@ -128,14 +128,13 @@ void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool
   if (mask || transposed) {
     auto w = mask ? std::make_shared<CsrMatrix>() : nullptr;
     auto t = transposed ? std::make_shared<TransposedPattern>() : nullptr;
-    io.read_bytes += detail::read_pattern(detail::pattern_path(dir, l), s, w.get(), t.get());
+    io.read_bytes += detail::read_pattern(pattern_file(l), s, w.get(), t.get());
     io.read_seconds = io.read_seconds + seconds_since(start);
     if (w) c.forward = std::move(w);
     if (t) c.transposed = std::move(t);
   }
   if (values) {
-    detail::StateReader in(detail::state_path(dir, l, manifest.layers[l].generation),
-                           committed_layout(l), io);
+    detail::StateReader in(state_file(l), committed_layout(l), io);
     std::uint32_t crc = 0;
     in.read(committed_layout(l).values, 0, c.forward->values(), crc);
     in.check_crc(committed_layout(l).values, crc, "VALS");
@@ -150,12 +149,12 @@ void TieredModelMemory::State::verify_layer(std::int32_t l) {
   const LayerShape& s = shape(l);
   auto w = std::make_shared<CsrMatrix>();
   auto t = std::make_shared<TransposedPattern>();
-  io.read_bytes += detail::read_pattern(detail::pattern_path(dir, l), s, w.get(), t.get());
+  io.read_bytes += detail::read_pattern(pattern_file(l), s, w.get(), t.get());
   c.column_counts.resize(static_cast<std::size_t>(s.cols));
   for (std::int64_t i = 0; i < s.cols; ++i)
     c.column_counts[i] = t->row_offsets[i + 1] - t->row_offsets[i];
   const detail::StateLayout layout = committed_layout(l);
-  detail::StateReader in(detail::state_path(dir, l, manifest.layers[l].generation), layout, io);
+  detail::StateReader in(state_file(l), layout, io);
   std::uint32_t crc = 0;
   in.read(layout.values, 0, w->values(), crc);
   in.check_crc(layout.values, crc, "VALS");
@@ -199,8 +198,8 @@ void TieredModelMemory::State::verify_layer(std::int32_t l) {
 void TieredModelMemory::State::remove_leftovers() {
   std::set<std::filesystem::path> keep{detail::manifest_path(dir)};
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(manifest.layers.size()); ++l) {
-    keep.insert(detail::pattern_path(dir, l));
-    keep.insert(detail::state_path(dir, l, manifest.layers[l].generation));
+    keep.insert(pattern_file(l));
+    keep.insert(state_file(l));
   }
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
@@ -208,4 +207,13 @@ void TieredModelMemory::State::remove_leftovers() {
     if (ours && keep.count(entry.path()) == 0) remove_quietly(entry.path());
   }
 }
+void TieredModelMemory::State::drop_transposed(std::int32_t l) {
+  std::lock_guard lock(mutex);
+  detail::TieredLayer& c = *layers[l];
+  if (c.loading || !c.transposed || c.transposed.use_count() > 1) return;
+  c.transposed.reset();
+  used -= transposed_bytes(shape(l));
+  changed.notify_all();
+}
+
 }  // namespace sluice

@@ -91,7 +91,7 @@ ModelStoreCounters TieredModelMemory::counters() const {
   std::error_code ec;
   c.store_bytes = std::filesystem::file_size(detail::manifest_path(st.dir), ec);
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(st.manifest.layers.size()); ++l) {
-    c.store_bytes += std::filesystem::file_size(detail::pattern_path(st.dir, l), ec);
+    c.store_bytes += std::filesystem::file_size(st.pattern_file(l), ec);
     c.store_bytes += std::filesystem::file_size(
         detail::state_path(st.dir, l, st.manifest.layers[l].generation), ec);
   }
@@ -111,7 +111,7 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
   detail::refuse_if_pending(st.layers, "add_layer");
   const auto l = static_cast<std::int32_t>(st.layers.size());
   auto t = std::make_shared<TransposedPattern>(transposed_pattern(weights));
-  detail::write_pattern(detail::pattern_path(st.dir, l), weights, *t);
+  detail::write_pattern(detail::pattern_path(st.dir, l, 0), weights, *t);
   const std::int64_t generation = st.manifest.next_generation;
   {
     detail::StateWriter out(detail::state_path(st.dir, l, generation),
@@ -322,6 +322,61 @@ StepReport TieredModelMemory::commit_step_impl() {
   report.step = st.manifest.step;
   finish();
   return report;
+}
+
+// A mask change commits on its own, as a step does: the new pattern and state files of a
+// new generation, then the manifest naming them.
+void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) {
+  State& st = *state_;
+  detail::TieredLayer& c = *st.layers[layer];
+  {
+    std::lock_guard lock(c.pending_mutex);
+    if (c.pending.submitted) {
+      throw ShapeError("regrow: " + layer_name(layer) +
+                       " has a gradient waiting for commit_step (change masks between steps)");
+    }
+  }
+  const LayerShape& s = st.shape(layer);
+  st.drop_transposed(layer);  // rebuilt for the new mask: its room goes to the new pieces
+  // Room for the new mask and its transpose and for where each new weight was.
+  const State::Pin pin =
+      st.acquire(layer, false, forward_bytes(s) + transposed_bytes(s) + 8 * s.nnz);
+  const auto drop = detail::smallest_magnitudes(*pin.w, static_cast<std::int64_t>(grow.size()));
+  detail::MaskChange change = detail::prune_and_regrow(*pin.w, drop, grow);
+  const std::int64_t generation = st.manifest.next_generation;
+  const std::filesystem::path pattern = detail::pattern_path(st.dir, layer, generation);
+  detail::Manifest next = st.manifest;
+  try {
+    detail::write_pattern(pattern, change.weights, transposed_pattern(change.weights));
+    st.write_mask_change(layer, change, generation);
+    detail::fsync_directory(st.dir, "model store");
+    detail::ManifestLayer& m = next.layers[layer];
+    m.generation = generation;
+    m.pattern_generation = generation;
+    next.next_generation = generation + 1;
+    next.seed = seed;
+    next.epochs = epochs;
+    detail::write_manifest(st.dir, next);
+  } catch (...) {
+    remove_quietly(pattern);
+    remove_quietly(detail::state_path(st.dir, layer, generation));
+    throw;
+  }
+  const std::filesystem::path old_pattern = st.pattern_file(layer);
+  const std::filesystem::path old_state = st.state_file(layer);
+  std::vector<std::int64_t> column_counts = change.weights.column_counts();
+  {
+    std::lock_guard lock(st.mutex);
+    st.manifest = std::move(next);
+    c.forward = std::make_shared<CsrMatrix>(std::move(change.weights));  // the same bytes
+    c.values_generation = generation;
+  }
+  // In place: placements handed out before stay valid and see the new mask.
+  std::lock_guard lock(c.placement_mutex);
+  c.column_counts = std::move(column_counts);
+  for (auto& [lanes, p] : c.placements) p = round_robin_placement(c.column_counts, lanes);
+  remove_quietly(old_pattern);
+  remove_quietly(old_state);
 }
 
 void TieredModelMemory::commit_counters() {

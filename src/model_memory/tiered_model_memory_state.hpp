@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "model_memory/mask_update.hpp"
 #include "model_memory/model_store_files.hpp"
 #include "model_memory/optimizer_kernels.hpp"
 #include "sluice/tiered_model_memory.hpp"
@@ -103,6 +104,12 @@ struct TieredModelMemory::State {
 
   const LayerShape& shape(std::int32_t l) const { return manifest.layers[l].shape; }
   int slots() const { return detail::optimizer_slot_count(config.kind); }
+  std::filesystem::path pattern_file(std::int32_t l) const {
+    return detail::pattern_path(dir, l, manifest.layers[l].pattern_generation);
+  }
+  std::filesystem::path state_file(std::int32_t l) const {
+    return detail::state_path(dir, l, manifest.layers[l].generation);
+  }
   detail::StateLayout committed_layout(std::int32_t l) const {
     const detail::ManifestLayer& m = manifest.layers[l];
     return detail::StateLayout::of(m.shape.nnz, m.shape.bias, m.has_state ? slots() : 0);
@@ -140,6 +147,12 @@ struct TieredModelMemory::State {
   void load(std::int32_t l, bool mask, bool values, bool transposed);
   void write_update(std::int32_t l, std::span<const float> values, const float* gradient,
                     double learning_rate, double scale);
+  /// Writes the state file of `generation` for the layer's new mask: its new values, its
+  /// bias, and its committed optimizer state carried over (zero where grown).
+  void write_mask_change(std::int32_t l, const detail::MaskChange& change,
+                         std::int64_t generation);
+  /// Drops the layer's cached transposed pattern unless a stream holds it.
+  void drop_transposed(std::int32_t l);
   void verify_layer(std::int32_t l);
   void remove_leftovers();
 };

@@ -97,4 +97,44 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
   p.computed = true;
 }
 
+// The carried-over state is read in order: a kept weight's old index grows with its new
+// one, so each slot's old section streams through one chunk buffer, its CRC checked.
+void TieredModelMemory::State::write_mask_change(std::int32_t l, const detail::MaskChange& change,
+                                                 std::int64_t generation) {
+  const detail::TieredLayer& c = *layers[l];
+  const detail::StateLayout layout = committed_layout(l);
+  const std::int64_t nnz = layout.nnz;
+  detail::StateWriter out(detail::state_path(dir, l, generation), layout, io);
+  out.write(0, 0, change.weights.values());
+  out.write(1, 0, c.bias);
+  if (layout.slots > 0) {
+    detail::StateReader in(state_file(l), layout, io);
+    const auto chunk = static_cast<std::size_t>(std::min(nnz, kUpdateChunk));
+    std::vector<float> old(chunk), fresh(chunk);
+    for (int k = 0; k < layout.slots; ++k) {
+      std::uint32_t crc = 0;
+      std::int64_t old_lo = 0, old_n = 0;  // the old elements in `old`
+      auto read_next = [&] {
+        old_lo += old_n;
+        old_n = std::min<std::int64_t>(kUpdateChunk, nnz - old_lo);
+        in.read(layout.state[k], old_lo, {old.data(), static_cast<std::size_t>(old_n)}, crc);
+      };
+      for (std::int64_t lo = 0; lo < nnz; lo += kUpdateChunk) {
+        const std::int64_t n = std::min(kUpdateChunk, nnz - lo);
+        for (std::int64_t j = 0; j < n; ++j) {
+          const std::int64_t from = change.source[static_cast<std::size_t>(lo + j)];
+          while (from >= old_lo + old_n) read_next();
+          fresh[j] = from < 0 ? 0.0F : old[from - old_lo];
+        }
+        out.write(2 + k, lo, {fresh.data(), static_cast<std::size_t>(n)});
+      }
+      while (old_lo + old_n < nnz) read_next();
+      in.check_crc(layout.state[k], crc, k == 0 ? "STA0" : "STA1");
+      out.write(2 + layout.slots + k, 0, c.bias_state[k]);
+    }
+    in.drop_cache();
+  }
+  out.finish();
+}
+
 }  // namespace sluice
