@@ -1,0 +1,217 @@
+// bench_model_store: a TieredModelMemory against its file system, in one run.
+//
+//   bench_model_store DIR [sizes] [sparsity] [budget_bytes] [steps] [batch] [rounds]
+//
+// Measures the raw sequential read and write rate of DIR's file system (a scratch file
+// written with 8 MiB pwrites and fsync'd, then read with 8 MiB preads after dropping its
+// pages, as the store reads; and read again through io_uring with 4 reads of 8 MiB in
+// flight, where liburing is found, to see whether it would pay), then trains a model in
+// DIR/store (created on the first run, resumed after) for `steps` steps per round,
+// alternating with the raw reads, and prints per round: step time, the engines' compute
+// time, the store's read rate and its disk time at the raw rates; at the end the process's
+// peak RSS. JSON on stdout, progress on stderr. Deletes the scratch file.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#ifdef SLUICE_HAVE_LIBURING
+#include <liburing.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "sluice/executor.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/tiered_model_memory.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t kBlock = std::size_t{8} << 20;
+
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+struct Raw {
+  double read_bytes_per_s = 0, write_bytes_per_s = 0;
+  double uring_read_bytes_per_s = 0;  ///< 0 without liburing
+};
+
+int open_uncached(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot open " + path.string());
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  return fd;
+}
+
+#ifdef SLUICE_HAVE_LIBURING
+// The same file read in 8 MiB blocks with `depth` reads in flight through io_uring.
+double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsigned depth) {
+  io_uring ring;
+  if (io_uring_queue_init(depth, &ring, 0) != 0) return 0;  // no io_uring in this kernel
+  std::vector<std::vector<char>> blocks(depth, std::vector<char>(kBlock));
+  const int fd = open_uncached(path);
+  const auto t0 = Clock::now();
+  std::uint64_t next = 0, done = 0;
+  std::vector<unsigned> free_blocks;
+  for (unsigned i = 0; i < depth; ++i) free_blocks.push_back(i);
+  while (done < bytes) {
+    while (!free_blocks.empty() && next < bytes) {
+      const unsigned b = free_blocks.back();
+      free_blocks.pop_back();
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+      io_uring_prep_read(sqe, fd, blocks[b].data(), kBlock, next);
+      io_uring_sqe_set_data64(sqe, b);
+      next += kBlock;
+    }
+    io_uring_submit(&ring);
+    io_uring_cqe* cqe = nullptr;
+    if (io_uring_wait_cqe(&ring, &cqe) != 0 || cqe->res != static_cast<int>(kBlock)) {
+      throw std::runtime_error("io_uring read failed");
+    }
+    free_blocks.push_back(static_cast<unsigned>(io_uring_cqe_get_data64(cqe)));
+    io_uring_cqe_seen(&ring, cqe);
+    done += kBlock;
+  }
+  const double rate = static_cast<double>(bytes) / since(t0);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  io_uring_queue_exit(&ring);
+  return rate;
+}
+#endif
+
+// Writes `bytes` to a scratch file and reads it back with its pages dropped first.
+Raw raw_sequential(const std::filesystem::path& path, std::uint64_t bytes, bool uring_first) {
+  std::vector<char> block(kBlock, 7);
+  Raw r;
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot create " + path.string());
+  auto t0 = Clock::now();
+  for (std::uint64_t at = 0; at < bytes; at += kBlock) {
+    if (::pwrite(fd, block.data(), kBlock, static_cast<off_t>(at)) != static_cast<ssize_t>(kBlock))
+      throw std::runtime_error("write failed");
+  }
+  ::fsync(fd);
+  r.write_bytes_per_s = static_cast<double>(bytes) / since(t0);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+#ifdef SLUICE_HAVE_LIBURING
+  // Alternated by round: each reader goes first as often as the other.
+  if (uring_first) r.uring_read_bytes_per_s = uring_read(path, bytes, 4);
+#endif
+  fd = open_uncached(path);
+  t0 = Clock::now();
+  for (std::uint64_t at = 0; at < bytes; at += kBlock) {
+    if (::pread(fd, block.data(), kBlock, static_cast<off_t>(at)) != static_cast<ssize_t>(kBlock))
+      throw std::runtime_error("read failed");
+  }
+  r.read_bytes_per_s = static_cast<double>(bytes) / since(t0);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+#ifdef SLUICE_HAVE_LIBURING
+  if (!uring_first) r.uring_read_bytes_per_s = uring_read(path, bytes, 4);
+#endif
+  return r;
+}
+
+std::vector<std::int64_t> parse_sizes(const std::string& text) {
+  std::vector<std::int64_t> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    const std::size_t comma = text.find(',', pos);
+    out.push_back(std::stoll(text.substr(pos, comma - pos)));
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace sluice;
+  if (argc < 2) {
+    std::fprintf(stderr,
+                 "usage: bench_model_store DIR [sizes] [sparsity] [budget] [steps] [batch] "
+                 "[rounds]\n");
+    return 2;
+  }
+  const std::filesystem::path dir = argv[1];
+  const std::vector<std::int64_t> sizes = parse_sizes(argc > 2 ? argv[2] : "256,2048,2048,2048,10");
+  const double sparsity = argc > 3 ? std::stod(argv[3]) : 0.75;
+  const std::int64_t budget = argc > 4 ? std::stoll(argv[4]) : std::int64_t{1} << 30;
+  const int steps = argc > 5 ? std::stoi(argv[5]) : 3;
+  const std::int64_t batch = argc > 6 ? std::stoll(argv[6]) : 64;
+  const int rounds = argc > 7 ? std::stoi(argv[7]) : 2;
+  std::filesystem::create_directories(dir);
+
+  TieredModelMemory memory(dir / "store", budget);
+  if (memory.layer_count() == 0) {
+    const auto t0 = Clock::now();
+    build_sparse_mlp(memory, sizes, sparsity, 1);
+    std::fprintf(stderr, "built the store in %.1f s\n", since(t0));
+  }
+  const ModelStoreCounters built = memory.counters();
+  LocalFabric fabric;
+  LayerStreamingExecutor exec(memory, fabric);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  DenseMatrix x(sizes.front(), batch);
+  std::vector<int> labels;
+  for (std::int64_t t = 0; t < batch; ++t) {
+    for (std::int64_t i = 0; i < x.rows(); ++i) x(i, t) = normal(rng);
+    labels.push_back(static_cast<int>(rng() % static_cast<std::uint64_t>(sizes.back())));
+  }
+  const std::uint64_t raw_bytes =
+      std::min<std::uint64_t>(built.store_bytes, std::uint64_t{4} << 30);
+  double threads = fabric.engine(0).threads();
+  std::printf("{\n  \"store_bytes\": %llu,\n  \"budget_bytes\": %lld,\n  \"rounds\": [\n",
+              static_cast<unsigned long long>(built.store_bytes), static_cast<long long>(budget));
+  for (int r = 0; r < rounds; ++r) {
+    const Raw raw = raw_sequential(dir / "raw-read-scratch",
+                                   std::max<std::uint64_t>(raw_bytes, kBlock), r % 2 == 1);
+    std::filesystem::remove(dir / "raw-read-scratch");
+    const ModelStoreCounters before = memory.counters();
+    const StepMetrics m0 = exec.totals();
+    const auto t0 = Clock::now();
+    for (int s = 0; s < steps; ++s) exec.train_step({x.view(), labels, {}});
+    const double wall = since(t0) / steps;
+    const ModelStoreCounters after = memory.counters();
+    const StepMetrics m1 = exec.totals();
+    const double compute = (m1.engine_busy_seconds - m0.engine_busy_seconds) / threads / steps;
+    const double read_bytes = static_cast<double>(after.read_bytes - before.read_bytes) / steps;
+    const double write_bytes = static_cast<double>(after.write_bytes - before.write_bytes) / steps;
+    const double read_seconds = (after.read_seconds - before.read_seconds) / steps;
+    const double disk = read_bytes / raw.read_bytes_per_s + write_bytes / raw.write_bytes_per_s;
+    std::printf(
+        "    {\"raw_read_bytes_per_s\": %.4g, \"raw_uring_read_bytes_per_s\": %.4g, "
+        "\"raw_write_bytes_per_s\": %.4g, "
+        "\"store_read_bytes_per_s\": %.4g, \"store_read_fraction_of_raw\": %.3f, "
+        "\"step_seconds\": %.3f, \"compute_seconds\": %.3f, \"disk_seconds_at_raw\": %.3f, "
+        "\"step_over_max\": %.3f, \"read_bytes_per_step\": %.4g, \"write_bytes_per_step\": "
+        "%.4g, \"wait_seconds_per_step\": %.3f, \"read_seconds_per_step\": %.3f, "
+        "\"write_seconds_per_step\": %.3f, \"optimizer_seconds_per_step\": %.3f}%s\n",
+        raw.read_bytes_per_s, raw.uring_read_bytes_per_s, raw.write_bytes_per_s,
+        read_bytes / read_seconds, read_bytes / read_seconds / raw.read_bytes_per_s, wall, compute,
+        disk, wall / std::max(compute, disk), read_bytes, write_bytes,
+        (after.wait_seconds - before.wait_seconds) / steps, read_seconds,
+        (after.write_seconds - before.write_seconds) / steps,
+        (m1.optimizer_seconds - m0.optimizer_seconds) / steps, r + 1 < rounds ? "," : "");
+    std::fflush(stdout);
+  }
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  std::printf("  ],\n  \"peak_rss_bytes\": %lld\n}\n",
+              static_cast<long long>(usage.ru_maxrss) * 1024);
+  return 0;
+}
