@@ -275,7 +275,7 @@ TEST_F(Cli, PredictHeadlinesOneEngineOfTheLargestModel) {
   ASSERT_EQ(o.exit_code, 0) << o.output;
   for (const char* key : {"\"tokens_per_engine\"", "\"activation_bytes\"", "\"token_capacity\"",
                           "\"saturation_acceleration_cluster\"",
-                          "\"activation_bytes_per_token_layer_per_d_model\": 34"}) {
+                          "\"activation_bytes_per_token_layer_per_d_model\": 2"}) {
     EXPECT_NE(o.output.find(key), std::string::npos) << key;
   }
   const auto number_after = [&](std::size_t from, const std::string& key) {
@@ -286,9 +286,14 @@ TEST_F(Cli, PredictHeadlinesOneEngineOfTheLargestModel) {
   ASSERT_NE(largest, std::string::npos);
   EXPECT_EQ(number_after(largest, "engines"), 1);
   EXPECT_DOUBLE_EQ(number_after(largest, "saturation"), number_after(0, "saturation_acceleration"));
-  // Leaner activations let an engine hold more tokens.
-  const Outcome lean = run("predict --json --activation-bytes 2");
-  ASSERT_EQ(lean.exit_code, 0);
+  // Korthikanti's activations (attention scores alone recomputed) leave fewer tokens.
+  const Outcome fat = run("predict --json --activation-bytes 34");
+  ASSERT_EQ(fat.exit_code, 0);
+  const auto tokens_of = [&](const std::string& out) {
+    const auto at = out.find("\"tokens_per_engine\": ", out.find("\"d_model\": 12288"));
+    return std::stod(out.substr(at + 21));
+  };
+  EXPECT_LT(tokens_of(fat.output), tokens_of(o.output));
   EXPECT_EQ(run("predict --activation-bytes 0").exit_code, 2);
   EXPECT_EQ(run("predict --activation-bytes x").exit_code, 2);
 }

@@ -413,14 +413,22 @@ TEST(Wafer, MemoryCapsTheTokensAnEngineHolds) {
       EXPECT_NEAR(static_cast<double>(c.tokens_per_engine),
                   std::min(share, static_cast<double>(c.token_capacity)), 1.0)
           << shape.name << " " << engines;
-      EXPECT_DOUBLE_EQ(c.activation_bytes_per_token_layer, 34.0 * shape.d_model);
+      EXPECT_DOUBLE_EQ(c.activation_bytes_per_token_layer,
+                       ActivationMemory{}.bytes_per_token_layer_per_d_model * shape.d_model);
     }
   }
   // GPT-3 on one engine: the critical batch (~2e7 tokens) is far beyond 40 GB.
   const auto gpt3 = wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9});
   EXPECT_LT(gpt3.tokens_per_engine, gpt3.batch_tokens / 100);
+  // The default assumes what lets GPT-3 train on one engine at all: a 2048-token sequence
+  // fits. Korthikanti's 34 bytes would not hold one.
+  EXPECT_GE(gpt3.tokens_per_engine, 2048);
+  ActivationMemory korthikanti;
+  korthikanti.bytes_per_token_layer_per_d_model = 34;
+  EXPECT_LT(wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9}, {}, korthikanti).tokens_per_engine,
+            2048);
   ActivationMemory lean;
-  lean.bytes_per_token_layer_per_d_model = 34.0 / 8;
+  lean.bytes_per_token_layer_per_d_model = ActivationMemory{}.bytes_per_token_layer_per_d_model / 8;
   const auto leaner = wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9}, {}, lean);
   EXPECT_NEAR(static_cast<double>(leaner.tokens_per_engine), 8.0 * gpt3.tokens_per_engine, 8);
   EXPECT_GT(leaner.saturation, gpt3.saturation);
@@ -458,7 +466,12 @@ TEST(Wafer, ClusterScalingIsLinearLongerForBiggerModels) {
   double previous_final_speedup = 0;
   for (const TransformerShape& shape :
        {TransformerShape{"1.3B", 24, 2048}, TransformerShape{"13B", 40, 5120}, gpt3_175b()}) {
-    const auto points = predict_cluster_scaling(s, shape, 0.9, engines);
+    // Korthikanti's activations, so that one engine holds a small share of each model's
+    // batch (with the leaner default the 1.3B model's engine holds so much of it that a
+    // second engine gains less).
+    ActivationMemory held;
+    held.bytes_per_token_layer_per_d_model = 34;
+    const auto points = predict_cluster_scaling(s, shape, 0.9, engines, {}, held);
     ASSERT_EQ(points.size(), engines.size());
     EXPECT_DOUBLE_EQ(points[0].speedup, 1.0);
     EXPECT_GT(points[1].speedup, 1.9);  // two engines: nearly twice as fast

@@ -131,8 +131,9 @@ void print_text(const Prediction& p, const PredictOptions& options) {
       << "Kaplan's critical batch / engines tokens, at most what its "
       << general(s.memory_bytes.value / 1e9, 0) << " GB hold: activations of "
       << general(p.activations.bytes_per_token_layer_per_d_model, 0)
-      << " bytes per token, layer and d_model\n(--activation-bytes; Korthikanti et al. 2022, "
-         "16-bit, nothing recomputed: 34; only layer inputs kept: 2). Columns: sparsity.\n";
+      << " bytes per token, layer and d_model\n(--activation-bytes; 2: each layer's 16-bit input "
+         "kept, the rest recomputed; 34: Korthikanti et al. 2022, only attention scores "
+         "recomputed). Columns: sparsity.\n";
   out << "d_model engines  tokens/eng  act_GB  geometry  ";
   for (const double sp : standard_sparsities()) {
     char header[32];
@@ -374,8 +375,10 @@ Command add_predict_command(CLI::App& app) {
                   "Weight sparsity of the scaling prediction")
       ->capture_default_str();
   sub->add_option("--activation-bytes", options->activations.bytes_per_token_layer_per_d_model,
-                  "Activation bytes an engine holds per token, layer and d_model (34: 16-bit, "
-                  "nothing recomputed; 2: only each layer's input kept)")
+                  "Activation bytes an engine holds per token, layer and d_model (2: each "
+                  "layer's 16-bit input kept, the rest recomputed in backward, which GPT-3 needs "
+                  "to hold one sequence in 40 GB; 34: Korthikanti et al. 2022, only the "
+                  "attention scores recomputed)")
       ->check(CLI::Range(0.001, 1e6))
       ->capture_default_str();
   sub->add_flag("--json", options->json, "Print JSON instead of tables");

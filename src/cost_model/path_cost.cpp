@@ -13,10 +13,13 @@ std::size_t index_of(Precision precision) {
 
 PathCosts PathCosts::for_this_cpu() {
   PathCosts c;
-  c.sparse_per_nnz_token = {7.1e-11, 3.7e-11};
-  c.dense_per_mac = {1.4e-11, 2.6e-12};
-  c.densify_per_slot = {3.3e-9, 1.1e-9};
-  c.densify_per_packet = {4.6e-9, 2.0e-9};
+  // Fitted (as `sluice sweep --path both` fits them) to the fused dense path and the
+  // streamed product timed in one process on the AMX Xeon, 4096 x 4096 x 256, one thread
+  // (docs/performance_notes.md, "The fused dense path").
+  c.sparse_per_nnz_token = {8.0e-11, 4.6e-11};
+  c.dense_per_mac = {3.4e-11, 5.45e-12};
+  c.densify_per_slot = {1.96e-9, 3.0e-10};
+  c.densify_per_packet = {0.0, 1.4e-9};
   if (!detail::DenseMatmul::bf16_native()) {
     c.dense_per_mac[1] = c.dense_per_mac[0];
     c.densify_per_slot[1] = c.densify_per_slot[0];
