@@ -276,6 +276,7 @@ TEST_P(EngineByIsa, ChosenGeometryMatchesReference) {
     EngineOptions options;
     options.isa = GetParam();
     options.threads = 2;
+    options.path = ProductPath::sparse;  // the streamed geometry (the dense path has its own)
     CpuEngine engine(options);
     // (Just over the work for two threads: the test runs under ThreadSanitizer too.)
     check_engine(engine, {96, 200, 130, 0.5}, 1, 40, 61, precision);
