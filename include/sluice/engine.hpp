@@ -29,30 +29,13 @@
 #include "sluice/activation_store.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dense.hpp"
+#include "sluice/geometry.hpp"
 #include "sluice/isa.hpp"
 #include "sluice/planner.hpp"
+#include "sluice/product_path.hpp"
 #include "sluice/stream.hpp"
 
 namespace sluice {
-
-struct Geometry {
-  std::int32_t lanes = 0;        ///< P; 0 = choose
-  std::int32_t blocks = 0;       ///< Q; 0 = choose
-  std::int32_t tile_tokens = 0;  ///< tokens per pass over the stream; 0 = choose
-  /// S; 0 = choose (more than 1 only where the blocks alone leave threads idle, and only
-  /// when the blocks are chosen too: a fixed Q keeps S = 1 unless S is fixed as well).
-  std::int32_t shares = 0;
-  std::string to_string() const;  // "PxQ/tile", or "PxQxS/tile" when S > 1
-};
-
-/// How the engine multiplies a layer: streamed sparse (every packet one AXPY), or dense
-/// (the arriving packets scattered into dense tiles multiplied by oneDNN's matmul, AMX in
-/// bf16 where the CPU has it; docs/dense_path.md). `automatic` asks the cost model
-/// (PathCosts, sluice/path_cost.hpp) per layer. The stream is sparse either way.
-enum class ProductPath { automatic, sparse, dense };
-const char* to_string(ProductPath path);  ///< "auto", "sparse", "dense"
-/// "auto", "sparse" or "dense"; ShapeError otherwise.
-ProductPath parse_product_path(const std::string& name);
 
 struct EngineOptions {
   Geometry geometry;         ///< fixed geometry, or zeros to choose per layer

@@ -31,7 +31,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "sluice/engine.hpp"  // Geometry
+#include "sluice/geometry.hpp"
 
 namespace sluice {
 

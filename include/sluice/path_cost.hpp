@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "sluice/bf16.hpp"
-#include "sluice/engine.hpp"  // ProductPath
+#include "sluice/product_path.hpp"
 
 namespace sluice {
 
