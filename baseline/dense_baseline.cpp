@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/enum_names.hpp"
 #include "engine/dense_matmul.hpp"
 #include "sluice/error.hpp"
 
@@ -37,16 +38,13 @@ void set_dense_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);
 }
 
+constexpr detail::EnumName<DenseKind> kDenseKindNames[] = {
+    {DenseKind::sgemm_f32, "onednn_sgemm_f32"},
+    {DenseKind::matmul_f32, "onednn_matmul_f32"},
+    {DenseKind::matmul_bf16, "onednn_matmul_bf16"}};
+
 const char* to_string(DenseKind kind) {
-  switch (kind) {
-    case DenseKind::sgemm_f32:
-      return "onednn_sgemm_f32";
-    case DenseKind::matmul_f32:
-      return "onednn_matmul_f32";
-    case DenseKind::matmul_bf16:
-      return "onednn_matmul_bf16";
-  }
-  return "?";
+  return detail::name_of(kDenseKindNames, kind);
 }
 
 std::vector<DenseKind> dense_kinds() {

@@ -1,23 +1,19 @@
 #include "sluice/bf16.hpp"
 
+#include "core/enum_names.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
 
+constexpr detail::EnumName<Precision> kPrecisionNames[] = {{Precision::fp32, "fp32"},
+                                                           {Precision::bf16, "bf16"}};
+
 const char* to_string(Precision precision) {
-  switch (precision) {
-    case Precision::fp32:
-      return "fp32";
-    case Precision::bf16:
-      return "bf16";
-  }
-  return "unknown";
+  return detail::name_of(kPrecisionNames, precision);
 }
 
 Precision parse_precision(const std::string& name) {
-  if (name == "fp32") return Precision::fp32;
-  if (name == "bf16") return Precision::bf16;
-  throw ShapeError("unknown precision '" + name + "' (expected fp32 or bf16)");
+  return detail::parse_name(kPrecisionNames, name, "precision");
 }
 
 }  // namespace sluice

@@ -2,27 +2,20 @@
 
 #include <cstdlib>
 
+#include "core/enum_names.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
 
+constexpr detail::EnumName<Isa> kIsaNames[] = {
+    {Isa::scalar, "scalar"}, {Isa::avx2, "avx2"}, {Isa::avx512, "avx512"}};
+
 const char* to_string(Isa isa) {
-  switch (isa) {
-    case Isa::scalar:
-      return "scalar";
-    case Isa::avx2:
-      return "avx2";
-    case Isa::avx512:
-      return "avx512";
-  }
-  return "unknown";
+  return detail::name_of(kIsaNames, isa);
 }
 
 Isa parse_isa(const std::string& name) {
-  if (name == "scalar") return Isa::scalar;
-  if (name == "avx2") return Isa::avx2;
-  if (name == "avx512") return Isa::avx512;
-  throw ShapeError("unknown ISA '" + name + "' (expected scalar, avx2 or avx512)");
+  return detail::parse_name(kIsaNames, name, "ISA");
 }
 
 bool cpu_supports(Isa isa) {

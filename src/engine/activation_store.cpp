@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/enum_names.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -22,16 +23,11 @@ std::int64_t widest(const PassSpec& spec) {
 
 }  // namespace
 
+constexpr detail::EnumName<Activation> kActivationNames[] = {
+    {Activation::none, "none"}, {Activation::relu, "relu"}, {Activation::gelu, "gelu"}};
+
 const char* to_string(Activation activation) {
-  switch (activation) {
-    case Activation::none:
-      return "none";
-    case Activation::relu:
-      return "relu";
-    case Activation::gelu:
-      return "gelu";
-  }
-  return "?";
+  return detail::name_of(kActivationNames, activation);
 }
 
 LossSums& LossSums::operator+=(const LossSums& o) {

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/enum_names.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -174,23 +175,16 @@ void Engine::backward_data(StreamSource& weights, const Placement& placement, Co
 
 namespace sluice {
 
+constexpr detail::EnumName<ProductPath> kProductPathNames[] = {{ProductPath::automatic, "auto"},
+                                                               {ProductPath::sparse, "sparse"},
+                                                               {ProductPath::dense, "dense"}};
+
 const char* to_string(ProductPath path) {
-  switch (path) {
-    case ProductPath::automatic:
-      return "auto";
-    case ProductPath::sparse:
-      return "sparse";
-    case ProductPath::dense:
-      return "dense";
-  }
-  return "unknown";
+  return detail::name_of(kProductPathNames, path);
 }
 
 ProductPath parse_product_path(const std::string& name) {
-  if (name == "auto") return ProductPath::automatic;
-  if (name == "sparse") return ProductPath::sparse;
-  if (name == "dense") return ProductPath::dense;
-  throw ShapeError("unknown path '" + name + "' (expected auto, sparse or dense)");
+  return detail::parse_name(kProductPathNames, name, "path");
 }
 
 }  // namespace sluice

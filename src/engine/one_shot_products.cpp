@@ -25,13 +25,23 @@ Placement placement_for(const CsrMatrix& w, const Engine& engine, std::int64_t t
   return round_robin_placement(w, g.lanes);
 }
 
+/// Runs product(engine, stream, placement) on the shared engine, `w` encoded as a stream of
+/// `kind` and placed for `tokens`.
+template <typename Product>
+auto on_shared_engine(const CsrMatrix& w, StreamKind kind, std::int64_t tokens, Product&& product) {
+  std::unique_lock<std::mutex> lock;
+  CpuEngine& engine = shared_engine(lock);
+  const WeightStream stream = encode_stream(w, kind);
+  return product(engine, stream, placement_for(w, engine, tokens));
+}
+
 }  // namespace
 
 void spmm(const CsrMatrix& w, ConstMatrixView x, MutableMatrixView y) {
-  std::unique_lock<std::mutex> lock;
-  CpuEngine& engine = shared_engine(lock);
-  const WeightStream stream = encode_stream(w);
-  engine.forward(stream, placement_for(w, engine, x.cols), x, y);
+  on_shared_engine(w, StreamKind::weights, x.cols,
+                   [&](CpuEngine& engine, const WeightStream& stream, const Placement& placement) {
+                     engine.forward(stream, placement, x, y);
+                   });
 }
 
 DenseMatrix spmm(const CsrMatrix& w, ConstMatrixView x) {
@@ -41,10 +51,10 @@ DenseMatrix spmm(const CsrMatrix& w, ConstMatrixView x) {
 }
 
 void spmm_t(const CsrMatrix& w, ConstMatrixView dy, MutableMatrixView dx) {
-  std::unique_lock<std::mutex> lock;
-  CpuEngine& engine = shared_engine(lock);
-  const WeightStream stream = encode_stream(w);
-  engine.backward_data(stream, placement_for(w, engine, dy.cols), dy, dx);
+  on_shared_engine(w, StreamKind::weights, dy.cols,
+                   [&](CpuEngine& engine, const WeightStream& stream, const Placement& placement) {
+                     engine.backward_data(stream, placement, dy, dx);
+                   });
 }
 
 DenseMatrix spmm_t(const CsrMatrix& w, ConstMatrixView dy) {
@@ -54,11 +64,11 @@ DenseMatrix spmm_t(const CsrMatrix& w, ConstMatrixView dy) {
 }
 
 std::vector<float> sddmm(const CsrMatrix& mask, ConstMatrixView dy, ConstMatrixView x) {
-  std::unique_lock<std::mutex> lock;
-  CpuEngine& engine = shared_engine(lock);
-  const WeightStream stream = encode_stream(mask, StreamKind::mask);
-  const WeightStream grad =
-      engine.backward(stream, placement_for(mask, engine, x.cols), x, dy, nullptr);
+  const WeightStream grad = on_shared_engine(
+      mask, StreamKind::mask, x.cols,
+      [&](CpuEngine& engine, const WeightStream& stream, const Placement& placement) {
+        return engine.backward(stream, placement, x, dy, nullptr);
+      });
   std::vector<float> values;
   values.reserve(mask.nnz());
   for (const ChunkPtr& chunk : grad.chunks) {

@@ -8,29 +8,22 @@
 #include <string>
 #include <unordered_set>
 
+#include "core/enum_names.hpp"
 #include "core/splitmix.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
 
+constexpr detail::EnumName<MaskUpdateRule> kMaskUpdateRuleNames[] = {
+    {MaskUpdateRule::none, "none"}, {MaskUpdateRule::set, "set"}, {MaskUpdateRule::rigl, "rigl"}};
+
 const char* to_string(MaskUpdateRule rule) {
-  switch (rule) {
-    case MaskUpdateRule::none:
-      return "none";
-    case MaskUpdateRule::set:
-      return "set";
-    case MaskUpdateRule::rigl:
-      return "rigl";
-  }
-  return "?";
+  return detail::name_of(kMaskUpdateRuleNames, rule);
 }
 
 MaskUpdateRule parse_mask_update_rule(const std::string& name) {
-  if (name == "none") return MaskUpdateRule::none;
-  if (name == "set") return MaskUpdateRule::set;
-  if (name == "rigl") return MaskUpdateRule::rigl;
-  throw ShapeError("dynamic sparsity: unknown rule '" + name + "' (none, set or rigl)");
+  return detail::parse_name(kMaskUpdateRuleNames, name, "dynamic sparsity rule");
 }
 
 void DynamicSparsity::validate() const {

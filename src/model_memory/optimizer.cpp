@@ -3,28 +3,21 @@
 #include <cmath>
 #include <string>
 
+#include "core/enum_names.hpp"
 #include "model_memory/optimizer_kernels.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
 
+constexpr detail::EnumName<OptimizerKind> kOptimizerNames[] = {
+    {OptimizerKind::sgd, "sgd"}, {OptimizerKind::adam, "adam"}, {OptimizerKind::adamw, "adamw"}};
+
 const char* to_string(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::sgd:
-      return "sgd";
-    case OptimizerKind::adam:
-      return "adam";
-    case OptimizerKind::adamw:
-      return "adamw";
-  }
-  return "unknown";
+  return detail::name_of(kOptimizerNames, kind);
 }
 
 OptimizerKind parse_optimizer(const std::string& name) {
-  if (name == "sgd") return OptimizerKind::sgd;
-  if (name == "adam") return OptimizerKind::adam;
-  if (name == "adamw") return OptimizerKind::adamw;
-  throw ShapeError("unknown optimizer '" + name + "' (expected sgd, adam or adamw)");
+  return detail::parse_name(kOptimizerNames, name, "optimizer");
 }
 
 namespace detail {

@@ -1,6 +1,8 @@
 // RigL's dense-gradient rows: the portable kernel and the choice by ISA.
 #include "engine/kernels/gradient_rows.hpp"
 
+#include "core/isa_choice.hpp"
+
 namespace sluice::detail {
 
 void gradient_row_scalar(const float* const* dy, const std::int64_t* tokens, int parts,
@@ -9,15 +11,8 @@ void gradient_row_scalar(const float* const* dy, const std::int64_t* tokens, int
 }
 
 GradientRowKernel gradient_row_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return gradient_row_avx512;
-    case Isa::avx2:
-      return gradient_row_avx2;
-    case Isa::scalar:
-      break;
-  }
-  return gradient_row_scalar;
+  return for_isa<GradientRowKernel>(isa, gradient_row_scalar, gradient_row_avx2,
+                                    gradient_row_avx512);
 }
 
 }  // namespace sluice::detail

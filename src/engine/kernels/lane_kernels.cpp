@@ -1,29 +1,15 @@
 #include "engine/kernels/lane_kernels.hpp"
 
+#include "core/isa_choice.hpp"
+
 namespace sluice::detail {
 
 const LaneKernels& lane_kernels(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return kAvx512Kernels;
-    case Isa::avx2:
-      return kAvx2Kernels;
-    case Isa::scalar:
-      break;
-  }
-  return kScalarKernels;
+  return *for_isa(isa, &kScalarKernels, &kAvx2Kernels, &kAvx512Kernels);
 }
 
 const Bf16LaneKernels& bf16_lane_kernels(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return kAvx512Bf16Kernels;
-    case Isa::avx2:
-      return kAvx2Bf16Kernels;
-    case Isa::scalar:
-      break;
-  }
-  return kScalarBf16Kernels;
+  return *for_isa(isa, &kScalarBf16Kernels, &kAvx2Bf16Kernels, &kAvx512Bf16Kernels);
 }
 
 }  // namespace sluice::detail

@@ -1,5 +1,7 @@
 #include "engine/kernels/stream_scan.hpp"
 
+#include "core/isa_choice.hpp"
+
 namespace sluice::detail {
 namespace {
 
@@ -17,14 +19,7 @@ bool scan(const PacketT* p, std::size_t n, std::uint32_t inputs, std::uint32_t o
 const StreamScan kScalarStreamScan{scan<Packet>, scan<Bf16Packet>};
 
 const StreamScan& stream_scan(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return kAvx512StreamScan;
-    case Isa::avx2:
-      return kAvx2StreamScan;
-    default:
-      return kScalarStreamScan;
-  }
+  return *for_isa(isa, &kScalarStreamScan, &kAvx2StreamScan, &kAvx512StreamScan);
 }
 
 }  // namespace sluice::detail
