@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "core/huge_pages.hpp"
-#include "sluice/stream.hpp"
+#include "sluice/chunk_memory.hpp"
 
 #if defined(__linux__)
 #define SLUICE_CHUNK_HUGE_PAGES 1

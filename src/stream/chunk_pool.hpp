@@ -5,7 +5,7 @@
 #include <mutex>
 #include <vector>
 
-#include "sluice/stream.hpp"
+#include "sluice/stream_packets.hpp"
 
 namespace sluice::detail {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "sluice/stream.hpp"
+#include "sluice/stream_packets.hpp"
 
 namespace sluice::detail {
 

@@ -1,253 +1,17 @@
-#include "sluice/stream.hpp"
+#include "sluice/stream_codec.hpp"
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <mutex>
+#include <string>
 #include <type_traits>
 
 #include "core/crc32.hpp"
-#include "engine/kernels/stream_scan.hpp"
 #include "sluice/error.hpp"
-#include "sluice/isa.hpp"
-#include "stream/stream_check.hpp"
+#include "sluice/stream_validator.hpp"
 
 namespace sluice {
-
-const char* to_string(StreamKind kind) {
-  switch (kind) {
-    case StreamKind::weights:
-      return "weights";
-    case StreamKind::mask:
-      return "mask";
-    case StreamKind::gradient:
-      return "gradient";
-  }
-  return "unknown";
-}
-
-const char* to_string(StreamOrder order) {
-  switch (order) {
-    case StreamOrder::by_output:
-      return "by_output";
-    case StreamOrder::by_input:
-      return "by_input";
-  }
-  return "unknown";
-}
-
-namespace detail {
-
-std::string describe_chunk(const StreamChunk& chunk, std::uint64_t chunk_index) {
-  return "stream chunk " + std::to_string(chunk_index) + " (outputs " +
-         std::to_string(chunk.first_output) + ".." +
-         std::to_string(std::uint64_t{chunk.first_output} + chunk.outputs) + ")";
-}
-
-namespace {
-
-/// The vectorised scan for this CPU (capped by SLUICE_ISA, so tests reach the others).
-const StreamScan& scan() {
-  static const StreamScan& chosen = stream_scan(default_isa());
-  return chosen;
-}
-bool scan_chunk(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
-                bool check_values, std::uint32_t* carriage_returns) {
-  return scan().fp32(p, n, inputs, outputs, check_values, carriage_returns);
-}
-bool scan_chunk(const Bf16Packet* p, std::size_t n, std::uint32_t inputs, std::uint32_t outputs,
-                bool check_values, std::uint32_t* carriage_returns) {
-  return scan().bf16(p, n, inputs, outputs, check_values, carriage_returns);
-}
-
-template <typename PacketT>
-ChunkFacts check_packets(const StreamHeader& header, const StreamChunk& chunk,
-                         std::span<const PacketT> packets, std::uint64_t chunk_index,
-                         std::uint32_t* carriage_returns) {
-  auto fail = [&](std::size_t k, const std::string& what) {
-    throw FormatError(describe_chunk(chunk, chunk_index) + ", packet " + std::to_string(k) + ": " +
-                      what);
-  };
-  const bool check_values = header.kind != StreamKind::mask;
-  ChunkFacts facts;
-  const PacketT* p = packets.data();
-  const std::size_t n = packets.size();
-  // Well-formed chunks (all but corrupt ones) pass the vectorised scan; only a chunk it
-  // does not accept goes packet by packet below, to say what is wrong and where.
-  if (scan_chunk(p, n, header.inputs, chunk.outputs, check_values, carriage_returns)) {
-    facts.ends_layer = n > 0 && tag_of(p[n - 1]) == kEndOfLayer;
-    facts.weights = n - chunk.outputs - (facts.ends_layer ? 1 : 0);
-    return facts;
-  }
-  std::uint64_t closed = 0;
-  std::int64_t previous = -1;  // last input index in the current output
-  for (std::size_t k = 0; k < n; ++k) {
-    const std::uint32_t tag = tag_of(p[k]);
-    if ((tag & kControlBit) == 0) {
-      if (tag >= header.inputs) {
-        fail(k, "input index " + std::to_string(tag) + " out of range (layer has " +
-                    std::to_string(header.inputs) + " inputs)");
-      }
-      if (static_cast<std::int64_t>(tag) <= previous) {
-        fail(k, "input index " + std::to_string(tag) +
-                    (tag == previous ? " repeated" : " unsorted") + " in output " +
-                    std::to_string(chunk.first_output + closed) +
-                    " (indices must increase within an output)");
-      }
-      if (check_values && !std::isfinite(value_of(p[k]))) {
-        fail(k, "non-finite value in output " + std::to_string(chunk.first_output + closed));
-      }
-      if (closed == chunk.outputs) {
-        fail(k, "weight after the chunk's last carriage return (missing carriage return?)");
-      }
-      previous = tag;
-      ++facts.weights;
-    } else if (tag == kCarriageReturn) {
-      if (closed == chunk.outputs) {
-        fail(k, "more carriage returns than the chunk's " + std::to_string(chunk.outputs) +
-                    " outputs");
-      }
-      if (carriage_returns != nullptr) carriage_returns[closed] = static_cast<std::uint32_t>(k);
-      ++closed;
-      previous = -1;
-    } else if (tag == kEndOfLayer) {
-      if (k + 1 != n) fail(k, "packets after end-of-layer");
-      if (previous != -1) fail(k, "end-of-layer before the last output's carriage return");
-      facts.ends_layer = true;
-    } else {
-      fail(
-          k, "unknown control packet 0x" + [&] {
-            char buf[16];
-            std::snprintf(buf, sizeof buf, "%08x", tag);
-            return std::string(buf);
-          }());
-    }
-  }
-  if (closed != chunk.outputs) {
-    throw FormatError(describe_chunk(chunk, chunk_index) + ": " + std::to_string(closed) +
-                      " carriage returns for " + std::to_string(chunk.outputs) +
-                      " outputs (truncated or missing carriage return)");
-  }
-  return facts;
-}
-
-}  // namespace
-
-void check_header(const StreamHeader& header) {
-  if (header.kind != StreamKind::weights && header.kind != StreamKind::mask &&
-      header.kind != StreamKind::gradient) {
-    throw FormatError("stream header: unknown kind " +
-                      std::to_string(static_cast<std::uint32_t>(header.kind)));
-  }
-  if (header.precision != Precision::fp32 && header.precision != Precision::bf16) {
-    throw FormatError("stream header: unknown precision " +
-                      std::to_string(static_cast<std::uint32_t>(header.precision)));
-  }
-  if (header.order != StreamOrder::by_output && header.order != StreamOrder::by_input) {
-    throw FormatError("stream header: unknown order " +
-                      std::to_string(static_cast<std::uint32_t>(header.order)));
-  }
-  if (header.precision == Precision::bf16 && header.kind == StreamKind::gradient) {
-    throw FormatError("stream header: gradient streams are fp32, this one says bf16");
-  }
-  if (header.precision == Precision::bf16 && header.inputs > kMaxBf16Inputs) {
-    throw FormatError("stream header: a bf16 stream addresses at most " +
-                      std::to_string(kMaxBf16Inputs) + " inputs, this one says " +
-                      std::to_string(header.inputs));
-  }
-}
-
-ChunkFacts check_chunk(const StreamHeader& header, const StreamChunk& chunk,
-                       std::uint64_t chunk_index, std::uint32_t* carriage_returns) {
-  const bool bf16 = header.precision == Precision::bf16;
-  if (bf16 ? !chunk.packets.empty() : !chunk.packets_bf16.empty()) {
-    throw FormatError(describe_chunk(chunk, chunk_index) + ": carries " + (bf16 ? "fp32" : "bf16") +
-                      " packets in a " + to_string(header.precision) + " stream");
-  }
-  if (bf16) {
-    return check_packets<Bf16Packet>(header, chunk, chunk.packets_bf16, chunk_index,
-                                     carriage_returns);
-  }
-  return check_packets<Packet>(header, chunk, chunk.packets, chunk_index, carriage_returns);
-}
-
-void check_sequence(const StreamHeader& header, const StreamChunk& chunk, std::uint64_t chunk_index,
-                    std::uint64_t outputs_closed, bool ended) {
-  if (ended) {
-    throw FormatError(describe_chunk(chunk, chunk_index) + ": data after end-of-layer");
-  }
-  if (chunk.first_output != outputs_closed) {
-    throw FormatError(describe_chunk(chunk, chunk_index) + ": expected first output " +
-                      std::to_string(outputs_closed) + " (chunk lost or out of order)");
-  }
-  if (std::uint64_t{chunk.first_output} + chunk.outputs > header.outputs) {
-    throw FormatError(describe_chunk(chunk, chunk_index) + ": layer has only " +
-                      std::to_string(header.outputs) + " outputs");
-  }
-}
-
-void check_finished(const StreamHeader& header, std::uint64_t outputs_closed, std::uint64_t weights,
-                    bool ended) {
-  if (!ended) {
-    throw FormatError("stream ended without end-of-layer after " + std::to_string(outputs_closed) +
-                      " of " + std::to_string(header.outputs) + " outputs (truncated)");
-  }
-  if (outputs_closed != header.outputs) {
-    throw FormatError("stream closed " + std::to_string(outputs_closed) + " outputs, header says " +
-                      std::to_string(header.outputs));
-  }
-  if (weights != header.nnz) {
-    throw FormatError("stream carried " + std::to_string(weights) + " weights, header says " +
-                      std::to_string(header.nnz));
-  }
-}
-
-}  // namespace detail
-
-StreamValidator::StreamValidator(const StreamHeader& header) : header_(header) {
-  detail::check_header(header);
-}
-
-void StreamValidator::check(const StreamChunk& chunk) {
-  detail::check_sequence(header_, chunk, chunks_seen_, outputs_closed_, ended_);
-  const detail::ChunkFacts facts = detail::check_chunk(header_, chunk, chunks_seen_);
-  ++chunks_seen_;
-  outputs_closed_ += chunk.outputs;
-  weights_seen_ += facts.weights;
-  ended_ = facts.ends_layer;
-  if (weights_seen_ > header_.nnz) {
-    throw FormatError("stream carries more than the header's " + std::to_string(header_.nnz) +
-                      " weights (at chunk " + std::to_string(chunks_seen_ - 1) + ")");
-  }
-}
-
-void StreamValidator::finish() const {
-  detail::check_finished(header_, outputs_closed_, weights_seen_, ended_);
-}
-
-void WeightStream::validate() const {
-  StreamValidator validator(header);
-  for (const ChunkPtr& chunk : chunks) {
-    if (!chunk) throw FormatError("stream has a missing (null) chunk");
-    validator.check(*chunk);
-  }
-  validator.finish();
-}
-
-std::uint64_t WeightStream::packet_count() const {
-  std::uint64_t n = 0;
-  for (const ChunkPtr& chunk : chunks) n += chunk->size();
-  return n;
-}
-
-std::uint64_t WeightStream::byte_size() const {
-  std::uint64_t n = 0;
-  for (const ChunkPtr& chunk : chunks) n += chunk->byte_size();
-  return n;
-}
 
 StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precision precision,
                                StreamOrder order) {
@@ -518,6 +282,16 @@ class Reader {
     pos_ += sizeof v;
     return v;
   }
+  /// A u32 field holding one of an enum's values, first ... last.
+  template <typename E>
+  E get_enum(const char* what, E first, E last) {
+    const auto v = get<std::uint32_t>(what);
+    if (v < static_cast<std::uint32_t>(first) || v > static_cast<std::uint32_t>(last)) {
+      throw FormatError(std::string("serialized stream: unknown ") + what + " " +
+                        std::to_string(v));
+    }
+    return static_cast<E>(v);
+  }
   void need(std::uint64_t n, const char* what) const {
     if (n > bytes_.size() - pos_) {
       throw FormatError("serialized stream truncated at byte " + std::to_string(pos_) +
@@ -578,25 +352,13 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
                       std::to_string(kVersion));
   }
   WeightStream stream;
-  const auto kind = in.get<std::uint32_t>("kind");
-  if (kind < 1 || kind > 3)
-    throw FormatError("serialized stream: unknown kind " + std::to_string(kind));
-  stream.header.kind = static_cast<StreamKind>(kind);
+  stream.header.kind = in.get_enum<StreamKind>("kind", StreamKind::weights, StreamKind::gradient);
   if (version >= 2) {
-    const auto precision = in.get<std::uint32_t>("precision");
-    if (precision != static_cast<std::uint32_t>(Precision::fp32) &&
-        precision != static_cast<std::uint32_t>(Precision::bf16)) {
-      throw FormatError("serialized stream: unknown precision " + std::to_string(precision));
-    }
-    stream.header.precision = static_cast<Precision>(precision);
+    stream.header.precision = in.get_enum<Precision>("precision", Precision::fp32, Precision::bf16);
   }
   if (version >= 3) {
-    const auto order = in.get<std::uint32_t>("order");
-    if (order != static_cast<std::uint32_t>(StreamOrder::by_output) &&
-        order != static_cast<std::uint32_t>(StreamOrder::by_input)) {
-      throw FormatError("serialized stream: unknown order " + std::to_string(order));
-    }
-    stream.header.order = static_cast<StreamOrder>(order);
+    stream.header.order =
+        in.get_enum<StreamOrder>("order", StreamOrder::by_output, StreamOrder::by_input);
   }
   const bool bf16 = stream.header.precision == Precision::bf16;
   const std::size_t packet_bytes = bf16 ? sizeof(Bf16Packet) : sizeof(Packet);
@@ -649,55 +411,6 @@ WeightStream deserialize_stream(std::span<const std::byte> bytes) {
   }
   validator.finish();
   return stream;
-}
-
-// --- channel -------------------------------------------------------------------------
-struct StreamChannel::State {
-  std::mutex mutex;
-  std::condition_variable changed;
-  std::deque<ChunkPtr> queue;
-  std::size_t capacity;
-  bool closed = false;
-  std::exception_ptr error;
-};
-
-StreamChannel::StreamChannel(std::size_t capacity) : state_(std::make_unique<State>()) {
-  state_->capacity = std::max<std::size_t>(1, capacity);
-}
-StreamChannel::~StreamChannel() = default;
-
-void StreamChannel::push(ChunkPtr chunk) {
-  std::unique_lock lock(state_->mutex);
-  state_->changed.wait(lock, [&] {
-    return state_->queue.size() < state_->capacity || state_->closed || state_->error;
-  });
-  if (state_->closed || state_->error) throw Error("StreamChannel: push after close");
-  state_->queue.push_back(std::move(chunk));
-  state_->changed.notify_all();
-}
-
-void StreamChannel::close() {
-  std::lock_guard lock(state_->mutex);
-  state_->closed = true;
-  state_->changed.notify_all();
-}
-
-void StreamChannel::fail(std::exception_ptr error) {
-  std::lock_guard lock(state_->mutex);
-  state_->error = std::move(error);
-  state_->changed.notify_all();
-}
-
-ChunkPtr StreamChannel::pop() {
-  std::unique_lock lock(state_->mutex);
-  state_->changed.wait(lock,
-                       [&] { return !state_->queue.empty() || state_->closed || state_->error; });
-  if (state_->error) std::rethrow_exception(state_->error);
-  if (state_->queue.empty()) return nullptr;
-  ChunkPtr chunk = std::move(state_->queue.front());
-  state_->queue.pop_front();
-  state_->changed.notify_all();
-  return chunk;
 }
 
 }  // namespace sluice

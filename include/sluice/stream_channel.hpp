@@ -1,0 +1,32 @@
+#pragma once
+// The bounded hand-over of a stream's chunks from a producer thread to an engine.
+#include <cstddef>
+#include <exception>
+#include <memory>
+
+#include "sluice/stream_packets.hpp"
+
+namespace sluice {
+
+/// A bounded, thread-safe hand-over of chunks from one producer to one consumer.
+/// `push` blocks while `capacity` chunks wait; `pop` blocks until a chunk arrives and
+/// returns nullptr once the producer has called `close()` and the queue is drained.
+/// A producer that fails calls `fail()`, and the consumer's `pop` rethrows its error.
+class StreamChannel {
+ public:
+  explicit StreamChannel(std::size_t capacity = 4);
+  ~StreamChannel();
+  StreamChannel(const StreamChannel&) = delete;
+  StreamChannel& operator=(const StreamChannel&) = delete;
+
+  void push(ChunkPtr chunk);
+  void close();
+  void fail(std::exception_ptr error);
+  ChunkPtr pop();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace sluice
