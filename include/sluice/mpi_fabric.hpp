@@ -60,6 +60,14 @@ struct MpiFabricOptions {
   /// all ranks share it, engines may read the stream from rank 0's memory (see above);
   /// false: both by messages, as between nodes. Taken from rank 0.
   bool shared_memory = true;
+  /// Seconds a rank waits on the others without any progress before it calls the roll:
+  /// it asks every other rank whether it is there (they answer from inside their own
+  /// waits), and if one does not answer within a few seconds, prints "sluice[rank r]:
+  /// MpiFabric: peer timeout: rank s ... has not answered" and ends the job (MPI_Abort,
+  /// exit code 1) instead of hanging. If every rank answers, the job is slow, not
+  /// stalled, and the wait goes on. A rank busy outside the fabric (its own work between
+  /// operations) for longer than this counts as silent. 0: wait forever.
+  double peer_timeout_seconds = 60;
 };
 
 /// Collective over options.comm: every rank constructs one, with the same options.

@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <exception>
 #include <memory>
+#include <vector>
 
 #include "sluice/stream_packets.hpp"
 
@@ -20,6 +21,9 @@ class StreamChannel {
   StreamChannel& operator=(const StreamChannel&) = delete;
 
   void push(ChunkPtr chunk);
+  /// Several chunks at once, with one lock and at most one wake-up of the consumer (the
+  /// MPI fabric hands over a received frame so). Blocks while `capacity` chunks wait.
+  void push(std::vector<ChunkPtr> chunks);
   void close();
   void fail(std::exception_ptr error);
   ChunkPtr pop();

@@ -4,6 +4,11 @@
 #include <bit>
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define SLUICE_CRC32C_INSTRUCTION 1
+#endif
+
 namespace sluice {
 namespace {
 
@@ -11,11 +16,11 @@ namespace {
 // the checksum keeps up with the disk on multi-GB checkpoints.
 using CrcTables = std::array<std::array<std::uint32_t, 256>, 8>;
 
-constexpr CrcTables make_tables() {
+constexpr CrcTables make_tables(std::uint32_t polynomial) {
   CrcTables t{};
   for (std::uint32_t i = 0; i < 256; ++i) {
     std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1U) != 0 ? 0xEDB8'8320U ^ (c >> 1) : c >> 1;
+    for (int k = 0; k < 8; ++k) c = (c & 1U) != 0 ? polynomial ^ (c >> 1) : c >> 1;
     t[0][i] = c;
   }
   for (std::size_t s = 1; s < 8; ++s) {
@@ -24,30 +29,94 @@ constexpr CrcTables make_tables() {
   return t;
 }
 
-constexpr CrcTables kTables = make_tables();
+constexpr CrcTables kTables = make_tables(0xEDB8'8320U);
+constexpr CrcTables kTablesC = make_tables(0x82F6'3B78U);
 
-}  // namespace
+// Eight little-endian bytes folded into `c` (no inversion).
+inline std::uint32_t fold8(const CrcTables& t, std::uint32_t c, std::uint32_t lo,
+                           std::uint32_t hi) {
+  lo ^= c;
+  return t[7][lo & 0xFFU] ^ t[6][(lo >> 8) & 0xFFU] ^ t[5][(lo >> 16) & 0xFFU] ^ t[4][lo >> 24] ^
+         t[3][hi & 0xFFU] ^ t[2][(hi >> 8) & 0xFFU] ^ t[1][(hi >> 16) & 0xFFU] ^ t[0][hi >> 24];
+}
 
-std::uint32_t crc32(std::span<const std::byte> bytes, std::uint32_t seed) {
+std::uint32_t crc_of(const CrcTables& t, std::span<const std::byte> bytes, std::uint32_t seed) {
   std::uint32_t c = ~seed;
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
   std::size_t n = bytes.size();
   // The 8-byte step reads the words as little-endian; byte order is fixed by the tables.
   if constexpr (std::endian::native == std::endian::little) {
-    while (n >= 8) {
+    for (; n >= 8; p += 8, n -= 8) {
       std::uint32_t lo = 0, hi = 0;
       std::memcpy(&lo, p, 4);
       std::memcpy(&hi, p + 4, 4);
-      lo ^= c;
-      c = kTables[7][lo & 0xFFU] ^ kTables[6][(lo >> 8) & 0xFFU] ^ kTables[5][(lo >> 16) & 0xFFU] ^
-          kTables[4][lo >> 24] ^ kTables[3][hi & 0xFFU] ^ kTables[2][(hi >> 8) & 0xFFU] ^
-          kTables[1][(hi >> 16) & 0xFFU] ^ kTables[0][hi >> 24];
-      p += 8;
-      n -= 8;
+      c = fold8(t, c, lo, hi);
     }
   }
-  while (n-- > 0) c = kTables[0][(c ^ *p++) & 0xFFU] ^ (c >> 8);
+  while (n-- > 0) c = t[0][(c ^ *p++) & 0xFFU] ^ (c >> 8);
   return ~c;
 }
 
+void lanes_by_table(std::uint32_t lanes[4], std::uint64_t first, const std::uint64_t* words,
+                    std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) {
+    std::uint32_t& lane = lanes[(first + j) % 4];
+    lane = fold8(kTablesC, lane, static_cast<std::uint32_t>(words[j]),
+                 static_cast<std::uint32_t>(words[j] >> 32));
+  }
+}
+
+#ifdef SLUICE_CRC32C_INSTRUCTION
+__attribute__((target("sse4.2"))) void lanes_by_instruction(std::uint32_t lanes[4],
+                                                            std::uint64_t first,
+                                                            const std::uint64_t* words,
+                                                            std::size_t n) {
+  std::size_t j = 0;
+  for (; j < n && (first + j) % 4 != 0; ++j) {
+    std::uint32_t& lane = lanes[(first + j) % 4];
+    lane = static_cast<std::uint32_t>(_mm_crc32_u64(lane, words[j]));
+  }
+  std::uint64_t c0 = lanes[0], c1 = lanes[1], c2 = lanes[2], c3 = lanes[3];
+  for (; j + 4 <= n; j += 4) {
+    c0 = _mm_crc32_u64(c0, words[j]);
+    c1 = _mm_crc32_u64(c1, words[j + 1]);
+    c2 = _mm_crc32_u64(c2, words[j + 2]);
+    c3 = _mm_crc32_u64(c3, words[j + 3]);
+  }
+  lanes[0] = static_cast<std::uint32_t>(c0), lanes[1] = static_cast<std::uint32_t>(c1);
+  lanes[2] = static_cast<std::uint32_t>(c2), lanes[3] = static_cast<std::uint32_t>(c3);
+  for (; j < n; ++j) {  // (first + j) % 4 == j % 4 == lane of the tail, in order
+    std::uint32_t& lane = lanes[(first + j) % 4];
+    lane = static_cast<std::uint32_t>(_mm_crc32_u64(lane, words[j]));
+  }
+}
+#endif
+
+}  // namespace
+
+std::uint32_t crc32(std::span<const std::byte> bytes, std::uint32_t seed) {
+  return crc_of(kTables, bytes, seed);
+}
+
+std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t seed) {
+  return crc_of(kTablesC, bytes, seed);
+}
+
+namespace detail {
+
+std::uint32_t crc32c_word(std::uint32_t crc, std::uint64_t word) {
+  return fold8(kTablesC, crc, static_cast<std::uint32_t>(word),
+               static_cast<std::uint32_t>(word >> 32));
+}
+
+Crc32cLanes crc32c_lanes(Isa isa) {
+#ifdef SLUICE_CRC32C_INSTRUCTION
+  if (isa != Isa::scalar && cpu_supports(isa)) return &lanes_by_instruction;
+#else
+  (void)isa;
+#endif
+  return &lanes_by_table;
+}
+
+}  // namespace detail
 }  // namespace sluice

@@ -17,6 +17,20 @@ void for_each_tree_pair(std::size_t n, Absorb&& absorb) {
   }
 }
 
+/// Element k's side of the same tree, for fabrics whose elements sum apart: the
+/// elements it absorbs, in the tree's order (k + 1, k + 2, k + 4, ... while k is a
+/// multiple of twice the distance).
+inline std::vector<std::size_t> tree_children(std::size_t k, std::size_t n) {
+  std::vector<std::size_t> children;
+  for (std::size_t d = 1; k % (2 * d) == 0 && k + d < n; d *= 2) children.push_back(k + d);
+  return children;
+}
+
+/// The element that absorbs element k > 0: k less its lowest set bit.
+inline std::size_t tree_parent(std::size_t k) {
+  return k - (k & (~k + 1));
+}
+
 /// Bias gradients of n engines summed in the tree's order.
 inline std::vector<float> sum_bias_tree(std::vector<std::vector<float>> biases) {
   if (biases.empty()) return {};

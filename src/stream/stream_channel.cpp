@@ -33,6 +33,16 @@ void StreamChannel::push(ChunkPtr chunk) {
   state_->changed.notify_all();
 }
 
+void StreamChannel::push(std::vector<ChunkPtr> chunks) {
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] {
+    return state_->queue.size() < state_->capacity || state_->closed || state_->error;
+  });
+  if (state_->closed || state_->error) throw Error("StreamChannel: push after close");
+  for (ChunkPtr& c : chunks) state_->queue.push_back(std::move(c));
+  state_->changed.notify_all();
+}
+
 void StreamChannel::close() {
   std::lock_guard lock(state_->mutex);
   state_->closed = true;

@@ -1,0 +1,312 @@
+#include "fabric/mpi/engine_rank.hpp"
+
+#include <exception>
+#include <future>
+#include <string>
+
+#include "sluice/error.hpp"
+#include "sluice/fabric.hpp"
+
+namespace sluice::mpi {
+namespace {
+
+DenseMatrix copy_of(ConstMatrixView m) {
+  DenseMatrix c(m.rows, m.cols);
+  for (std::int64_t r = 0; r < m.rows; ++r) std::copy(m.row(r), m.row(r) + m.cols, c.row(r));
+  return c;
+}
+
+}  // namespace
+
+EngineRank::EngineRank(Link& link, FrameOptions frames, std::int64_t driver_pid, GradientTree& tree,
+                       std::unique_ptr<CpuEngine> engine)
+    : link_(&link),
+      frames_(link, frames, driver_pid),
+      channel_chunks_(frames.window * kMaxFrameChunks),
+      tree_(&tree),
+      engine_(std::move(engine)) {}
+
+void EngineRank::serve(const Dataset* dataset) {
+  dataset_ = dataset;
+  while (true) {
+    Command c;
+    link_->bcast(&c, sizeof c, MPI_BYTE, "command broadcast");
+    if (c.op == static_cast<std::int32_t>(Op::stop)) {
+      tree_->free_window();
+      return;
+    }
+    if (c.op < static_cast<std::int32_t>(Op::forward) ||
+        c.op > static_cast<std::int32_t>(Op::load_samples)) {
+      throw FormatError("MpiFabric: unknown command " + std::to_string(c.op) + " from rank 0");
+    }
+    if (c.op >= static_cast<std::int32_t>(Op::load_batch)) {
+      serve_layer_op(c);
+    } else {
+      serve_one(c);
+    }
+  }
+}
+
+Job EngineRank::receive_job(std::uint32_t inputs, Placement& placement) {
+  Job job;
+  link_->scatter(nullptr, &job, sizeof(Job), MPI_BYTE, "job scatter");
+  placement.lanes = job.lanes;
+  placement.lane_of.resize(inputs);
+  placement.lane_nnz.resize(static_cast<std::size_t>(job.lanes));
+  link_->scatterv(nullptr, nullptr, nullptr, placement.lane_of.data(),
+                  to_count(inputs, "a placement"), MPI_INT32_T, "placement scatter");
+  link_->scatterv(nullptr, nullptr, nullptr, placement.lane_nnz.data(), job.lanes, MPI_INT64_T,
+                  "placement scatter");
+  return job;
+}
+
+DenseMatrix EngineRank::receive_matrix(std::int64_t rows, std::int64_t cols) {
+  DenseMatrix m(rows, cols);
+  std::vector<float> buffer(static_cast<std::size_t>(rows * cols));
+  link_->scatterv(nullptr, nullptr, nullptr, buffer.data(),
+                  to_count(buffer.size(), "a token slice"), MPI_FLOAT, "batch scatter");
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::copy(buffer.data() + r * cols, buffer.data() + (r + 1) * cols, m.row(r));
+  }
+  return m;
+}
+
+void EngineRank::send_matrix(const DenseMatrix* m) {
+  std::vector<float> buffer;
+  if (m != nullptr) {
+    buffer.resize(static_cast<std::size_t>(m->rows() * m->cols()));
+    for (std::int64_t r = 0; r < m->rows(); ++r) {
+      std::copy(m->row(r), m->row(r) + m->cols(), buffer.data() + r * m->cols());
+    }
+  }
+  link_->gatherv(buffer.data(), to_count(buffer.size(), "a token slice"), nullptr, nullptr, nullptr,
+                 MPI_FLOAT, "result gather");
+}
+
+// Runs fn(stream) on the engine's thread while this thread receives the stream's frames.
+// A failed engine drains its channel, so the receiving thread never blocks; a failed
+// receipt fails the channel, so the engine stops.
+template <typename Fn>
+void EngineRank::run_on_stream(const Command& cmd, const StreamHeader& header, Fn&& fn) {
+  StreamChannel channel(channel_chunks_);
+  std::exception_ptr error;
+  std::future<void> done = worker_.post([&] {
+    ChannelStreamSource source(header, channel);
+    try {
+      fn(static_cast<StreamSource&>(source));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    try {
+      while (channel.pop()) {
+      }
+    } catch (...) {
+    }
+  });
+  auto finished = [&] {
+    return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  };
+  try {
+    frames_.receive(cmd.first, header.precision, channel);
+  } catch (...) {
+    channel.fail(std::current_exception());
+    done.wait();
+    throw;
+  }
+  link_->wait_until(finished, "the engine's work on a stream");
+  done.get();
+  if (error) std::rethrow_exception(error);
+  frames_.reclaim();  // the engine has let go of the chunks
+}
+
+// The engine's counters since `before` and, if any, its gradient stream's shape; then
+// the gradient itself up the tree, and its checksum.
+void EngineRank::reply(const EngineCounters& before, const WeightStream* gradient) {
+  Reply r;
+  const EngineCounters& after = engine_->counters();
+  r.busy_seconds = after.busy_seconds - before.busy_seconds;
+  r.intake_seconds = after.intake_seconds - before.intake_seconds;
+  r.arrival_seconds = after.stream_arrival_seconds - before.stream_arrival_seconds;
+  r.overlapped_seconds = after.overlapped_seconds - before.overlapped_seconds;
+  r.packets = after.packets - before.packets;
+  r.bytes = after.bytes - before.bytes;
+  if (gradient != nullptr) {
+    r.grad_kind = static_cast<std::uint32_t>(gradient->header.kind);
+    r.grad_outputs = gradient->header.outputs;
+    r.grad_inputs = gradient->header.inputs;
+    r.grad_order = static_cast<std::uint32_t>(gradient->header.order);
+    r.grad_nnz = gradient->header.nnz;
+    r.grad_packets = gradient->packet_count();
+    r.grad_values = gradient->header.nnz;
+  }
+  link_->gather(&r, sizeof(Reply), MPI_BYTE, nullptr, "reply gather");
+  if (gradient != nullptr) {
+    const std::uint32_t checksum = tree_->send(*gradient);
+    link_->gather(&checksum, 1, MPI_UINT32_T, nullptr, "checksum gather");
+  }
+}
+
+// Operations on caller-held views (forward, backward) and the link probes.
+void EngineRank::serve_one(const Command& cmd) {
+  const bool backward = cmd.op == static_cast<std::int32_t>(Op::backward);
+  const bool echo = cmd.op == static_cast<std::int32_t>(Op::probe_echo);
+  const bool probe = echo || cmd.op == static_cast<std::int32_t>(Op::probe);
+  const StreamHeader header = header_of(cmd);
+  // The layer's shape, whichever way its stream walks it.
+  const std::uint32_t inputs = header.layer_inputs(), outputs = header.layer_outputs();
+  Placement placement;
+  Job job;
+  DenseMatrix x, y, dy, dx;
+  if (!probe) {
+    job = receive_job(inputs, placement);
+    x = receive_matrix(inputs, job.tokens);
+    if (backward) {
+      dy = receive_matrix(outputs, job.tokens);
+      if (job.want_dx) dx = DenseMatrix(inputs, job.tokens);
+    } else {
+      y = DenseMatrix(outputs, job.tokens);
+    }
+  }
+  const EngineCounters before = engine_->counters();
+  WeightStream gradient;
+  run_on_stream(cmd, header, [&](StreamSource& source) {
+    if (probe) {  // no engine: the stream is taken in, and for echo handed back
+      while (ChunkPtr c = source.next()) {
+        if (echo) gradient.chunks.push_back(std::move(c));
+      }
+      gradient.header = header;
+      gradient.header.kind = StreamKind::gradient;
+    } else if (backward) {
+      MutableMatrixView dx_view = dx.view();
+      gradient = engine_->backward(source, placement, x.view(), dy.view(),
+                                   job.want_dx ? &dx_view : nullptr);
+    } else {
+      engine_->forward(source, placement, x.view(), y.view());
+    }
+  });
+  if (!probe && !backward) {
+    send_matrix(&y);
+  } else if (backward && cmd.want_dx) {
+    send_matrix(job.want_dx ? &dx : nullptr);
+  }
+  reply(before, backward || echo ? &gradient : nullptr);
+}
+
+// --- layer operations on the engine's own activation store -----------------------------
+
+void EngineRank::serve_layer_op(const Command& cmd) {
+  switch (static_cast<Op>(cmd.op)) {
+    case Op::load_batch:
+      return serve_load(cmd);
+    case Op::load_samples:
+      return serve_samples(cmd);
+    case Op::forward_layer:
+    case Op::backward_layer:
+      return serve_layer(cmd);
+    case Op::loss: {
+      const LossSums s = engine_->loss((cmd.flags & kFlagDelta) != 0, cmd.total_tokens);
+      WireLoss w{s.loss, s.correct, s.tokens, s.non_finite ? 1 : 0};
+      link_->gather(&w, sizeof w, MPI_BYTE, nullptr, "loss gather");
+      return;
+    }
+    case Op::layer_activations: {
+      const ActivationStore& store = engine_->store();
+      const DenseMatrix x = copy_of(store.in(cmd.layer));
+      const DenseMatrix dz =
+          copy_of(store.last_delta(store.spec().sizes.at(static_cast<std::size_t>(cmd.layer) + 1)));
+      send_matrix(&x);
+      send_matrix(&dz);
+      return;
+    }
+    case Op::gather_output: {
+      const ActivationStore& store = engine_->store();
+      DenseMatrix out(0, 0);
+      if (store.loaded()) out = copy_of(store.out(store.layers() - 1));
+      send_matrix(&out);
+      return;
+    }
+    default:
+      throw FormatError("MpiFabric: unknown command " + std::to_string(cmd.op) + " from rank 0");
+  }
+}
+
+PassSpec EngineRank::receive_spec(const Command& cmd) {
+  if (cmd.layer < 1 || cmd.layer > (1 << 20)) {
+    throw FormatError("MpiFabric: a pass of " + std::to_string(cmd.layer) + " layers");
+  }
+  PassSpec spec;
+  spec.sizes.resize(static_cast<std::size_t>(cmd.layer) + 1);
+  std::vector<std::int32_t> activations(static_cast<std::size_t>(cmd.layer));
+  link_->bcast(spec.sizes.data(), cmd.layer + 1, MPI_INT64_T, "spec broadcast");
+  link_->bcast(activations.data(), cmd.layer, MPI_INT32_T, "spec broadcast");
+  for (const std::int32_t a : activations) spec.activations.push_back(static_cast<Activation>(a));
+  spec.loss = static_cast<Loss>(cmd.kind);
+  spec.training = (cmd.flags & kFlagTraining) != 0;
+  return spec;
+}
+
+void EngineRank::serve_samples(const Command& cmd) {
+  const PassSpec spec = receive_spec(cmd);
+  const std::int64_t tokens =
+      Fabric::shard_of(link_->rank() - 1, link_->engines(), cmd.total_tokens).count;
+  std::vector<std::int64_t> indices(static_cast<std::size_t>(tokens));
+  link_->scatterv(nullptr, nullptr, nullptr, indices.data(),
+                  to_count(indices.size(), "a token slice"), MPI_INT64_T, "sample scatter");
+  if (dataset_ == nullptr) {
+    throw FormatError("MpiFabric: rank " + std::to_string(link_->rank()) +
+                      " was asked for samples but has no data set attached (attach it on "
+                      "every rank before serve(); did loading it fail here?)");
+  }
+  engine_->load_samples(spec, *dataset_, indices);
+}
+
+void EngineRank::serve_load(const Command& cmd) {
+  const PassSpec spec = receive_spec(cmd);
+  const std::int64_t tokens =
+      Fabric::shard_of(link_->rank() - 1, link_->engines(), cmd.total_tokens).count;
+  const DenseMatrix x = receive_matrix(spec.sizes.front(), tokens);
+  std::vector<int> labels;
+  if ((cmd.flags & kFlagLabels) != 0) {
+    labels.resize(static_cast<std::size_t>(tokens));
+    link_->scatterv(nullptr, nullptr, nullptr, labels.data(),
+                    to_count(labels.size(), "a token slice"), MPI_INT, "label scatter");
+  }
+  DenseMatrix targets;
+  if ((cmd.flags & kFlagTargets) != 0) targets = receive_matrix(spec.sizes.back(), tokens);
+  ShardData shard;
+  shard.features = x.view();
+  shard.labels = labels;
+  if ((cmd.flags & kFlagTargets) != 0) shard.targets = targets.view();
+  engine_->load_shard(spec, shard);
+}
+
+void EngineRank::serve_layer(const Command& cmd) {
+  const bool backward = cmd.op == static_cast<std::int32_t>(Op::backward_layer);
+  const bool with_bias = (cmd.flags & kFlagBias) != 0;
+  const StreamHeader header = header_of(cmd);
+  Placement placement;
+  receive_job(header.layer_inputs(), placement);
+  std::vector<float> bias;
+  if (!backward && with_bias) {
+    bias.resize(header.layer_outputs());
+    link_->bcast(bias.data(), to_count(bias.size(), "a bias"), MPI_FLOAT, "bias broadcast");
+  }
+  const EngineCounters before = engine_->counters();
+  WeightStream gradient;
+  std::vector<float> bias_gradient;
+  run_on_stream(cmd, header, [&](StreamSource& source) {
+    if (backward) {
+      gradient = engine_->backward_layer(source, placement, cmd.layer, cmd.want_dx != 0,
+                                         with_bias ? &bias_gradient : nullptr);
+    } else {
+      engine_->forward_layer(source, placement, cmd.layer, bias);
+    }
+  });
+  reply(before, backward ? &gradient : nullptr);
+  if (backward && with_bias) {
+    link_->gatherv(bias_gradient.data(), to_count(bias_gradient.size(), "a bias"), nullptr, nullptr,
+                   nullptr, MPI_FLOAT, "bias gradient gather");
+  }
+}
+
+}  // namespace sluice::mpi
