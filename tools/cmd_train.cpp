@@ -54,6 +54,7 @@ struct TrainOptions {
   std::size_t prefetch = 0;
   std::int64_t prefetch_bytes = 0;
   std::string fabric = "local";
+  double peer_timeout = 60;
   std::string precision = "fp32";
   std::string dynamic = "none";
   std::int64_t update_every = 100;
@@ -392,6 +393,11 @@ Command add_train_command(CLI::App& app) {
                   "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
                   "drives and every other rank is one engine")
       ->check(CLI::IsMember({"local", "mpi"}));
+  auto* peer_timeout =
+      cmd->add_option("--peer-timeout", o->peer_timeout,
+                      "--fabric mpi: seconds a rank waits on a silent peer before every rank "
+                      "exits (exit code 1) naming it (0: wait forever)")
+          ->check(CLI::Range(0.0, 1e6));
   cmd->add_option("--dynamic", o->dynamic,
                   "Masks that change while training: none, set (grow random positions) or "
                   "rigl (grow where |dense gradient| is largest)")
@@ -412,12 +418,17 @@ Command add_train_command(CLI::App& app) {
   add_model_store_options(*cmd, o->store);
 
   const std::vector<CLI::Option*> dynamic_options{update_every, drop, update_until};
-  return [o, optimizer, lr, sparsity, engines, dynamic_options, seed] {
+  return [o, optimizer, lr, sparsity, engines, dynamic_options, seed, peer_timeout] {
     // Options the run would silently ignore: refused before anything starts.
     if (o->fabric == "mpi" && engines->count() > 0) {
       throw UsageError(
           "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
           "(choose their number with mpirun -np)");
+    }
+    if (!(o->peer_timeout >= 0))
+      throw UsageError("--peer-timeout must be a number of seconds >= 0");
+    if (o->fabric != "mpi" && peer_timeout->count() > 0) {
+      throw UsageError("--peer-timeout needs --fabric mpi: a local fabric has no peers");
     }
     for (const CLI::Option* given : dynamic_options) {
       if (o->dynamic == "none" && given->count() > 0) {
@@ -447,6 +458,7 @@ Command add_train_command(CLI::App& app) {
       }
       MpiFabricOptions mo;
       mo.engine.threads = o->threads;
+      mo.peer_timeout_seconds = o->peer_timeout;
       mo.engine.path = parse_product_path(o->path);
       auto mpi_fabric = std::make_unique<MpiFabric>(mo);
       if (!mpi_fabric->is_driver()) {
