@@ -340,10 +340,10 @@ TEST_F(CorruptCheckpoint, WrongMagic) {
 
 TEST_F(CorruptCheckpoint, WrongVersion) {
   std::vector<char> bad = good;
-  const std::uint32_t version = 3;
+  const std::uint32_t version = 4;
   std::memcpy(bad.data() + 8, &version, 4);
   const std::string message = expect_refused(bad);
-  EXPECT_NE(message.find("version 3, expected 1 to 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("version 4, expected 1 to 3"), std::string::npos) << message;
 }
 
 TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
@@ -376,10 +376,12 @@ TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
 }
 
 TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
-  // Version 1: the same, less the header's last 8 bytes (the epochs).
+  // Version 1: the same, less the model section and the header's last 8 bytes (the epochs).
   std::vector<char> old = good;
   const std::uint32_t version = 1;
   std::memcpy(old.data() + 8, &version, 4);
+  const std::size_t model = section(old, "MODL");
+  old.erase(old.begin() + static_cast<long>(model), old.begin() + static_cast<long>(model + 16));
   const std::size_t head = section(old, "HEAD");
   std::uint64_t length = 0;
   std::memcpy(&length, old.data() + head + 4, 8);
@@ -395,6 +397,33 @@ TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
   m.load(p);
   EXPECT_EQ(m.epochs, 0);
   EXPECT_EQ(m.step(), 2);
+}
+
+TEST(Checkpoint, ModelDescriptionRoundTrips) {
+  HostModelMemory a;
+  build(a, 3, OptimizerConfig{});
+  a.model = "gpt vocab=256 context=8 d_model=16 heads=2 blocks=1";
+  const fs::path path = temp_dir() / "model.ck";
+  a.save(path);
+  HostModelMemory b;
+  b.model = "something else";
+  b.load(path);
+  EXPECT_EQ(b.model, a.model);
+  a.model = "";  // a stack of layers: empty, and loading it clears the target's
+  a.save(path);
+  b.load(path);
+  EXPECT_EQ(b.model, "");
+}
+
+TEST(Checkpoint, AModelDescriptionACheckpointCannotHoldIsRefusedBeforeWriting) {
+  HostModelMemory a;
+  build(a, 3, OptimizerConfig{});
+  const fs::path path = temp_dir() / "bad_model.ck";
+  a.model = "line\nbreak";
+  EXPECT_THROW(a.save(path), ShapeError);
+  a.model = std::string(ModelMemory::kMaxModelDescription + 1, 'x');
+  EXPECT_THROW(a.save(path), ShapeError);
+  EXPECT_FALSE(fs::exists(path));
 }
 
 TEST(Checkpoint, EpochsRoundTrip) {

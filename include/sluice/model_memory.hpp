@@ -132,6 +132,11 @@ class ModelMemory {
   /// continues the data order from here. The trainer counts them; ModelMemory only keeps
   /// them.
   std::int64_t epochs = 0;
+  /// What the layers make, kept in checkpoints: empty for a stack of layers (an MLP), else
+  /// a description its builder wrote and can read back (e.g. GptConfig::describe()).
+  /// Printable ASCII, at most kMaxModelDescription characters, for a checkpoint to hold it.
+  std::string model;
+  static constexpr std::size_t kMaxModelDescription = 4096;
 
  protected:
   virtual std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) = 0;

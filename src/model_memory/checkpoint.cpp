@@ -1,9 +1,10 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 2; also in docs/checkpoint_format.md). Little-endian throughout.
+// File format (version 3; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
-//   version    u32      2 (version 1 is still read: it lacks the epoch count, read as 0)
+//   version    u32      3 (versions 1 and 2 are still read: version 1 lacks the epoch count,
+//                       read as 0, and both lack the model section, read as empty)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -17,7 +18,9 @@
 //       f64 learning_rate, momentum, beta1, beta2, epsilon, weight_decay, clip_global_norm,
 //       u32 non-finite policy (0 skip_step, 1 error),
 //       u32 1 if a learning-rate schedule was set (the function itself is not saved),
-//       i64 epochs (version 2 only: passes over the training data completed)
+//       i64 epochs (version 2 on: passes over the training data completed)
+//   "MODL"  once (version 3 on): ModelMemory::model, its characters (printable ASCII, at
+//       most ModelMemory::kMaxModelDescription; empty for a stack of layers)
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -37,6 +40,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cerrno>
@@ -71,7 +75,7 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
 
 constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
-constexpr std::uint32_t kFormatVersion = 2;
+constexpr std::uint32_t kFormatVersion = 3;
 constexpr std::uint32_t kOldestReadableVersion = 1;
 /// Counters (steps, updates, epochs) above this are refused: they count up by one and
 /// reach the optimizer as doubles, which count exactly only this far, and a file that
@@ -79,6 +83,7 @@ constexpr std::uint32_t kOldestReadableVersion = 1;
 constexpr std::int64_t kMaxCounter = std::int64_t{1} << 53;
 
 constexpr std::uint32_t kHeadTag = fourcc("HEAD");
+constexpr std::uint32_t kModelTag = fourcc("MODL");
 constexpr std::uint32_t kLayerTag = fourcc("LAYR");
 constexpr std::uint32_t kEndTag = fourcc("END ");
 
@@ -102,7 +107,14 @@ std::uint32_t encode_kind(OptimizerKind kind) {
 struct Counters {
   std::uint64_t seed = 0;
   std::int64_t epochs = 0;
+  std::string model;
 };
+
+/// Whether `model` can be kept in a checkpoint: printable ASCII, not too long.
+bool storable_model(const std::string& model) {
+  if (model.size() > ModelMemory::kMaxModelDescription) return false;
+  return std::all_of(model.begin(), model.end(), [](char c) { return c >= 0x20 && c < 0x7F; });
+}
 
 void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counters& counters) {
   out.write(std::as_bytes(std::span(kMagic)));
@@ -123,6 +135,11 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   head.fields.put(static_cast<std::uint32_t>(c.schedule ? 1 : 0));
   head.fields.put(counters.epochs);
   write_section(out, head);
+
+  Section model;
+  model.tag = kModelTag;
+  model.arrays.push_back(std::as_bytes(std::span(counters.model)));
+  write_section(out, model);
 
   const int slots = detail::optimizer_slot_count(c.kind);
   for (std::size_t i = 0; i < st.layers.size(); ++i) {
@@ -290,6 +307,17 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
   } catch (const ShapeError& e) {
     head.fail(e.what());
   }
+  if (version >= 3) {
+    SectionReader model(in, kModelTag, "model section");
+    if (model.length() > ModelMemory::kMaxModelDescription) {
+      model.fail("length " + std::to_string(model.length()) + ", at most " +
+                 std::to_string(ModelMemory::kMaxModelDescription));
+    }
+    const std::vector<char> text = model.get_array<char>(model.length(), "model");
+    model.finish();
+    counters.model.assign(text.begin(), text.end());
+    if (!storable_model(counters.model)) model.fail("not printable ASCII");
+  }
   // Every layer section takes at least its header and fixed fields: a huge count in a
   // small file is refused before reserving anything.
   if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {
@@ -336,8 +364,13 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
   bool renamed = false;
   try {
     {
+      if (!storable_model(model)) {
+        throw ShapeError("save checkpoint " + path.string() +
+                         ": the model description is not printable ASCII of at most " +
+                         std::to_string(kMaxModelDescription) + " characters");
+      }
       FileWriter out(tmp);
-      write_checkpoint(out, *state_, {seed, epochs});
+      write_checkpoint(out, *state_, {seed, epochs, model});
       out.commit();
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -363,6 +396,7 @@ void HostModelMemory::load_impl(const std::filesystem::path& path) {
   state_ = std::move(loaded);
   seed = counters.seed;
   epochs = counters.epochs;
+  model = std::move(counters.model);
 }
 
 }  // namespace sluice
