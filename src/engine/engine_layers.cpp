@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/parallel.hpp"
+#include "executor/gelu.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
@@ -11,16 +12,8 @@
 namespace sluice {
 namespace {
 
-constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
-constexpr double kGeluA = 0.044715;
-
-double gelu(double x) {
-  return 0.5 * x * (1.0 + std::tanh(kGeluC * (x + kGeluA * x * x * x)));
-}
-double gelu_slope(double x) {
-  const double th = std::tanh(kGeluC * (x + kGeluA * x * x * x));
-  return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * kGeluC * (1.0 + 3.0 * kGeluA * x * x);
-}
+using detail::gelu;
+using detail::gelu_slope;
 
 // Row by row, with the activation chosen outside the loops so each one vectorises (a
 // switch per element made these passes a visible part of a wide layer's training step).

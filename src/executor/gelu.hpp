@@ -1,7 +1,7 @@
 #pragma once
 // GELU in its tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its
-// slope: one formula for every place that applies it (the transformer blocks now; the MLP
-// executor's Activation::gelu computes the same and can take it from here). Internal.
+// slope: one formula for every place that applies it (the transformer blocks and the MLP
+// engines' Activation::gelu). Internal.
 #include <cmath>
 
 namespace sluice::detail {
