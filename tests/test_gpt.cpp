@@ -1,0 +1,348 @@
+// The GPT trained by weight streaming (sluice/gpt.hpp): a tiny model's loss and every
+// layer's gradient against central differences of a float64 dense-masked reference (its
+// sparse weights as dense matrices with zeros off the mask), on 1 and 2 local engines;
+// training that learns; checkpoints that resume exactly; seeded generation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "block_references.hpp"
+#include "sluice/gpt.hpp"
+#include "test_support.hpp"
+
+namespace sluice {
+namespace {
+
+using namespace testing::reference;
+
+GptConfig tiny_config(std::int64_t blocks = 1) {
+  GptConfig c;
+  c.vocab = 32;
+  c.context = 8;
+  c.d_model = 16;
+  c.heads = 2;
+  c.blocks = blocks;
+  c.sparsity = 0.5;
+  return c;
+}
+
+/// A GPT whose every parameter is random (gains near 1, biases non-zero), so that no
+/// gradient is trivially right: the layers in GptLayers' order, as build_gpt adds them.
+void build_random_gpt(ModelMemory& memory, const GptConfig& c, std::uint64_t seed) {
+  const GptLayers layers(c);
+  const std::int64_t d = c.d_model;
+  auto add = [&](std::int64_t rows, std::int64_t cols, double sparsity, double scale, bool bias,
+                 double offset = 0) {
+    CsrMatrix w = CsrMatrix::random(rows, cols, sparsity, seed++);
+    w.fill_values(seed++, static_cast<float>(scale));
+    for (float& v : w.values()) v += static_cast<float>(offset);
+    std::vector<float> b;
+    if (bias) {
+      for (const float x : random_vector(rows, static_cast<std::uint32_t>(seed++))) {
+        b.push_back((x - 1.0F) * 0.2F);  // in [-0.1, 0.1)
+      }
+    }
+    memory.add_layer(std::move(w), std::move(b));
+  };
+  const double s = c.sparsity;
+  add(c.vocab, d, 0, 0.5, false);
+  add(c.context, d, 0, 0.2, false);
+  for (std::int64_t b = 0; b < c.blocks; ++b) {
+    add(d, 1, 0, 0.3, true, 1.0);
+    for (int i = 0; i < 4; ++i) add(d, d, s, 0.6, true);
+    add(d, 1, 0, 0.3, true, 1.0);
+    add(4 * d, d, s, 0.6, true);
+    add(d, 4 * d, s, 0.3, true);
+  }
+  add(d, 1, 0, 0.3, true, 1.0);
+  add(c.vocab, d, s, 0.6, true);
+  memory.model = c.describe();
+}
+
+// --- the float64 reference -------------------------------------------------------------------
+
+struct Reference {
+  std::vector<Grid> w;  // every layer dense, zeros off its mask
+  std::vector<std::vector<double>> b;
+};
+
+Reference reference_of(const ModelMemory& memory) {
+  Reference r;
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+    r.w.push_back(to_grid(memory.weights(l).to_dense()));
+    r.b.emplace_back(memory.bias(l).begin(), memory.bias(l).end());
+  }
+  return r;
+}
+
+Grid affine(const Reference& r, std::int32_t l, const Grid& x) {
+  const Grid& w = r.w[static_cast<std::size_t>(l)];
+  Grid y(w.rows, x.cols);
+  for (std::int64_t o = 0; o < w.rows; ++o)
+    for (std::int64_t t = 0; t < x.cols; ++t) {
+      double sum = r.b[static_cast<std::size_t>(l)].empty() ? 0 : r.b[l][o];
+      for (std::int64_t i = 0; i < w.cols; ++i) sum += w(o, i) * x(i, t);
+      y(o, t) = sum;
+    }
+  return y;
+}
+
+Grid norm(const Reference& r, std::int32_t l, const Grid& x) {
+  return layer_norm_reference(x, r.w[static_cast<std::size_t>(l)].v,
+                              r.b[static_cast<std::size_t>(l)]);
+}
+
+Grid plus(Grid a, const Grid& b) {
+  for (std::size_t i = 0; i < a.v.size(); ++i) a.v[i] += b.v[i];
+  return a;
+}
+
+/// The mean loss over the batch's tokens, in float64.
+double reference_loss(const Reference& r, const GptConfig& c, const TextBatch& batch) {
+  const GptLayers layers(c);
+  Grid x = embedding_reference(batch.inputs, r.w[0], r.w[1]);
+  for (const GptLayers::Block& l : layers.blocks) {
+    const Grid a = norm(r, l.norm1, x);
+    const Grid att = attention_reference(affine(r, l.q, a), affine(r, l.k, a), affine(r, l.v, a),
+                                         {c.context, c.heads});
+    const Grid mid = plus(x, affine(r, l.o, att));
+    x = plus(mid, affine(r, l.down, gelu_reference(affine(r, l.up, norm(r, l.norm2, mid)))));
+  }
+  const Grid logits = affine(r, layers.head, norm(r, layers.final_norm, x));
+  return cross_entropy_reference(logits, batch.targets) / static_cast<double>(x.cols);
+}
+
+TextBatch random_batch(const GptConfig& c, std::int64_t sequences, std::uint32_t seed) {
+  TextBatch b;
+  b.sequences = sequences;
+  b.context = c.context;
+  const std::int64_t n = sequences * c.context;
+  b.inputs = random_targets(n, static_cast<std::int32_t>(c.vocab), seed);
+  b.targets = random_targets(n, static_cast<std::int32_t>(c.vocab), seed + 1);
+  return b;
+}
+
+/// Every gradient of `grads` against central differences of the reference loss: at the mask
+/// positions of every layer, and every bias.
+void expect_gradients_match(const ModelMemory& memory, const GptConfig& c, const TextBatch& batch,
+                            const std::vector<LayerGradient>& grads, double tolerance) {
+  Reference r = reference_of(memory);
+  ASSERT_EQ(grads.size(), static_cast<std::size_t>(memory.layer_count()));
+  constexpr double h = 1e-6;
+  auto numeric = [&](double& x) {
+    const double keep = x;
+    x = keep + h;
+    const double up = reference_loss(r, c, batch);
+    x = keep - h;
+    const double down = reference_loss(r, c, batch);
+    x = keep;
+    return (up - down) / (2 * h);
+  };
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    const CsrMatrix& mask = memory.weights(l);
+    const LayerGradient& g = grads[static_cast<std::size_t>(l)];
+    ASSERT_EQ(g.weights.nnz(), mask.nnz());
+    ASSERT_EQ(g.bias.size(), memory.bias(l).size());
+    std::vector<double> expected, actual;
+    for (std::int64_t row = 0; row < mask.rows(); ++row) {
+      for (std::int64_t k = mask.row_offsets()[row]; k < mask.row_offsets()[row + 1]; ++k) {
+        ASSERT_EQ(g.weights.col_indices()[k], mask.col_indices()[k]);
+        expected.push_back(numeric(r.w[l](row, mask.col_indices()[k])));
+        actual.push_back(g.weights.values()[k]);
+      }
+    }
+    for (std::size_t o = 0; o < g.bias.size(); ++o) {
+      expected.push_back(numeric(r.b[l][o]));
+      actual.push_back(g.bias[o]);
+    }
+    double bound = 1e-3;  // a layer's gradients relative to its largest one
+    for (const double e : expected) bound = std::max(bound, std::abs(e));
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_NEAR(actual[i], expected[i], tolerance * bound) << "element " << i;
+    }
+  }
+}
+
+struct GptCase {
+  std::int64_t blocks;
+  std::int32_t engines;
+};
+
+class GptGradients : public ::testing::TestWithParam<GptCase> {};
+
+TEST_P(GptGradients, LossAndEveryGradientMatchTheFloat64Reference) {
+  const GptConfig c = tiny_config(GetParam().blocks);
+  HostModelMemory memory;
+  build_random_gpt(memory, c, 11);
+  LocalFabricOptions fo;
+  fo.engines = GetParam().engines;
+  LocalFabric fabric(fo);
+  GptModel model(memory, fabric, c);
+  const TextBatch batch = random_batch(c, 3, 5);  // 3 sequences: 2 engines take 1 and 2
+  double loss = 0;
+  const std::vector<LayerGradient> grads = model.gradients(batch, &loss);
+  const double expected = reference_loss(reference_of(memory), c, batch);
+  EXPECT_NEAR(loss, expected, 1e-5 * expected);
+  EXPECT_NEAR(model.loss(batch), expected, 1e-5 * expected);
+  expect_gradients_match(memory, c, batch, grads, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, GptGradients,
+                         ::testing::Values(GptCase{1, 1}, GptCase{1, 2}, GptCase{2, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.blocks) + "Blocks" +
+                                  std::to_string(info.param.engines) + "Engines";
+                         });
+
+/// A text with structure to learn: a few words repeated in a seeded order.
+std::string small_text(std::size_t bytes) {
+  const char* words[] = {"the ",  "quick ", "brown ", "fox ",  "jumps ",
+                         "over ", "a ",     "lazy ",  "dog.\n"};
+  std::string s;
+  std::uint64_t x = 1;
+  while (s.size() < bytes) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    s += words[(x >> 33) % 9];
+  }
+  s.resize(bytes);
+  return s;
+}
+
+GptConfig text_config() {
+  GptConfig c;
+  c.context = 16;
+  c.d_model = 32;
+  c.heads = 2;
+  c.blocks = 2;
+  c.sparsity = 0.75;
+  return c;
+}
+
+TEST(Gpt, TrainingOnATextLowersTheHeldOutLoss) {
+  const GptConfig c = text_config();
+  const TextCorpus corpus(small_text(20000), c.context);
+  HostModelMemory memory;
+  build_gpt(memory, c, 3);
+  OptimizerConfig opt;
+  opt.kind = OptimizerKind::adam;
+  opt.learning_rate = 3e-3;
+  memory.set_optimizer(opt);
+  LocalFabricOptions fo;
+  fo.engines = 2;
+  LocalFabric fabric(fo);
+  GptModel model(memory, fabric, c);
+  const TextBatch held_out = corpus.held_out_batch(0, corpus.held_out_windows() / 2 * 2);
+  const double before = model.loss(held_out);
+  EXPECT_NEAR(before, std::log(256.0), 0.5);  // about uniform over the bytes at the start
+  for (int step = 0; step < 60; ++step) {
+    const GptStep s = model.train_step(corpus.sample(8, 1, static_cast<std::uint64_t>(step)));
+    ASSERT_TRUE(s.report.applied) << step;
+    ASSERT_TRUE(std::isfinite(s.loss));
+  }
+  const double after = model.loss(held_out);
+  EXPECT_LT(after, 0.6 * before) << before << " -> " << after;
+  EXPECT_EQ(model.totals().steps, 60);
+  EXPECT_EQ(model.totals().tokens, 60 * 8 * c.context);
+}
+
+class GptCheckpoint : public testing::TempDirTest {};
+
+TEST_F(GptCheckpoint, ResumesExactlyAsAnUninterruptedRun) {
+  const GptConfig c = text_config();
+  const TextCorpus corpus(small_text(8000), c.context);
+  OptimizerConfig opt;
+  opt.kind = OptimizerKind::adamw;
+  opt.learning_rate = 2e-3;
+  opt.weight_decay = 0.01;
+  LocalFabric fabric;
+  auto train = [&](ModelMemory& m, int first, int last) {
+    GptModel model(m, fabric, gpt_config_of(m));
+    for (int step = first; step < last; ++step) {
+      model.train_step(corpus.sample(4, 9, static_cast<std::uint64_t>(step)));
+    }
+  };
+  HostModelMemory straight;
+  build_gpt(straight, c, 5);
+  straight.set_optimizer(opt);
+  train(straight, 0, 6);
+
+  HostModelMemory first;
+  build_gpt(first, c, 5);
+  first.set_optimizer(opt);
+  train(first, 0, 3);
+  const std::filesystem::path path = dir_ / "gpt_resume.ck";
+  first.save(path);
+  HostModelMemory resumed;
+  resumed.load(path);
+  EXPECT_EQ(resumed.model, c.describe());
+  const GptConfig loaded = gpt_config_of(resumed);
+  EXPECT_EQ(loaded.describe(), c.describe());
+  EXPECT_NEAR(loaded.sparsity, c.sparsity, 0.05);
+  train(resumed, 3, 6);
+
+  ASSERT_EQ(resumed.layer_count(), straight.layer_count());
+  EXPECT_EQ(resumed.step(), straight.step());
+  for (std::int32_t l = 0; l < straight.layer_count(); ++l) {
+    EXPECT_EQ(resumed.weights(l).values(), straight.weights(l).values()) << "layer " << l;
+    EXPECT_EQ(resumed.bias(l), straight.bias(l)) << "layer " << l;
+  }
+}
+
+TEST(Gpt, GenerationIsDeterministicForASeed) {
+  const GptConfig c = text_config();
+  HostModelMemory memory;
+  build_gpt(memory, c, 8);
+  LocalFabric fabric;
+  GptModel model(memory, fabric, c);
+  const std::string a = generate_text(model, "the quick", 40, 1.0, 7);
+  EXPECT_EQ(a.size(), 40U);
+  EXPECT_EQ(generate_text(model, "the quick", 40, 1.0, 7), a);
+  // Longer than the context: the window slides.
+  EXPECT_EQ(generate_text(model, "", 3 * c.context, 0.8, 2).size(),
+            static_cast<std::size_t>(3 * c.context));
+  // Temperature 0 is the argmax, whatever the seed.
+  EXPECT_EQ(generate_text(model, "fox", 10, 0.0, 1), generate_text(model, "fox", 10, 0.0, 2));
+  EXPECT_THROW(generate_text(model, "x", 5, -1.0, 1), ShapeError);
+}
+
+TEST(Gpt, BadShapesAndModelsAreRefused) {
+  GptConfig c = tiny_config();
+  c.heads = 3;  // 16 is not a multiple of 3
+  EXPECT_THROW(c.validate(), ShapeError);
+  HostModelMemory memory;
+  EXPECT_THROW(gpt_config_of(memory), FormatError);  // no model description
+  build_gpt(memory, tiny_config(), 1);
+  EXPECT_THROW(build_gpt(memory, tiny_config(), 1), ShapeError);  // not empty
+  LocalFabricOptions fo;
+  fo.engines = 2;
+  LocalFabric fabric(fo);
+  EXPECT_THROW(GptModel(memory, fabric, tiny_config(2)), ShapeError);
+  GptModel model(memory, fabric, tiny_config());
+  EXPECT_THROW(model.loss(random_batch(tiny_config(), 1, 1)), ShapeError);  // 1 sequence, 2 engines
+  TextBatch wrong = random_batch(tiny_config(), 2, 1);
+  wrong.inputs[3] = 40;  // outside the vocabulary of 32
+  EXPECT_THROW(model.loss(wrong), ShapeError);
+  EXPECT_THROW(GptConfig::parse("gpt vocab=256 context=8"), FormatError);
+  EXPECT_THROW(GptConfig::parse("mlp"), FormatError);
+  EXPECT_EQ(GptConfig::parse(tiny_config().describe()).describe(), tiny_config().describe());
+}
+
+TEST(Gpt, ADenseModelStoresEveryParameterASparseOneFewer) {
+  GptConfig c = tiny_config(2);
+  c.sparsity = 0;
+  HostModelMemory dense;
+  build_gpt(dense, c, 1);
+  EXPECT_EQ(stored_parameters(dense), gpt_parameters(c));
+  c.sparsity = 0.9;
+  HostModelMemory sparse;
+  build_gpt(sparse, c, 1);
+  EXPECT_LT(stored_parameters(sparse), gpt_parameters(c) / 3);
+  EXPECT_NEAR(gpt_config_of(sparse).sparsity, 0.9, 0.05);
+}
+
+}  // namespace
+}  // namespace sluice
