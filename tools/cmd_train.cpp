@@ -28,6 +28,7 @@
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
+#include "train_gpt.hpp"
 #ifdef SLUICE_HAVE_MPI
 #include "sluice/mpi_fabric.hpp"
 #endif
@@ -61,6 +62,10 @@ struct TrainOptions {
   double drop = 0.3;
   double update_until = 0.75;
   ModelStoreOptions store;
+  std::string model = "mlp";
+  std::int64_t steps = 0;  ///< 0: the epochs decide
+  double max_seconds = 0;  ///< 0: no time limit
+  GptTrainOptions gpt;     ///< --model gpt's own options
 };
 
 #ifdef SLUICE_HAVE_MPI
@@ -251,6 +256,7 @@ struct TrainTotals {
   std::int64_t steps = 0, skipped = 0;
   std::int32_t last_bad_layer = -1;
   double final_loss = 0;
+  std::int64_t epochs = 0;  ///< passes over the data completed (--steps may cut the last)
 };
 
 /// The samples of `data` as a batch whose features are in `x` (resized as needed).
@@ -282,12 +288,24 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
   for (std::int64_t e = 0; e < done; ++e) std::shuffle(order.begin(), order.end(), rng);
   DenseMatrix batch_x(train.features.rows(), std::min(o.batch, n));
   TrainTotals t;
-  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto stop = [&] {  // --steps and --max-seconds end the run between steps
+    return (o.steps > 0 && t.steps >= o.steps) ||
+           (o.max_seconds > 0 &&
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >=
+                o.max_seconds);
+  };
+  for (int epoch = 1; epoch <= o.epochs && !stop(); ++epoch) {
     std::shuffle(order.begin(), order.end(), rng);
     const StepMetrics before = executor.totals();
     double loss_sum = 0, correct = 0;
     std::int64_t seen = 0, epoch_skipped = 0;
+    bool cut = false;
     for (std::int64_t begin = 0; begin + o.engines <= n; begin += o.batch) {
+      if (stop()) {
+        cut = true;
+        break;
+      }
       const std::int64_t size = std::min(o.batch, n - begin);
       const std::span<const std::int64_t> samples = std::span<const std::int64_t>(order).subspan(
           static_cast<std::size_t>(begin), static_cast<std::size_t>(size));
@@ -308,6 +326,8 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
     epoch_metrics.engine_busy_seconds -= before.engine_busy_seconds;
     epoch_metrics.engine_thread_seconds -= before.engine_thread_seconds;
     epoch_metrics.tokens -= before.tokens;
+    if (!cut) ++t.epochs;
+    if (seen == 0) break;
     t.final_loss = loss_sum / static_cast<double>(seen);
     t.skipped += epoch_skipped;
     char line[256];
@@ -319,7 +339,7 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
     progress << line;
     if (epoch_skipped > 0) progress << "  " << epoch_skipped << " steps skipped";
     progress << "\n" << std::flush;
-    memory.epochs = done + epoch;
+    memory.epochs = done + t.epochs;
     commit_store_counters(memory);
   }
   return t;
@@ -340,11 +360,62 @@ void refuse_failed_training(const TrainTotals& t, const TrainOptions& o) {
   throw NumericError(why + " (try a smaller --lr)");
 }
 
+/// `--model gpt`: the options it takes over, and those it would ignore refused.
+int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
+  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--precision",
+                           "--dynamic", "--memory-budget", "--prefetch", "--prefetch-bytes",
+                           "--model-store", "--model-memory-budget"}) {
+    if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
+  }
+  if (o.fabric != "local") throw UsageError("--model gpt runs on --fabric local only");
+  GptTrainOptions g = o.gpt;
+  g.sparsity = o.sparsity;
+  if (cmd.count("--batch") > 0) g.batch = o.batch;
+  g.steps = o.steps;
+  g.max_seconds = o.max_seconds;
+  g.engines = o.engines;
+  g.threads = o.threads;
+  g.path = o.path;
+  g.optimizer = o.optimizer;
+  g.optimizer_given = cmd.count("--optimizer") > 0;
+  if (cmd.count("--lr") > 0) g.lr = o.lr;
+  g.lr_given = cmd.count("--lr") > 0;
+  g.seed = o.seed;
+  g.seed_given = cmd.count("--seed") > 0;
+  g.shape_given = false;
+  for (const char* name : {"--context", "--d-model", "--heads", "--blocks", "--sparsity"}) {
+    g.shape_given = g.shape_given || cmd.count(name) > 0;
+  }
+  g.checkpoint = o.checkpoint;
+  g.resume = o.resume;
+  g.json = o.json;
+  if (!g.checkpoint.empty()) check_checkpoint_path(g.checkpoint);
+  return run_gpt_training(g);
+}
+
 }  // namespace
 
 Command add_train_command(CLI::App& app) {
   auto o = std::make_shared<TrainOptions>();
-  CLI::App* cmd = app.add_subcommand("train", "Train a sparse MLP by weight streaming");
+  CLI::App* cmd =
+      app.add_subcommand("train", "Train a sparse MLP or a byte-level GPT by weight streaming");
+  cmd->add_option("--model", o->model, "mlp (on --dataset) or gpt (on --text)")
+      ->check(CLI::IsMember({"mlp", "gpt"}));
+  cmd->add_option("--text", o->gpt.text,
+                  "GPT: a text file or a directory of them (default: $SLUICE_TEXT, else the "
+                  "fortunes scripts/sluice-setup fetches); the last 5% is held out")
+      ->check(path_argument());
+  cmd->add_option("--context", o->gpt.context, "GPT: bytes per sequence")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--d-model", o->gpt.d_model, "GPT: width of the residual stream")
+      ->check(CLI::Range(1, 16384));
+  cmd->add_option("--heads", o->gpt.heads, "GPT: attention heads (divide --d-model)")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--blocks", o->gpt.blocks, "GPT: transformer blocks")->check(CLI::Range(1, 256));
+  cmd->add_option("--steps", o->steps, "Stop after this many steps")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  cmd->add_option("--max-seconds", o->max_seconds, "Stop after this much training time")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--dataset", o->dataset,
                   "digits, synthetic or a CSV file (last column the label); default: digits if "
                   "its file is found, else synthetic");
@@ -357,7 +428,8 @@ Command add_train_command(CLI::App& app) {
       cmd->add_option("--engines", o->engines, "Engines in the fabric (--fabric local only)")
           ->check(CLI::Range(1, 256));
   cmd->add_option("--epochs", o->epochs, "Epochs")->check(CLI::Range(1, 100000));
-  cmd->add_option("--batch", o->batch, "Tokens per step")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--batch", o->batch, "Per step: tokens (MLP) or sequences (GPT; default 32)")
+      ->check(CLI::Range(1, 1 << 24));
   auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
                         ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
   auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(CLI::PositiveNumber);
@@ -418,7 +490,13 @@ Command add_train_command(CLI::App& app) {
   add_model_store_options(*cmd, o->store);
 
   const std::vector<CLI::Option*> dynamic_options{update_every, drop, update_until};
-  return [o, optimizer, lr, sparsity, engines, dynamic_options, seed, peer_timeout] {
+  return [o, cmd, optimizer, lr, sparsity, engines, dynamic_options, seed, peer_timeout] {
+    if (o->model == "gpt") return run_gpt(*o, *cmd);
+    for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
+      if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
+    }
+    // A run limited by steps or time goes on over as many epochs as that takes.
+    if ((o->steps > 0 || o->max_seconds > 0) && cmd->count("--epochs") == 0) o->epochs = 100000;
     // Options the run would silently ignore: refused before anything starts.
     if (o->fabric == "mpi" && engines->count() > 0) {
       throw UsageError(
@@ -594,7 +672,7 @@ Command add_train_command(CLI::App& app) {
       j.field("dataset", dataset_name)
           .field("test_accuracy", e.accuracy)
           .field("test_loss", e.loss);
-      j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", o->epochs);
+      j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", t.epochs);
       j.field("skipped_steps", t.skipped);
       j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o, resuming));
       j.field("precision", o->precision);

@@ -21,5 +21,6 @@ Command add_spmm_command(CLI::App& app);
 Command add_predict_command(CLI::App& app);
 Command add_train_command(CLI::App& app);
 Command add_sweep_command(CLI::App& app);
+Command add_generate_command(CLI::App& app);
 
 }  // namespace sluice::cli

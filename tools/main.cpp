@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   add(add_predict_command);
   add(add_train_command);
   add(add_sweep_command);
+  add(add_generate_command);
 
   try {
     app.parse(argc, argv);

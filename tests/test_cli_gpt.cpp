@@ -1,0 +1,118 @@
+// `sluice train --model gpt` and `sluice generate` end to end on the real binary, on a small
+// generated text (no download needed): the JSON keys, a resumed run, seeded generation, and
+// the arguments and data that must be refused. `--steps` for the MLP as well.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "test_support.hpp"
+
+namespace {
+
+using Outcome = sluice::testing::CliOutcome;
+using nlohmann::json;
+
+Outcome run(const std::string& args, bool merge_stderr = true) {
+  return sluice::testing::run_cli(SLUICE_CLI_PATH, args, merge_stderr);
+}
+
+json run_json(const std::string& args) {
+  const Outcome o = run(args + " --json", /*merge_stderr=*/false);
+  EXPECT_EQ(o.exit_code, 0) << args << "\n" << o.output;
+  if (o.exit_code != 0) return json::object();
+  return json::parse(o.output);
+}
+
+void expect_exit(const Outcome& o, int code, const std::string& words) {
+  EXPECT_EQ(o.exit_code, code) << o.output;
+  EXPECT_NE(o.output.find(words), std::string::npos) << "expected '" << words << "' in:\n"
+                                                     << o.output;
+}
+
+class CliGpt : public sluice::testing::TempDirTest {
+ protected:
+  void SetUp() override {
+    if (std::string(SLUICE_CLI_PATH).empty()) GTEST_SKIP() << "the CLI is not built";
+    TempDirTest::SetUp();
+    std::ofstream out(dir_ / "text.txt", std::ios::binary);
+    const char* words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat.\n"};
+    std::uint64_t x = 7;
+    for (int i = 0; i < 3000; ++i) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      out << words[(x >> 33) % 6];
+    }
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string gpt() const {
+    return "train --model gpt --text " + path("text.txt") +
+           " --context 16 --d-model 32 --heads 2 --blocks 1 --batch 4 ";
+  }
+};
+
+TEST_F(CliGpt, TrainsReportsResumesAndGenerates) {
+  const std::string ckpt = path("gpt.ckpt");
+  const json j = run_json(gpt() + "--steps 30 --lr 0.003 --checkpoint " + ckpt);
+  for (const char* key : {"val_loss", "val_bits_per_byte", "train_loss", "tokens_per_s",
+                          "engine_busy", "steps", "parameters", "nonzeros", "train_seconds"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j.value("steps", 0), 30);
+  const double bits = j.value("val_bits_per_byte", 99.0);
+  EXPECT_NEAR(bits, j.value("val_loss", 0.0) / std::log(2.0), 1e-9);
+  EXPECT_LT(bits, 6.0);  // below a uniform byte (8 bits): it learnt something
+  EXPECT_GT(j.value("parameters", 0), j.value("nonzeros", 0));
+  EXPECT_GT(j.value("tokens_per_s", 0.0), 0.0);
+
+  const json resumed = run_json(gpt().substr(0, gpt().find(" --context")) + " --batch 4 --resume " +
+                                ckpt + " --steps 5");
+  EXPECT_EQ(resumed.value("steps", 0), 5);
+  EXPECT_EQ(resumed.value("steps_total", 0), 35);
+  EXPECT_EQ(resumed.value("d_model", 0), 32);
+
+  const std::string gen = "generate --checkpoint " + ckpt + " --prompt 'the ' --bytes 40 ";
+  const Outcome a = run(gen + "--seed 3", false);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(a.output.size(), 4U + 40U + 1U);
+  EXPECT_EQ(a.output.rfind("the ", 0), 0U);
+  EXPECT_EQ(run(gen + "--seed 3", false).output, a.output);
+  EXPECT_EQ(run(gen + "--temperature 0 --seed 1", false).output,
+            run(gen + "--temperature 0 --seed 2", false).output);
+}
+
+TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
+  expect_exit(run(gpt() + "--steps 1 --layers 4,5"), 2, "--layers is not for --model gpt");
+  expect_exit(run("train --model gpt --text " + path("text.txt") + " --d-model 30 --heads 4"), 2,
+              "not a multiple of heads");
+  expect_exit(run("train --dataset synthetic --context 16 --steps 1"), 2,
+              "--context needs --model gpt");
+  expect_exit(run(gpt() + "--steps 1 --fabric mpi"), 2, "--fabric local only");
+  expect_exit(run(gpt() + "--steps 1 --model transformer"), 2, "transformer");
+  expect_exit(run("generate --prompt x"), 2, "--checkpoint");
+  expect_exit(run("generate --checkpoint x --temperature -1"), 2, "temperature");
+
+  expect_exit(run("train --model gpt --text " + path("missing.txt") + " --steps 1"), 1,
+              "missing.txt");
+  { std::ofstream(dir_ / "empty.txt"); }
+  expect_exit(run("train --model gpt --text " + path("empty.txt") + " --steps 1"), 1, "empty.txt");
+  // An MLP checkpoint is no GPT.
+  const std::string mlp = path("mlp.ckpt");
+  ASSERT_EQ(
+      run("train --dataset synthetic --layers 64,8,10 --steps 2 --checkpoint " + mlp).exit_code, 0);
+  expect_exit(run("generate --checkpoint " + mlp), 1, "holds no GPT");
+  expect_exit(run(gpt() + "--steps 1 --resume " + mlp), 1, "holds no GPT");
+}
+
+TEST_F(CliGpt, StepsAndMaxSecondsLimitTheMlpToo) {
+  const json j = run_json("train --dataset synthetic --layers 64,16,10 --batch 64 --steps 7");
+  EXPECT_EQ(j.value("steps", 0), 7);
+  EXPECT_EQ(j.value("epochs", -1), 0);  // 7 steps of 64 are less than one pass over 3200
+  const json t = run_json("train --dataset synthetic --layers 64,16,10 --max-seconds 0.5");
+  EXPECT_GE(t.value("steps", 0), 1);
+  EXPECT_LT(t.value("train_seconds", 99.0), 5.0);
+}
+
+}  // namespace

@@ -1,0 +1,63 @@
+// `sluice generate`: text sampled from a GPT checkpoint (`sluice train --model gpt
+// --checkpoint FILE`), a byte at a time.
+#include <iostream>
+#include <string>
+
+#include "commands.hpp"
+#include "measure.hpp"
+#include "output_files.hpp"
+#include "sluice/error.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/gpt.hpp"
+#include "sluice/model_memory.hpp"
+
+namespace sluice::cli {
+namespace {
+
+struct GenerateOptions {
+  std::string checkpoint;
+  std::string prompt;
+  std::int64_t bytes = 200;
+  double temperature = 1.0;
+  std::uint64_t seed = 1;
+  int threads = 0;
+};
+
+}  // namespace
+
+Command add_generate_command(CLI::App& app) {
+  auto o = std::make_shared<GenerateOptions>();
+  CLI::App* cmd = app.add_subcommand("generate", "Sample text from a GPT checkpoint");
+  cmd->add_option("--checkpoint", o->checkpoint, "The checkpoint of sluice train --model gpt")
+      ->required()
+      ->check(path_argument());
+  cmd->add_option("--prompt", o->prompt, "The text to continue (default: none)");
+  cmd->add_option("--bytes", o->bytes, "Bytes to generate")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 24));
+  cmd->add_option("--temperature", o->temperature,
+                  "Sampling temperature; 0 takes the most likely byte")
+      ->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", o->threads, "Threads of the engine (default: every core)")
+      ->check(CLI::Range(1, 4096));
+  return [o] {
+    HostModelMemory memory;
+    memory.load(o->checkpoint);
+    GptConfig config;
+    try {
+      config = gpt_config_of(memory);
+    } catch (const FormatError& e) {
+      throw FormatError("checkpoint " + o->checkpoint + " holds no GPT: " + e.what());
+    }
+    LocalFabricOptions fo;
+    fo.engine.threads = o->threads > 0 ? runnable_threads(o->threads, "generate") : 0;
+    LocalFabric fabric(fo);
+    GptModel model(memory, fabric, config);
+    const std::string text = generate_text(model, o->prompt, o->bytes, o->temperature, o->seed);
+    std::cout << o->prompt << text << "\n" << std::flush;
+    return std::cout ? 0 : 1;
+  };
+}
+
+}  // namespace sluice::cli

@@ -1,0 +1,219 @@
+// `sluice train --model gpt`: a byte-level GPT (sluice/gpt.hpp) trained on a text, its
+// held-out part (the last 5% of the bytes) evaluated at the end.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <filesystem>
+#include <iostream>
+#include <numeric>
+
+#include "commands.hpp"
+#include "json_writer.hpp"
+#include "measure.hpp"
+#include "sluice/error.hpp"
+#include "sluice/fabric.hpp"
+#include "sluice/gpt.hpp"
+#include "sluice/model_memory.hpp"
+#include "sluice/text_corpus.hpp"
+#include "train_gpt.hpp"
+
+namespace sluice::cli {
+namespace {
+
+/// --text, else $SLUICE_TEXT, else the fortunes scripts/sluice-setup puts beside the program.
+std::filesystem::path text_path(const GptTrainOptions& o) {
+  if (!o.text.empty()) return o.text;
+  if (const char* env = std::getenv("SLUICE_TEXT"); env != nullptr && *env != '\0') return env;
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::filesystem::path beside = ec ? "data/fortunes" : exe.parent_path() / "data/fortunes";
+  if (!std::filesystem::exists(beside, ec)) {
+    throw IoError(
+        "no text to train on: pass --text FILE (or a directory of text files), set "
+        "SLUICE_TEXT, or run scripts/sluice-setup, which puts Debian's fortunes in " +
+        beside.string());
+  }
+  return beside;
+}
+
+/// The model to train: the checkpoint's, or a new one of the options' shape.
+GptConfig prepare_model(HostModelMemory& memory, GptTrainOptions& o) {
+  if (o.resume.empty()) {
+    GptConfig c;
+    c.context = o.context;
+    c.d_model = o.d_model;
+    c.heads = o.heads;
+    c.blocks = o.blocks;
+    c.sparsity = o.sparsity;
+    try {
+      c.validate();
+    } catch (const ShapeError& e) {
+      throw UsageError(e.what());
+    }
+    memory.seed = o.seed;
+    build_gpt(memory, c, o.seed);
+    OptimizerConfig opt;
+    opt.kind = parse_optimizer(o.optimizer);
+    opt.learning_rate = o.lr;
+    if (opt.kind == OptimizerKind::adamw) opt.weight_decay = 0.01;
+    // A transformer's first steps can take gradients far larger than the rest.
+    opt.clip_global_norm = 1.0;
+    memory.set_optimizer(opt);
+    return c;
+  }
+  memory.load(o.resume);
+  GptConfig c;
+  try {
+    c = gpt_config_of(memory);
+  } catch (const FormatError& e) {
+    throw FormatError("checkpoint " + o.resume + " holds no GPT: " + e.what());
+  }
+  if (o.shape_given) {
+    throw UsageError(
+        "--context, --d-model, --heads, --blocks and --sparsity cannot be given "
+        "with --resume: the checkpoint (" +
+        c.describe() + ") fixes them");
+  }
+  if (o.seed_given && o.seed != memory.seed) {
+    throw UsageError("--seed differs from the checkpoint's " + std::to_string(memory.seed) +
+                     ", which fixes the data order (leave --seed out to resume)");
+  }
+  o.seed = memory.seed;
+  OptimizerConfig opt = memory.optimizer();
+  if (o.optimizer_given) opt.kind = parse_optimizer(o.optimizer);
+  if (o.lr_given) opt.learning_rate = o.lr;
+  if (o.optimizer_given || o.lr_given) memory.set_optimizer(opt);
+  return c;
+}
+
+/// The held-out part's mean loss in nats per byte, in batches of whole windows per engine.
+double held_out_loss(GptModel& model, const TextCorpus& corpus, std::int64_t batch, int engines,
+                     std::int64_t& tokens) {
+  const std::int64_t windows = corpus.held_out_windows() / engines * engines;
+  if (windows < 1) {
+    throw FormatError("the held-out part has " + std::to_string(corpus.held_out_windows()) +
+                      " windows of --context bytes, fewer than the " + std::to_string(engines) +
+                      " engines");
+  }
+  const std::int64_t step = std::max<std::int64_t>(engines, batch / engines * engines);
+  double sum = 0;
+  for (std::int64_t first = 0; first < windows; first += step) {
+    const std::int64_t count = std::min(step, windows - first);
+    const TextBatch b = corpus.held_out_batch(first, count);
+    sum += model.loss(b) * static_cast<double>(count * corpus.context());
+  }
+  tokens = windows * corpus.context();
+  return sum / static_cast<double>(tokens);
+}
+
+struct RunTotals {
+  std::int64_t steps = 0, skipped = 0;
+  std::deque<double> recent;  // the last steps' losses, for train_loss
+  double train_loss() const {
+    return recent.empty() ? NAN
+                          : std::accumulate(recent.begin(), recent.end(), 0.0) /
+                                static_cast<double>(recent.size());
+  }
+};
+
+RunTotals train_steps(GptModel& model, ModelMemory& memory, const TextCorpus& corpus,
+                      const GptTrainOptions& o, std::ostream& progress) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  RunTotals t;
+  const std::int64_t first_step = memory.step();
+  constexpr std::size_t kRecent = 20;
+  const std::int64_t report_every = 25;
+  while ((o.steps == 0 || t.steps < o.steps) &&
+         (o.max_seconds == 0 ||
+          std::chrono::duration<double>(Clock::now() - t0).count() < o.max_seconds)) {
+    // Batches follow the step count, so a resumed run goes on with the data order.
+    const auto global = static_cast<std::uint64_t>(first_step + t.steps);
+    const GptStep s = model.train_step(corpus.sample(o.batch, o.seed, global));
+    ++t.steps;
+    if (!s.report.applied) ++t.skipped;
+    t.recent.push_back(s.loss);
+    if (t.recent.size() > kRecent) t.recent.pop_front();
+    if (t.steps % report_every == 0) {
+      char line[160];
+      std::snprintf(line, sizeof line, "step %6lld  loss %.4f  (%.3f bits/byte)  %.0f tokens/s\n",
+                    static_cast<long long>(memory.step()), t.train_loss(),
+                    t.train_loss() / std::log(2.0), model.totals().tokens_per_second());
+      progress << line << std::flush;
+    }
+  }
+  if (t.steps == 0) throw UsageError("no step was trained: --max-seconds is too small");
+  if (!std::isfinite(t.train_loss()) || t.skipped == t.steps) {
+    throw NumericError("training diverged: " + std::to_string(t.skipped) + " of " +
+                       std::to_string(t.steps) +
+                       " steps were skipped for non-finite gradients (try a smaller --lr)" +
+                       (o.checkpoint.empty() ? "" : "; " + o.checkpoint + " was not written"));
+  }
+  return t;
+}
+
+}  // namespace
+
+int run_gpt_training(GptTrainOptions o) {
+  if (o.steps == 0 && o.max_seconds == 0) o.steps = 200;
+  if (o.batch < o.engines) throw UsageError("--batch (sequences) must be at least --engines");
+  std::ostream& progress = o.json ? std::cerr : std::cout;
+  HostModelMemory memory;
+  const GptConfig config = prepare_model(memory, o);
+  const std::filesystem::path path = text_path(o);
+  const TextCorpus corpus = TextCorpus::load(path, config.context);
+  o.threads = o.threads > 0 ? runnable_threads(o.threads, "train") : 0;
+  LocalFabricOptions fo;
+  fo.engines = o.engines;
+  fo.engine.threads = o.threads;
+  fo.engine.path = parse_product_path(o.path);
+  LocalFabric fabric(fo);
+  GptModel model(memory, fabric, config);
+  progress << "gpt: " << config.describe() << ", sparsity " << json_number(model.config().sparsity)
+           << ", " << gpt_parameters(config) << " parameters (" << stored_parameters(memory)
+           << " stored); " << path.string() << ": " << corpus.train().size() << " bytes to train, "
+           << corpus.held_out().size() << " held out\n";
+
+  const RunTotals t = train_steps(model, memory, corpus, o, progress);
+  if (!o.checkpoint.empty()) memory.save(o.checkpoint);
+  std::int64_t held_out_tokens = 0;
+  const double val_loss = held_out_loss(model, corpus, o.batch, o.engines, held_out_tokens);
+  const StepMetrics& total = model.totals();
+  const double bits = val_loss / std::log(2.0);
+  if (o.json) {
+    JsonWriter j(2);
+    j.begin_object();
+    j.field("model", "gpt").field("text", path.string());
+    j.field("val_loss", val_loss).field("val_bits_per_byte", bits);
+    j.field("train_loss", t.train_loss());
+    j.field("tokens_per_s", total.tokens_per_second()).field("engine_busy", total.engine_busy());
+    j.field("steps", t.steps).field("skipped_steps", t.skipped);
+    j.field("steps_total", memory.step());
+    j.field("parameters", gpt_parameters(config)).field("nonzeros", stored_parameters(memory));
+    j.field("train_seconds", total.wall_seconds);
+    j.field("optimizer_seconds", total.optimizer_seconds);
+    j.field("stream_bytes_per_s", total.bytes_per_second());
+    j.field("context", config.context).field("d_model", config.d_model);
+    j.field("heads", config.heads).field("blocks", config.blocks);
+    j.field("sparsity", model.config().sparsity).field("batch", o.batch);
+    j.field("engines", o.engines).field("path", o.path);
+    j.field("optimizer", to_string(memory.optimizer().kind));
+    j.field("learning_rate", memory.optimizer().learning_rate).field("seed", memory.seed);
+    j.field("held_out_tokens", held_out_tokens);
+    j.field("peak_rss_bytes", peak_resident_bytes());
+    j.end_object();
+    std::cout << j.str() << "\n";
+  } else {
+    std::printf(
+        "held-out loss %.4f nats/byte (%.3f bits/byte) on %lld bytes; %lld steps in "
+        "%.1f s, %.0f tokens/s, engine busy %.1f%%\n",
+        val_loss, bits, static_cast<long long>(held_out_tokens), static_cast<long long>(t.steps),
+        total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy());
+  }
+  return 0;
+}
+
+}  // namespace sluice::cli

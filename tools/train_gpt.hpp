@@ -1,0 +1,32 @@
+#pragma once
+// `sluice train --model gpt`: the options cmd_train.cpp parses for it, and the run.
+#include <cstdint>
+#include <string>
+
+namespace sluice::cli {
+
+struct GptTrainOptions {
+  std::string text;  ///< file or directory; empty: $SLUICE_TEXT, else <program dir>/data/fortunes
+  std::int64_t context = 128;
+  std::int64_t d_model = 256;
+  std::int64_t heads = 4;
+  std::int64_t blocks = 4;
+  double sparsity = 0.9;
+  std::int64_t batch = 32;  ///< sequences per step
+  std::int64_t steps = 0;   ///< 0: no step limit (then max_seconds must be set)
+  double max_seconds = 0;   ///< 0: no time limit
+  int engines = 1;
+  int threads = 0;
+  std::string path = "auto";
+  std::string optimizer = "adam";
+  double lr = 1e-3;
+  bool lr_given = false, optimizer_given = false, seed_given = false, shape_given = false;
+  std::uint64_t seed = 1;
+  std::string checkpoint, resume;
+  bool json = false;
+};
+
+/// Trains (or resumes) a GPT on the text and reports on its held-out part; the exit code.
+int run_gpt_training(GptTrainOptions o);
+
+}  // namespace sluice::cli
