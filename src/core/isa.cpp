@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "core/enum_names.hpp"
+#include "core/isa_choice.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -57,5 +58,13 @@ std::vector<Isa> supported_isas() {
   }
   return isas;
 }
+
+namespace detail {
+
+bool cpu_supports_avx512_vbmi2() {
+  return __builtin_cpu_supports("avx512vbmi2");
+}
+
+}  // namespace detail
 
 }  // namespace sluice

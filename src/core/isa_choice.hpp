@@ -11,4 +11,8 @@ constexpr T for_isa(Isa isa, T scalar, T avx2, T avx512) {
   return isa == Isa::avx512 ? avx512 : isa == Isa::avx2 ? avx2 : scalar;
 }
 
+/// Whether the CPU has AVX-512 VBMI2 (byte and word compress/expand), which one AVX-512
+/// kernel uses beyond the set Isa::avx512 requires. Asked here, as every CPU feature is.
+bool cpu_supports_avx512_vbmi2();
+
 }  // namespace sluice::detail

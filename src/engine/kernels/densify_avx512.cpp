@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <bit>
 
+#include "core/isa_choice.hpp"
 #include "engine/kernels/densify.hpp"
 
 namespace sluice::detail {
@@ -130,7 +131,7 @@ void gradient_bf16(const Bf16Packet* run, std::uint32_t n, const float* row, Pac
 
 DensifyKernels avx512_densify() {
   DensifyKernels k{densify_fp32, nullptr, gradient_fp32, gradient_bf16};
-  if (__builtin_cpu_supports("avx512vbmi2")) k.bf16 = densify_bf16;
+  if (cpu_supports_avx512_vbmi2()) k.bf16 = densify_bf16;
   return k;
 }
 
