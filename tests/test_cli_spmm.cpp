@@ -83,6 +83,47 @@ TEST_F(CliSpmm, RefusesADenseBaselineLargerThanMemory) {
       << o.output;
 }
 
+// --sparsity 0 makes W as dense as the baseline: the guard counts W's non-zeros, X and Y
+// from the shape, before W is generated (it was checked after, so this W was made first).
+TEST_F(CliSpmm, ChecksMemoryBeforeGeneratingW) {
+  const Outcome o = run("spmm --shape 200000x200000 --sparsity 0 --tokens 1 --repeat 1");
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+  EXPECT_NE(o.output.find("dense baseline of a 200000x200000 layer needs"), std::string::npos)
+      << o.output;
+}
+
+// A list of sparsities is timed one W at a time: six dense 2000x2000 layers (32 MB of
+// non-zeros each, more again in the engine's stream) peak where one does.
+TEST_F(CliSpmm, MemoryDoesNotGrowWithTheSparsityList) {
+  const std::string common = "spmm --shape 2000x2000 --tokens 1 --repeat 1 --json --sparsity ";
+  const Outcome one = run(common + "0", false);
+  const Outcome six = run(common + "0,0,0,0,0,0", false);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(six.exit_code, 0) << six.output;
+  const double single = json_number(one.output, "peak_rss_bytes");
+  const double list = json_number(six.output.substr(six.output.rfind("\"out\"")), "peak_rss_bytes");
+  EXPECT_LT(list, single + 64e6) << "one W: " << single << " bytes, six: " << list;
+}
+
+// A short file may declare 2^31 - 1 rows: their 16 GiB of row offsets are compared with
+// what this process may have (here RLIMIT_AS at 4 GiB) before any is allocated, and the
+// message says what they would need and which limit binds.
+TEST_F(CliSpmm, DeclaredRowsAreBudgetedBeforeTheyAreAllocated) {
+  const fs::path mtx = dir_ / "big.mtx";
+  const fs::path smtx = dir_ / "big.smtx";
+  std::ofstream(mtx) << "%%MatrixMarket matrix coordinate real general\n2147483647 1 0\n";
+  std::ofstream(smtx) << "2147483647, 1, 0\n";
+  for (const fs::path& file : {mtx, smtx}) {
+    const Outcome o =
+        sluice::testing::run_cli(std::string("prlimit --as=4294967296 ") + SLUICE_CLI_PATH,
+                                 "spmm --tokens 1 --repeat 1 --matrix " + file.string());
+    EXPECT_EQ(o.exit_code, 1) << o.output;
+    EXPECT_NE(o.output.find(file.string() + ":"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("row offsets needs 17179869184 bytes"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("RLIMIT_AS"), std::string::npos) << o.output;
+  }
+}
+
 // Options that describe a random W mean nothing with a matrix file; silently ignoring one
 // would time another layer than the user asked for.
 TEST_F(CliSpmm, OptionsForARandomWAreRefusedWithAMatrixFile) {

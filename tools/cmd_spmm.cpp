@@ -62,7 +62,6 @@ struct SpmmResult {
 constexpr double kCheckTolerance = 1e-5;
 
 SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
-  require_dense_baseline_memory(w.rows(), w.cols(), o.backward);
   EngineOptions eo;
   eo.threads = o.threads;
   eo.geometry = o.geometry;
@@ -319,27 +318,35 @@ Command add_spmm_command(CLI::App& app) {
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
 
   return [o] {
-    std::vector<CsrMatrix> layers;
+    o->threads = runnable_threads(o->threads, "spmm");
+    std::vector<SpmmResult> results;
     if (!o->matrix.empty()) {
-      layers.push_back(read_matrix(o->matrix, o->seed));
+      const CsrMatrix w = read_matrix(o->matrix, o->seed);
       // .smtx can hold an empty matrix; a product of it has nothing to time.
-      if (layers.back().rows() == 0 || layers.back().cols() == 0) {
-        throw FormatError(o->matrix + " holds a " + std::to_string(layers.back().rows()) + "x" +
-                          std::to_string(layers.back().cols()) + " matrix: nothing to time");
+      if (w.rows() == 0 || w.cols() == 0) {
+        throw FormatError(o->matrix + " holds a " + std::to_string(w.rows()) + "x" +
+                          std::to_string(w.cols()) + " matrix: nothing to time");
       }
+      require_dense_baseline_memory(w.rows(), w.cols(), o->backward, o->tokens,
+                                    static_cast<double>(w.nnz()));
+      results.push_back(measure(w, *o));
     } else {
       const auto [out, in] = parse_shape(o->shape);
       const auto distribution =
           o->distribution == "powerlaw" ? RowDistribution::powerlaw : RowDistribution::uniform;
       const std::vector<double> sparsities = parse_sparsities(
           o->sparsity.empty() ? "0,0.5,0.75,0.9,0.95,0.98,0.99,0.999" : o->sparsity);
+      // Every point is checked before the first W is generated, and each W is made, timed
+      // and freed in turn: memory does not grow with the list.
       for (double s : sparsities) {
-        layers.push_back(CsrMatrix::random(out, in, s, o->seed, distribution));
+        require_dense_baseline_memory(
+            out, in, o->backward, o->tokens,
+            (1.0 - s) * static_cast<double>(out) * static_cast<double>(in));
+      }
+      for (double s : sparsities) {
+        results.push_back(measure(CsrMatrix::random(out, in, s, o->seed, distribution), *o));
       }
     }
-    o->threads = runnable_threads(o->threads, "spmm");
-    std::vector<SpmmResult> results;
-    for (const CsrMatrix& w : layers) results.push_back(measure(w, *o));
     if (o->json) {
       JsonWriter j(2);
       if (results.size() == 1) {

@@ -153,7 +153,10 @@ double median(std::vector<double> values) {
 Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
               std::vector<MeasuredRun>& runs) {
   const auto [outputs, inputs] = parse_shape(o.shape);
-  require_dense_baseline_memory(outputs, inputs, o.training);
+  const double densest = 1.0 - *std::min_element(sparsities.begin(), sparsities.end());
+  require_dense_baseline_memory(
+      outputs, inputs, o.training, o.tokens,
+      densest * static_cast<double>(outputs) * static_cast<double>(inputs));
   EngineOptions eo;
   eo.threads = runnable_threads(o.threads, "sweep");
   // The points calibrate the streamed product's model: every one runs sparse, also where

@@ -1,5 +1,7 @@
 #include "measure.hpp"
 
+#include "core/available_memory.hpp"
+
 #include <oneapi/tbb/task_arena.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -63,18 +65,23 @@ int runnable_threads(int requested, const char* command) {
   return available;
 }
 
-void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient) {
-  const double bytes =
-      4.0 * static_cast<double>(outputs) * static_cast<double>(inputs) * (with_gradient ? 2 : 1);
-  const double physical =
-      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-  if (physical > 0 && bytes > physical) {
-    char text[200];
+void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient,
+                                   std::int64_t tokens, double nnz) {
+  const double out = static_cast<double>(outputs), in = static_cast<double>(inputs);
+  const double gradient = with_gradient ? 2 : 1;
+  // W with its zeros (and dW), W's non-zeros as values and indices in the matrix and again
+  // in the engine's stream, X and Y (and dY and dX) in fp32.
+  const double bytes = 4.0 * out * in * gradient + 16.0 * nnz +
+                       4.0 * static_cast<double>(tokens) * (out + in) * gradient;
+  const detail::MemoryLimit limit = detail::available_memory();
+  if (limit.bytes > 0 && bytes > static_cast<double>(limit.bytes)) {
+    char text[300];
     std::snprintf(text, sizeof text,
-                  "the dense baseline of a %lldx%lld layer needs %.1f GB, more than this "
-                  "machine's %.1f GB of memory",
+                  "the dense baseline of a %lldx%lld layer needs %.1f GB (with W's non-zeros, X "
+                  "and Y at %lld tokens), more than the %.1f GB of %s this process can have",
                   static_cast<long long>(outputs), static_cast<long long>(inputs), bytes * 1e-9,
-                  physical * 1e-9);
+                  static_cast<long long>(tokens), static_cast<double>(limit.bytes) * 1e-9,
+                  limit.source);
     throw UsageError(text);
   }
 }

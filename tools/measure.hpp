@@ -65,9 +65,12 @@ std::int64_t peak_resident_bytes();
 int runnable_threads(int requested, const char* command);
 
 /// UsageError unless oneDNN's dense baseline of an outputs x inputs layer (W with its
-/// zeros, and dW as large `with_gradient`) fits in this machine's physical memory: a large,
-/// very sparse layer is small for sluice but may not be for oneDNN, and an allocation of
-/// tens of GB fails late or gets the process killed.
-void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient);
+/// zeros, and dW as large `with_gradient`), with W's `nnz` non-zeros and X and Y of
+/// `tokens`, fits in the memory this process can have (physical, cgroup, RLIMIT_AS): a
+/// large, very sparse layer is small for sluice but may not be for oneDNN, and an
+/// allocation of tens of GB fails late or gets the process killed. Called before W is
+/// generated, with the count its sparsity implies.
+void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient,
+                                   std::int64_t tokens, double nnz);
 
 }  // namespace sluice::cli

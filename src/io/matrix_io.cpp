@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/available_memory.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
 
@@ -140,6 +141,16 @@ std::string lowercase(std::string_view text) {
 }
 
 /// Checks a matrix shape read from a header before anything is allocated for it.
+// A short file may declare up to 2^31 - 1 rows, each with an 8-byte offset that no line of
+// the file pays for: checked against the memory there is before any is allocated.
+void require_offsets_memory(const fs::path& path, std::int64_t line, std::int64_t rows,
+                            std::int64_t cols) {
+  detail::require_memory(8.0 * (static_cast<double>(rows) + 1),
+                         path.string() + ":" + std::to_string(line) + ": a " +
+                             std::to_string(rows) + "x" + std::to_string(cols) +
+                             " matrix's row offsets");
+}
+
 void check_shape(const fs::path& path, std::int64_t line, std::int64_t rows, std::int64_t cols,
                  std::int64_t nnz) {
   if (rows > kMaxDimension || cols > kMaxDimension) {
@@ -337,6 +348,7 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
   }
   if (nnz < 0) fail(path, size_line, "negative entry count " + std::to_string(nnz));
   check_shape(path, size_line, rows, cols, nnz);
+  require_offsets_memory(path, size_line, rows, cols);
   // A count the rest of the file cannot hold (an entry takes more than a byte) is
   // corrupt. Below that, a mere truncation is reported where the entries run out,
   // and the reservation is capped by what the file can hold ("1 1\n" or "1 1 1\n").
@@ -395,17 +407,7 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
     }
   }
 
-  // A short file may declare up to 2^31 - 1 rows, each with its 8-byte offset: where the
-  // memory is not there, say so rather than let bad_alloc escape.
-  std::vector<std::int64_t> offsets;
-  try {
-    offsets.assign(static_cast<std::size_t>(rows) + 1, 0);
-  } catch (const std::bad_alloc&) {
-    throw ResourceError(path.string() + ":" + std::to_string(size_line) + ": a " +
-                        std::to_string(rows) + "x" + std::to_string(cols) + " matrix needs " +
-                        std::to_string(8 * (rows + 1)) +
-                        " bytes of row offsets, more than this process can allocate");
-  }
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(rows) + 1, 0);
   std::vector<std::uint32_t> col_indices(entries.size());
   std::vector<float> values(entries.size());
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -516,6 +518,7 @@ CsrMatrix read_smtx(const fs::path& path, std::uint64_t seed) {
   }
   const auto [rows, cols, nnz] = size;
   check_shape(path, 1, rows, cols, nnz);
+  require_offsets_memory(path, 1, rows, cols);
   // Every number takes at least one byte: a header asking for more is corrupt.
   if (static_cast<std::uint64_t>(rows + 1 + nnz) > lines.remaining()) {
     fail(path, 1,
