@@ -224,3 +224,29 @@ TEST_F(CliTrain, KillingTheCliDuringACheckpointSaveKeepsTheOlderOne) {
 }
 
 }  // namespace
+
+namespace {
+
+// One label of 10^6 among labels 0..2 implies a million-class output layer (3.7 GB to
+// train): budgeted before it is built, against what the process may have (RLIMIT_AS at
+// 2 GiB here), and refused as bad data naming the file and the label's line. The same file
+// without that line trains under the same limit.
+TEST_F(CliTrain, AStrayLabelsModelIsBudgetedNamingItsLine) {
+  std::string rows;
+  for (int i = 0; i < 40; ++i) {
+    rows += std::to_string(i % 7) + ",0.5," + std::to_string(i % 5) + ",1," +
+            std::to_string(i % 3) + "\n";
+  }
+  std::ofstream(path("good.csv")) << rows;
+  std::ofstream(path("stray.csv")) << rows << "\n0.1,0.2,0.3,0.4,1000000\n";
+  const std::string limited = std::string("prlimit --as=2147483648 ") + SLUICE_CLI_PATH;
+  const Outcome good =
+      sluice::testing::run_cli(limited, "train --epochs 1 --dataset " + path("good.csv"));
+  EXPECT_EQ(good.exit_code, 0) << good.output;
+  const Outcome stray =
+      sluice::testing::run_cli(limited, "train --epochs 1 --dataset " + path("stray.csv"));
+  expect_exit(stray, 1, path("stray.csv") + ":42: label 1000000 implies 1000001 classes");
+  EXPECT_NE(stray.output.find("RLIMIT_AS"), std::string::npos) << stray.output;
+}
+
+}  // namespace

@@ -20,6 +20,7 @@
 
 #include "json_writer.hpp"
 #include "measure.hpp"
+#include "model_budget.hpp"
 #include "model_store_option.hpp"
 #include "output_files.hpp"
 #include "sluice/dataset.hpp"
@@ -624,6 +625,10 @@ Command add_train_command(CLI::App& app) {
       resume_optimizer(memory, *o, optimizer->count() > 0, lr->count() > 0, progress);
     } else {
       memory.seed = o->seed;
+      const bool classes_from_file = o->layers.empty() && dataset_name == o->dataset;
+      require_mlp_memory(sizes, o->sparsity, o->batch,
+                         classes_from_file ? largest_label_source(o->dataset, all) : "",
+                         o->layers.empty() ? "the default layers" : "--layers " + o->layers);
       check_model_store_budget(o->store, sizes, o->sparsity);
       build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
       memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
