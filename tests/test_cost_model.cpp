@@ -81,7 +81,7 @@ TEST(CostModel, StreamSharesDivideTheStreamsWork) {
   EXPECT_DOUBLE_EQ(shared[3], 10.0 * 16);
   EXPECT_DOUBLE_EQ(shared[4], 1.0);
   g.shares = -1;
-  EXPECT_THROW(cost_terms(make_work(30, 11, 16, g, 12)), ShapeError);
+  EXPECT_THROW(cost_terms(make_work(30, 11, 16, g, 12)), ArgumentError);
 }
 
 TEST(CostModel, LayerTimeMatchesFormula) {
@@ -148,19 +148,20 @@ TEST(CostModel, SaturationIsTheAnalyticalLimit) {
 TEST(CostModel, RefusesBadInput) {
   const CostModel model(cpu_like_constants());
   EXPECT_THROW(model.layer_seconds(make_work(0, 10, 10, make_geometry(1, 1), 0)), ShapeError);
-  EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(0, 1), 0)), ShapeError);
-  EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(1, 0), 0)), ShapeError);
-  EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(1, 1, -5), 0)), ShapeError);
+  EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(0, 1), 0)), ArgumentError);
+  EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(1, 0), 0)), ArgumentError);
+  EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(1, 1, -5), 0)),
+               ArgumentError);
   EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(1, 1), 101)), ShapeError);
   EXPECT_THROW(model.layer_seconds(make_work(10, 10, 10, make_geometry(1, 1), -1)), ShapeError);
-  EXPECT_THROW(model.acceleration(make_geometry(1, 1), 10, 10, 10, 1.5), ShapeError);
-  EXPECT_THROW(model.acceleration(make_geometry(1, 1), 10, 10, 10, std::nan("")), ShapeError);
+  EXPECT_THROW(model.acceleration(make_geometry(1, 1), 10, 10, 10, 1.5), ArgumentError);
+  EXPECT_THROW(model.acceleration(make_geometry(1, 1), 10, 10, 10, std::nan("")), ArgumentError);
   CostConstants negative = cpu_like_constants();
   negative.partial_sum_fixed = -1e-9;
-  EXPECT_THROW(CostModel{negative}, ShapeError);
+  EXPECT_THROW(CostModel{negative}, ArgumentError);
   CostConstants no_dense = cpu_like_constants();
   no_dense.dense_flops = 0;
-  EXPECT_THROW(CostModel(no_dense).dense_seconds(10, 10, 10), ShapeError);
+  EXPECT_THROW(CostModel(no_dense).dense_seconds(10, 10, 10), ArgumentError);
 }
 
 // ---- calibration ---------------------------------------------------------------------
@@ -256,10 +257,10 @@ TEST(Calibration, RefusesTooFewRuns) {
   try {
     calibrate(runs);
     FAIL() << "4 runs for 5 constants were accepted";
-  } catch (const ShapeError& e) {
+  } catch (const ArgumentError& e) {
     EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(calibrate({}), ShapeError);
+  EXPECT_THROW(calibrate({}), ArgumentError);
   // Fewer constants to fit: fewer runs suffice.
   CalibrationOptions two;
   two.fit = {false, true, false, false, true};
@@ -281,7 +282,7 @@ TEST(Calibration, RefusesRunsThatCannotSeparateTheConstants) {
   try {
     calibrate(runs);
     FAIL() << "an unidentifiable fit was accepted";
-  } catch (const ShapeError& e) {
+  } catch (const ArgumentError& e) {
     EXPECT_NE(std::string(e.what()).find("cannot tell apart"), std::string::npos) << e.what();
   }
 }
@@ -289,12 +290,12 @@ TEST(Calibration, RefusesRunsThatCannotSeparateTheConstants) {
 TEST(Calibration, RefusesBadMeasurements) {
   auto runs = synthetic_runs(cpu_like_constants(), 0.0);
   runs[3].seconds = 0;
-  EXPECT_THROW(calibrate(runs), ShapeError);
+  EXPECT_THROW(calibrate(runs), ArgumentError);
   runs[3].seconds = std::numeric_limits<double>::quiet_NaN();
-  EXPECT_THROW(calibrate(runs), ShapeError);
+  EXPECT_THROW(calibrate(runs), ArgumentError);
   runs = synthetic_runs(cpu_like_constants(), 0.0);
   runs[5].work.geometry.lanes = 0;
-  EXPECT_THROW(calibrate(runs), ShapeError);
+  EXPECT_THROW(calibrate(runs), ArgumentError);
 }
 
 TEST(Calibration, SerialisesToJson) {
@@ -434,7 +435,7 @@ TEST(Wafer, MemoryCapsTheTokensAnEngineHolds) {
   EXPECT_GT(leaner.saturation, gpt3.saturation);
   ActivationMemory nothing;
   nothing.bytes_per_token_layer_per_d_model = 0;
-  EXPECT_THROW(wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9}, {}, nothing), ShapeError);
+  EXPECT_THROW(wafer_ffn_acceleration(s, gpt3_175b(), 1, {0.9}, {}, nothing), ArgumentError);
 }
 
 // Sharing a batch over more engines leaves each fewer (or as many) tokens: its
@@ -483,7 +484,7 @@ TEST(Wafer, ClusterScalingIsLinearLongerForBiggerModels) {
     EXPECT_GT(points.back().speedup, previous_final_speedup) << shape.name;
     previous_final_speedup = points.back().speedup;
   }
-  EXPECT_THROW(predict_cluster_scaling(s, gpt3_175b(), 0.9, {0}), ShapeError);
+  EXPECT_THROW(predict_cluster_scaling(s, gpt3_175b(), 0.9, {0}), ArgumentError);
 }
 
 }  // namespace

@@ -682,13 +682,13 @@ TEST(Engine, Bf16StreamsAddressUpToTheirLastIndex) {
   }
   EXPECT_THROW(encode_stream(CsrMatrix(2, 65536, {0, 1, 1}, {65535}, {1.0F}), StreamKind::weights,
                              kDefaultChunkPackets, Precision::bf16),
-               ShapeError);
+               UnsupportedError);
 }
 
 TEST(Engine, RefusesBf16StreamsWithTooManyInputs) {
   const CsrMatrix wide = CsrMatrix::random(2, 70000, 0.999, 3);
   EXPECT_THROW(encode_stream(wide, StreamKind::weights, kDefaultChunkPackets, Precision::bf16),
-               ShapeError);
+               UnsupportedError);
   // A header that claims it anyway is refused at intake.
   WeightStream s = encode_stream(CsrMatrix::random(2, 10, 0.5, 3), StreamKind::weights,
                                  kDefaultChunkPackets, Precision::bf16);
@@ -714,9 +714,9 @@ TEST(Engine, RejectsWrongShapes) {
                               x.view(), y.view()),
                ShapeError);
   EXPECT_THROW(engine.forward(encode_stream(w, StreamKind::mask), p, x.view(), y.view()),
-               ShapeError);
+               ArgumentError);
   MutableMatrixView alias{x.data(), 6, 4, x.stride()};
-  EXPECT_THROW(engine.backward(s, p, x.view(), y.view(), &alias), ShapeError);
+  EXPECT_THROW(engine.backward(s, p, x.view(), y.view(), &alias), ArgumentError);
 }
 
 // X and Y as views into one buffer, at random strides and offsets: refused exactly when
@@ -752,7 +752,7 @@ TEST(Engine, ViewsOfOneBufferAreRefusedExactlyWhenTheyShareAnElement) {
     }();
     const WeightStream s = encode_stream(w);
     if (shared) {
-      EXPECT_THROW(engine.forward(s, round_robin_placement(w, 1), x, y), ShapeError)
+      EXPECT_THROW(engine.forward(s, round_robin_placement(w, 1), x, y), ArgumentError)
           << "trial " << trial;
       ++refused;
     } else {

@@ -48,7 +48,7 @@ TEST(Planner, AllZeroAndEmptyAreBalanced) {
 }
 
 TEST(Planner, RefusesZeroLanes) {
-  EXPECT_THROW(round_robin_placement(std::vector<std::int64_t>(3, 1), 0), ShapeError);
+  EXPECT_THROW(round_robin_placement(std::vector<std::int64_t>(3, 1), 0), ArgumentError);
 }
 
 }  // namespace

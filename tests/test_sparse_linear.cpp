@@ -233,9 +233,9 @@ TEST(SparseLinear, MagnitudePruning) {
   ASSERT_EQ(tie.nnz(), 1);
   EXPECT_EQ(tie.weights().col_indices()[0], 0U);
   EXPECT_EQ(tie.weights().row_offsets()[1], 1);
-  thrown_message<ShapeError>([&] { SparseLinear::pruned(memory, dense, 1.0); });
-  thrown_message<ShapeError>([&] { SparseLinear::pruned(memory, dense, -0.1); });
-  thrown_message<ShapeError>(
+  thrown_message<ArgumentError>([&] { SparseLinear::pruned(memory, dense, 1.0); });
+  thrown_message<ArgumentError>([&] { SparseLinear::pruned(memory, dense, -0.1); });
+  thrown_message<ArgumentError>(
       [&] { SparseLinear::pruned(memory, dense, std::numeric_limits<double>::quiet_NaN()); });
 }
 
@@ -272,9 +272,9 @@ TEST(SparseLinear, BadShapesSayWhat) {
   EXPECT_CONTAINS(
       thrown_message<ShapeError>([&] { layer.forward(engine, x, y.view(), {.values = few}); }),
       "3 values for a layer of");
-  EXPECT_CONTAINS(thrown_message<ShapeError>([] { SparseLinear(nullptr, CsrMatrix()); }),
+  EXPECT_CONTAINS(thrown_message<ArgumentError>([] { SparseLinear(nullptr, CsrMatrix()); }),
                   "no ModelMemory");
-  EXPECT_CONTAINS(thrown_message<ShapeError>([&] { SparseLinear(memory, 5); }), "no layer 5");
+  EXPECT_CONTAINS(thrown_message<ArgumentError>([&] { SparseLinear(memory, 5); }), "no layer 5");
 }
 
 // Products only read the layer: two threads, each with its own engine, at once.

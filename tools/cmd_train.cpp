@@ -216,7 +216,7 @@ std::vector<std::int64_t> resume_model(ModelMemory& memory, TrainOptions& o, boo
   std::vector<std::int64_t> sizes;
   try {
     sizes = mlp_sizes(memory);
-  } catch (const ShapeError& e) {
+  } catch (const ArgumentError& e) {
     throw FormatError(model_source(o) + " holds no network that can be trained: " + e.what());
   }
   if (seed_given && o.seed != memory.seed) {

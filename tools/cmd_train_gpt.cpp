@@ -50,7 +50,7 @@ GptConfig prepare_model(HostModelMemory& memory, GptTrainOptions& o) {
     c.sparsity = o.sparsity;
     try {
       c.validate();
-    } catch (const ShapeError& e) {
+    } catch (const ArgumentError& e) {
       throw UsageError(e.what());
     }
     memory.seed = o.seed;

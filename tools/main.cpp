@@ -49,7 +49,10 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << "sluice: " << e.what() << "\n";
     return 2;
-  } catch (const sluice::ShapeError& e) {
+  } catch (const sluice::ArgumentError& e) {  // shapes too
+    std::cerr << "sluice: " << e.what() << "\n";
+    return 2;
+  } catch (const sluice::UnsupportedError& e) {  // asked of this machine or build
     std::cerr << "sluice: " << e.what() << "\n";
     return 2;
   } catch (const sluice::Error& e) {

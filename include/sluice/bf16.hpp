@@ -11,7 +11,7 @@ namespace sluice {
 enum class Precision : std::uint32_t { fp32 = 1, bf16 = 2 };
 
 const char* to_string(Precision precision);
-/// Parses "fp32" or "bf16"; throws ShapeError otherwise.
+/// Parses "fp32" or "bf16"; throws ArgumentError otherwise.
 Precision parse_precision(const std::string& name);
 
 /// fp32 -> bf16, rounding to nearest even. Infinities stay infinite, NaN stays NaN;

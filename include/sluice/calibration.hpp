@@ -47,7 +47,7 @@ struct CalibrationResult {
 /// (each run weighted by 1 / measured time, since timings span decades), solved by
 /// Householder QR. Negative costs are meaningless: while the fit has a negative constant,
 /// the most negative one is fixed at zero and the rest refitted (a simple active set).
-/// ShapeError when there are fewer runs than constants to fit, a run is invalid, a term is
+/// ArgumentError when there are fewer runs than constants to fit, a run is invalid, a term is
 /// never exercised, or the runs cannot separate the constants (condition number).
 CalibrationResult calibrate(const std::vector<MeasuredRun>& runs,
                             const CalibrationOptions& options = {});

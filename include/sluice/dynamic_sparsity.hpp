@@ -24,7 +24,7 @@ enum class MaskUpdateRule {
   rigl,  ///< RigL: grow the inactive positions with the largest |dense gradient|
 };
 const char* to_string(MaskUpdateRule rule);
-/// "none", "set" or "rigl"; ShapeError otherwise.
+/// "none", "set" or "rigl"; ArgumentError otherwise.
 MaskUpdateRule parse_mask_update_rule(const std::string& name);
 
 /// When and how much the masks change. Steps are counted from 1, as ModelMemory::step()
@@ -37,7 +37,7 @@ struct DynamicSparsity {
   std::int64_t total_steps = 0;     ///< the run's length: the schedule's horizon
   std::uint64_t seed = 1;           ///< SET's draws (one stream per step and layer)
 
-  /// ShapeError naming the field: update_every >= 1, drop in (0, 1], update_until in
+  /// ArgumentError naming the field: update_every >= 1, drop in (0, 1], update_until in
   /// [0, 1], total_steps >= 0 and, unless the rule is none, > 0.
   void validate() const;
   /// Whether the masks change after step `step` (a multiple of update_every before
@@ -52,7 +52,7 @@ struct DynamicSparsity {
 
 /// `count` distinct positions (row * cols + col) inactive in `mask`, drawn uniformly at
 /// random from `seed`, in increasing order: SET's growth. Same seed, same positions.
-/// ShapeError if the mask has fewer than `count` inactive positions.
+/// ArgumentError if the mask has fewer than `count` inactive positions.
 std::vector<std::int64_t> random_inactive_positions(const CsrMatrix& mask, std::int64_t count,
                                                     std::uint64_t seed);
 

@@ -124,7 +124,7 @@ class Engine {
   /// Takes this engine's shard of a batch into its store for a pass of `spec`.
   virtual void load_shard(const PassSpec& spec, const ShardData& shard);
   /// The same from samples of a data set (the engine's copy): features and labels of
-  /// `indices`, in that order (ShapeError for an index out of the set).
+  /// `indices`, in that order (ArgumentError for an index out of the set).
   void load_samples(const PassSpec& spec, const Dataset& data,
                     std::span<const std::int64_t> indices);
   /// Layer `layer` forward: Z = W in(layer) + bias (empty: none), A = act(Z).

@@ -11,8 +11,23 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Shapes or arguments that do not fit together (caller's mistake).
-class ShapeError : public Error {
+/// The caller's mistake: a value out of its range, an unknown name, or a call the object's
+/// state does not allow (e.g. a pass before a batch is loaded). Bad input data is a
+/// FormatError instead; the command-line tool exits 2 for this one and 1 for bad data.
+class ArgumentError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Shapes that do not fit together (a kind of ArgumentError: catching that catches this).
+class ShapeError : public ArgumentError {
+ public:
+  using ArgumentError::ArgumentError;
+};
+
+/// Asked of something that cannot do it here: kernels this CPU lacks, MPI without the
+/// thread support it needs, a device or an operation this implementation does not offer.
+class UnsupportedError : public Error {
  public:
   using Error::Error;
 };

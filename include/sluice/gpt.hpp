@@ -39,7 +39,7 @@ struct GptConfig {
   /// Of every projection and of the LM head; the dense parameters are dense.
   double sparsity = 0.9;
 
-  /// ShapeError naming the field unless these make a model.
+  /// ArgumentError naming the field unless these make a model.
   void validate() const;
   /// "gpt vocab=256 context=128 d_model=256 heads=4 blocks=4": the shape as a checkpoint
   /// keeps it (ModelMemory::model). The sparsity is in the masks.
@@ -61,7 +61,7 @@ struct GptLayers {
   explicit GptLayers(const GptConfig& config);
 };
 
-/// Adds a fresh GPT of `config` to `memory`, which must hold no layers (ShapeError), and
+/// Adds a fresh GPT of `config` to `memory`, which must hold no layers (ArgumentError), and
 /// sets memory.model to config.describe(). Projections: seeded random masks at the
 /// sparsity, uniform values of variance 1 / expected fan-in (the residual branches' last
 /// projections scaled down by sqrt(2 * blocks)), zero biases. LayerNorm gains 1, biases 0.
@@ -115,7 +115,7 @@ class GptModel {
 
 /// `bytes` bytes sampled after `prompt` (which may be empty) from softmax(logits /
 /// temperature); temperature 0 takes the most likely byte. The same seed gives the same
-/// text. ShapeError for a negative temperature or byte count.
+/// text. ArgumentError for a negative temperature or byte count.
 std::string generate_text(GptModel& model, std::string_view prompt, std::int64_t bytes,
                           double temperature, std::uint64_t seed);
 

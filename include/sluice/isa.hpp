@@ -10,7 +10,7 @@ namespace sluice {
 enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
 
 const char* to_string(Isa isa);
-/// Parses "scalar", "avx2" or "avx512"; throws ShapeError otherwise.
+/// Parses "scalar", "avx2" or "avx512"; throws ArgumentError otherwise.
 Isa parse_isa(const std::string& name);
 
 /// The best ISA this CPU (and OS) supports.

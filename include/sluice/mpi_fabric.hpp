@@ -73,7 +73,7 @@ struct MpiFabricOptions {
 /// Collective over options.comm: every rank constructs one, with the same options.
 /// Needs MPI initialised with at least MPI_THREAD_FUNNELED on engine ranks and
 /// MPI_THREAD_SERIALIZED on rank 0 (the executor may call from another thread), and at
-/// least two ranks (ShapeError otherwise).
+/// least two ranks (UnsupportedError without the thread support, else ArgumentError).
 class MpiFabric final : public Fabric {
  public:
   explicit MpiFabric(MpiFabricOptions options = {});

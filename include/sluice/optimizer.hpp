@@ -8,7 +8,7 @@ namespace sluice {
 
 enum class OptimizerKind { sgd, adam, adamw };
 const char* to_string(OptimizerKind kind);
-/// "sgd", "adam" or "adamw"; throws ShapeError otherwise.
+/// "sgd", "adam" or "adamw"; throws ArgumentError otherwise.
 OptimizerKind parse_optimizer(const std::string& name);
 
 struct OptimizerConfig {

@@ -11,7 +11,7 @@ namespace sluice {
 /// per layer. The stream is sparse either way.
 enum class ProductPath { automatic, sparse, dense };
 const char* to_string(ProductPath path);  ///< "auto", "sparse", "dense"
-/// "auto", "sparse" or "dense"; ShapeError otherwise.
+/// "auto", "sparse" or "dense"; ArgumentError otherwise.
 ProductPath parse_product_path(const std::string& name);
 
 }  // namespace sluice

@@ -19,15 +19,15 @@ inline constexpr std::size_t kDefaultChunkPackets = 1 << 15;
 /// Encodes a layer's CSR matrix as a stream of the given kind (`mask` sends zeros as
 /// values), by output or by input (then the stream carries the matrix's transpose).
 /// In bf16 the values are rounded to nearest even; a stream whose tags would exceed
-/// 65534 (inputs by output, outputs by input), or a finite weight too large for bf16, is
-/// refused with ShapeError.
+/// 65534 (inputs by output, outputs by input) is refused with UnsupportedError, and a finite
+/// weight too large for bf16 with ArgumentError.
 WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind::weights,
                            std::size_t chunk_packets = kDefaultChunkPackets,
                            Precision precision = Precision::fp32,
                            StreamOrder order = StreamOrder::by_output);
 
 /// The pieces of encode_stream, for producers that encode a layer chunk by chunk:
-/// the stream's header (ShapeError if the layer cannot be streamed so), where the chunk
+/// the stream's header (UnsupportedError if the layer cannot be streamed so), where the chunk
 /// that starts at run `first` ends (whole runs, about `chunk_packets` packets, at least
 /// one run), and the chunk of runs [first, last) (end-of-layer after the last run). By
 /// input, the runs are the transpose's rows, its values read through its positions in

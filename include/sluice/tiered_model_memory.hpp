@@ -70,7 +70,7 @@ class TieredModelMemory final : public ModelMemory {
   const OptimizerConfig& optimizer_impl() const override;
   void set_non_finite_policy_impl(NonFinitePolicy policy) override;
   std::int64_t step_impl() const override;
-  /// The store is the checkpoint: save and load refuse (ShapeError) and say so.
+  /// The store is the checkpoint: save and load refuse (UnsupportedError) and say so.
   void save_impl(const std::filesystem::path& path) const override;
   void load_impl(const std::filesystem::path& path) override;
 

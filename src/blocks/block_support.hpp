@@ -44,8 +44,9 @@ inline void require_symbols(const char* block, std::span<const std::int32_t> tok
                             std::int64_t vocab) {
   for (std::size_t t = 0; t < tokens.size(); ++t) {
     if (tokens[t] < 0 || tokens[t] >= vocab) {
-      throw ShapeError(std::string(block) + ": symbol " + std::to_string(tokens[t]) + " at token " +
-                       std::to_string(t) + " is outside 0.." + std::to_string(vocab - 1));
+      throw ArgumentError(std::string(block) + ": symbol " + std::to_string(tokens[t]) +
+                          " at token " + std::to_string(t) + " is outside 0.." +
+                          std::to_string(vocab - 1));
     }
   }
 }

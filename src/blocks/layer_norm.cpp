@@ -39,7 +39,7 @@ void layer_norm_forward(ConstMatrixView x, std::span<const float> gain, std::spa
   detail::require_shape(block, "y", y, x.rows, x.cols);
   detail::require_size(block, "mean", stats.mean.size(), x.cols);
   detail::require_size(block, "inv_std", stats.inv_std.size(), x.cols);
-  if (!(epsilon > 0.0F)) throw ShapeError(std::string(block) + ": epsilon must be positive");
+  if (!(epsilon > 0.0F)) throw ArgumentError(std::string(block) + ": epsilon must be positive");
   const std::int64_t d = x.rows;
   for_each_token_chunk(d, x.cols, [&](std::int64_t begin, std::int64_t end) {
     const std::int64_t n = end - begin;

@@ -299,8 +299,8 @@ CsrMatrix CsrMatrix::random(std::int64_t rows, std::int64_t cols, double sparsit
                      " columns, at most 2^31 - 1 allowed");
   }
   if (!(sparsity >= 0.0 && sparsity <= 1.0)) {  // also refuses NaN
-    throw ShapeError("CsrMatrix::random: sparsity " + std::to_string(sparsity) +
-                     " is outside [0, 1]");
+    throw ArgumentError("CsrMatrix::random: sparsity " + std::to_string(sparsity) +
+                        " is outside [0, 1]");
   }
   const double density = 1.0 - sparsity;
   std::mt19937_64 rng(seed);
@@ -333,7 +333,7 @@ CsrMatrix CsrMatrix::random(std::int64_t rows, std::int64_t cols, double sparsit
 
 void CsrMatrix::fill_values(std::uint64_t seed, float scale) {
   if (!std::isfinite(scale)) {
-    throw ShapeError("CsrMatrix::fill_values: scale " + format_float(scale) + " is not finite");
+    throw ArgumentError("CsrMatrix::fill_values: scale " + format_float(scale) + " is not finite");
   }
   std::mt19937_64 rng(seed);
   fill_uniform(rng, values_.data(), values_.size(), scale);

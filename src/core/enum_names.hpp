@@ -32,7 +32,8 @@ E parse_name(const EnumName<E> (&names)[N], const std::string& name, const char*
     expected += i == 0 ? "" : i + 1 == N ? " or " : ", ";
     expected += names[i].name;
   }
-  throw ShapeError(std::string("unknown ") + what + " '" + name + "' (expected " + expected + ")");
+  throw ArgumentError(std::string("unknown ") + what + " '" + name + "' (expected " + expected +
+                      ")");
 }
 
 }  // namespace sluice::detail

@@ -34,8 +34,8 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
 
 void check_geometry(const Geometry& g, const char* where) {
   if (g.lanes < 1 || g.blocks < 1 || g.tile_tokens < 0 || g.shares < 0)
-    throw ShapeError(std::string(where) + ": geometry needs lanes >= 1, blocks >= 1, " +
-                     "tile_tokens >= 0 and shares >= 0 (got " + g.to_string() + ")");
+    throw ArgumentError(std::string(where) + ": geometry needs lanes >= 1, blocks >= 1, " +
+                        "tile_tokens >= 0 and shares >= 0 (got " + g.to_string() + ")");
 }
 
 // ---- small dense linear algebra for the calibration (k <= 5 columns) ----------------
@@ -129,7 +129,7 @@ std::vector<double> householder_solve(Matrix a, std::vector<double> b) {
 
 const char* cost_term_name(int term) {
   if (term < 0 || term >= kCostTerms)
-    throw ShapeError("cost_term_name: no term " + std::to_string(term));
+    throw ArgumentError("cost_term_name: no term " + std::to_string(term));
   return kTermNames[term];
 }
 
@@ -190,12 +190,12 @@ CostModel::CostModel(const CostConstants& constants) : constants_(constants) {
   const auto terms = constants.terms();
   for (int t = 0; t < kCostTerms; ++t) {
     if (!(terms[t] >= 0 && std::isfinite(terms[t])))
-      throw ShapeError(std::string("cost model: constant ") + kTermNames[t] +
-                       " must be finite and >= 0, got " + to_text(terms[t]));
+      throw ArgumentError(std::string("cost model: constant ") + kTermNames[t] +
+                          " must be finite and >= 0, got " + to_text(terms[t]));
   }
   if (!(constants.dense_flops >= 0 && std::isfinite(constants.dense_flops)))
-    throw ShapeError("cost model: dense_flops must be finite and >= 0, got " +
-                     to_text(constants.dense_flops));
+    throw ArgumentError("cost model: dense_flops must be finite and >= 0, got " +
+                        to_text(constants.dense_flops));
 }
 
 double CostModel::axpy_seconds(double tokens_per_block) const {
@@ -223,7 +223,7 @@ double CostModel::dense_seconds(std::int64_t outputs, std::int64_t inputs,
                                 std::int64_t tokens) const {
   check_shape(outputs, inputs, tokens, "dense baseline");
   if (!(constants_.dense_flops > 0))
-    throw ShapeError("cost model: dense_flops is not set, so there is no dense baseline");
+    throw ArgumentError("cost model: dense_flops is not set, so there is no dense baseline");
   return 2.0 * static_cast<double>(outputs) * static_cast<double>(inputs) *
          static_cast<double>(tokens) / constants_.dense_flops;
 }
@@ -261,20 +261,21 @@ CalibrationResult calibrate(const std::vector<MeasuredRun>& runs,
     if (options.fit[t]) free_terms.push_back(t);
   const std::size_t n = runs.size();
   if (n < free_terms.size())
-    throw ShapeError("calibrate: fitting " + std::to_string(free_terms.size()) +
-                     " constants needs at least as many measured runs; got " + std::to_string(n));
+    throw ArgumentError("calibrate: fitting " + std::to_string(free_terms.size()) +
+                        " constants needs at least as many measured runs; got " +
+                        std::to_string(n));
 
   std::vector<std::array<double, kCostTerms>> terms(n);
   std::vector<double> measured(n);
   for (std::size_t i = 0; i < n; ++i) {
     const double seconds = runs[i].seconds;
     if (!(seconds > 0 && std::isfinite(seconds)))
-      throw ShapeError("calibrate: run " + std::to_string(i) + " has measured time " +
-                       to_text(seconds) + "; it must be positive");
+      throw ArgumentError("calibrate: run " + std::to_string(i) + " has measured time " +
+                          to_text(seconds) + "; it must be positive");
     try {
       terms[i] = cost_terms(runs[i].work);
-    } catch (const ShapeError& e) {
-      throw ShapeError("calibrate: run " + std::to_string(i) + ": " + e.what());
+    } catch (const ArgumentError& e) {
+      throw ArgumentError("calibrate: run " + std::to_string(i) + ": " + e.what());
     }
     measured[i] = seconds;
   }
@@ -311,8 +312,9 @@ CalibrationResult calibrate(const std::vector<MeasuredRun>& runs,
       for (const double x : a[j]) sum += x * x;
       scale[j] = std::sqrt(sum);
       if (scale[j] == 0)
-        throw ShapeError(std::string("calibrate: no measured run exercises ") +
-                         kTermNames[free_terms[j]] + "; hold it fixed (CalibrationOptions::fit)");
+        throw ArgumentError(std::string("calibrate: no measured run exercises ") +
+                            kTermNames[free_terms[j]] +
+                            "; hold it fixed (CalibrationOptions::fit)");
       for (double& x : a[j]) x /= scale[j];
     }
     std::vector<double> sigma;
@@ -334,11 +336,11 @@ CalibrationResult calibrate(const std::vector<MeasuredRun>& runs,
         names += (names.empty() ? "" : ", ");
         names += kTermNames[t];
       }
-      throw ShapeError("calibrate: the measured runs cannot tell apart " + names +
-                       " (condition number " + to_text(condition) + " > " +
-                       to_text(options.max_condition) +
-                       "); vary tokens per block, outputs and lane load across runs, or hold "
-                       "some of them fixed");
+      throw ArgumentError("calibrate: the measured runs cannot tell apart " + names +
+                          " (condition number " + to_text(condition) + " > " +
+                          to_text(options.max_condition) +
+                          "); vary tokens per block, outputs and lane load across runs, or hold "
+                          "some of them fixed");
     }
     std::vector<double> x = householder_solve(a, b);
     for (std::size_t j = 0; j < k; ++j) x[j] /= scale[j];

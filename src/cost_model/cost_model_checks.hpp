@@ -25,7 +25,8 @@ inline void check_shape(std::int64_t outputs, std::int64_t inputs, std::int64_t 
 
 inline void check_sparsity(double sparsity, const char* where) {
   if (!(sparsity >= 0.0 && sparsity <= 1.0))
-    throw ShapeError(std::string(where) + ": sparsity must be in [0, 1], got " + to_text(sparsity));
+    throw ArgumentError(std::string(where) + ": sparsity must be in [0, 1], got " +
+                        to_text(sparsity));
 }
 
 }  // namespace sluice::detail

@@ -31,12 +31,12 @@ TransformerShape gpt3_175b() {
 }
 
 double KaplanScaling::loss(double parameters) const {
-  if (!(parameters > 0)) throw ShapeError("Kaplan loss: parameters must be positive");
+  if (!(parameters > 0)) throw ArgumentError("Kaplan loss: parameters must be positive");
   return std::pow(n_c / parameters, alpha_n);
 }
 
 double KaplanScaling::critical_batch_tokens(double loss) const {
-  if (!(loss > 0)) throw ShapeError("Kaplan critical batch: loss must be positive");
+  if (!(loss > 0)) throw ArgumentError("Kaplan critical batch: loss must be positive");
   return b_star / std::pow(loss, 1.0 / alpha_b);
 }
 
@@ -51,7 +51,7 @@ double ActivationMemory::bytes_per_token(const TransformerShape& shape) const {
 std::int64_t ActivationMemory::token_capacity(const TransformerShape& shape,
                                               double memory_bytes) const {
   if (!(bytes_per_token_layer_per_d_model > 0) || shape.d_model < 1 || shape.n_layers < 1)
-    throw ShapeError("activation memory: bytes per token, d_model and layers must be positive");
+    throw ArgumentError("activation memory: bytes per token, d_model and layers must be positive");
   return std::max<std::int64_t>(1,
                                 static_cast<std::int64_t>(memory_bytes / bytes_per_token(shape)));
 }
@@ -66,7 +66,7 @@ namespace {
 std::int64_t tokens_per_engine(const WaferSystem& system, const TransformerShape& shape,
                                std::int32_t engines, const KaplanScaling& scaling,
                                const ActivationMemory& activations) {
-  if (engines < 1) throw ShapeError("engine count must be >= 1, got " + std::to_string(engines));
+  if (engines < 1) throw ArgumentError("engine count must be >= 1, got " + std::to_string(engines));
   const double batch = scaling.critical_batch_tokens(shape);
   const std::int64_t share = std::max<std::int64_t>(1, std::llround(batch / engines));
   return std::min(share, activations.token_capacity(shape, system.memory_bytes.value));
@@ -78,7 +78,7 @@ AccelerationCurve wafer_ffn_acceleration(const WaferSystem& system, const Transf
                                          const std::vector<double>& sparsities,
                                          const KaplanScaling& scaling,
                                          const ActivationMemory& activations) {
-  if (shape.d_model < 1) throw ShapeError("wafer acceleration: d_model must be >= 1");
+  if (shape.d_model < 1) throw ArgumentError("wafer acceleration: d_model must be >= 1");
   AccelerationCurve curve;
   curve.d_model = shape.d_model;
   curve.engines = engines;
@@ -158,7 +158,7 @@ std::vector<ClusterStepPrediction> predict_cluster_scaling(
     const ActivationMemory& activations) {
   check_sparsity(sparsity, "cluster scaling");
   if (shape.d_model < 1 || shape.n_layers < 1)
-    throw ShapeError("cluster scaling: d_model and n_layers must be >= 1");
+    throw ArgumentError("cluster scaling: d_model and n_layers must be >= 1");
   const double single = cluster_step(system, shape, sparsity, 1, scaling, activations).step;
   std::vector<ClusterStepPrediction> points;
   for (const std::int32_t engines : engine_counts) {

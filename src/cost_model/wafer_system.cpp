@@ -98,7 +98,7 @@ double WaferSystem::memory_bytes_per_core() const {
 CostModel WaferSystem::cost_model() const {
   if (!(cores.value > 0 && clock_hz.value > 0 && peak_flops.value > 0 && engine_rows.value >= 1 &&
         engine_columns.value >= 1))
-    throw ShapeError("wafer system " + name + ": cores, clock, peak and grid must be positive");
+    throw ArgumentError("wafer system " + name + ": cores, clock, peak and grid must be positive");
   CostConstants c;
   c.axpy_fixed = 0;
   c.axpy_per_token = 1.0 / (token_lanes_per_core_cycle() * clock_hz.value);
@@ -110,7 +110,8 @@ CostModel WaferSystem::cost_model() const {
 }
 
 Geometry WaferSystem::geometry_for(std::int64_t inputs, std::int64_t tokens) const {
-  if (inputs < 1 || tokens < 1) throw ShapeError("wafer geometry: inputs and tokens must be >= 1");
+  if (inputs < 1 || tokens < 1)
+    throw ArgumentError("wafer geometry: inputs and tokens must be >= 1");
   const auto rows = static_cast<std::int64_t>(engine_rows.value);
   // The busiest row cannot hold fewer than ceil(inputs / rows) features; use the fewest
   // rows that achieve that, and give the remaining cores to more token columns (a logical

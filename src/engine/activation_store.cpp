@@ -97,8 +97,8 @@ void ActivationStore::load(const PassSpec& spec, const ShardData& shard) {
 
 std::size_t ActivationStore::index(std::int32_t layer) const {
   if (layer < 0 || layer >= layers()) {
-    throw ShapeError("activation store: layer " + std::to_string(layer) + " of " +
-                     std::to_string(layers()));
+    throw ArgumentError("activation store: layer " + std::to_string(layer) + " of " +
+                        std::to_string(layers()));
   }
   return static_cast<std::size_t>(layer);
 }
@@ -114,20 +114,20 @@ ConstMatrixView ActivationStore::out(std::int32_t layer) const {
 }
 
 MutableMatrixView ActivationStore::delta(std::int64_t rows) {
-  if (rows > delta_.rows()) throw ShapeError("activation store: no delta (not a training pass)");
+  if (rows > delta_.rows()) throw ArgumentError("activation store: no delta (not a training pass)");
   return {delta_.data(), rows, tokens_, delta_.stride()};
 }
 
 MutableMatrixView ActivationStore::delta_below(std::int64_t rows) {
   if (rows > delta_below_.rows()) {
-    throw ShapeError("activation store: no delta (not a training pass)");
+    throw ArgumentError("activation store: no delta (not a training pass)");
   }
   return {delta_below_.data(), rows, tokens_, delta_below_.stride()};
 }
 
 ConstMatrixView ActivationStore::last_delta(std::int64_t rows) const {
   if (rows > delta_below_.rows()) {
-    throw ShapeError("activation store: no delta (not a training pass)");
+    throw ArgumentError("activation store: no delta (not a training pass)");
   }
   return {delta_below_.data(), rows, tokens_, delta_below_.stride()};
 }

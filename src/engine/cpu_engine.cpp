@@ -79,16 +79,16 @@ struct CpuEngine::Impl {
 CpuEngine::CpuEngine(EngineOptions options) {
   const Isa isa = options.isa.value_or(default_isa());
   if (!cpu_supports(isa)) {
-    throw ShapeError(std::string("this CPU cannot run the ") + to_string(isa) + " kernels");
+    throw UnsupportedError(std::string("this CPU cannot run the ") + to_string(isa) + " kernels");
   }
-  if (options.threads < 0) throw ShapeError("engine threads must be >= 0");
+  if (options.threads < 0) throw ArgumentError("engine threads must be >= 0");
   const std::int32_t threads =
       options.threads > 0 ? options.threads : tbb::this_task_arena::max_concurrency();
   const std::int64_t cache =
       options.tile_cache_bytes > 0 ? options.tile_cache_bytes : topology().cache_share_bytes();
   const Geometry& g = options.geometry;
   if (g.lanes < 0 || g.blocks < 0 || g.tile_tokens < 0 || g.shares < 0) {
-    throw ShapeError("engine geometry must not be negative: " + g.to_string());
+    throw ArgumentError("engine geometry must not be negative: " + g.to_string());
   }
   impl_ = std::make_unique<Impl>(options, isa, threads, cache);
   impl_->state.arena.initialize(threads);

@@ -95,19 +95,19 @@ void Engine::forward(StreamSource& weights, const Placement& placement, ConstMat
                      MutableMatrixView y, const Placement* next_placement) {
   const StreamHeader& h = weights.header();
   if (h.kind != StreamKind::weights) {
-    throw ShapeError(std::string("forward needs a weights stream, got a ") + to_string(h.kind) +
-                     " stream");
+    throw ArgumentError(std::string("forward needs a weights stream, got a ") + to_string(h.kind) +
+                        " stream");
   }
   if (h.order != StreamOrder::by_output) {
-    throw ShapeError(std::string("forward needs a stream by output, got one ") +
-                     to_string(h.order));
+    throw ArgumentError(std::string("forward needs a stream by output, got one ") +
+                        to_string(h.order));
   }
   check_layer(h, placement, x);
   check_view(y, "Y");
   if (h.outputs != y.rows || x.cols != y.cols) {
     throw ShapeError("Y is " + shape(y.rows, y.cols) + ", expected " + shape(h.outputs, x.cols));
   }
-  if (overlap(x, y)) throw ShapeError("X and Y overlap in memory");
+  if (overlap(x, y)) throw ArgumentError("X and Y overlap in memory");
   if (next_placement != nullptr)
     check_placement(*next_placement, h.outputs, "next layer's placement");
   forward_impl(weights, placement, x, y, next_placement);
@@ -118,8 +118,8 @@ namespace {
 void check_backward(const StreamHeader& h, const Placement& placement, std::int64_t inputs,
                     std::int64_t tokens, ConstMatrixView dy, MutableMatrixView* dx) {
   if (h.order != StreamOrder::by_output && h.order != StreamOrder::by_input) {
-    throw ShapeError("stream of unknown order " +
-                     std::to_string(static_cast<std::uint32_t>(h.order)));
+    throw ArgumentError("stream of unknown order " +
+                        std::to_string(static_cast<std::uint32_t>(h.order)));
   }
   // The layer's shape, whichever way the stream walks it.
   const std::int64_t layer_inputs = h.layer_inputs(), layer_outputs = h.layer_outputs();
@@ -139,15 +139,15 @@ void check_backward(const StreamHeader& h, const Placement& placement, std::int6
       throw ShapeError("dX is " + shape(dx->rows, dx->cols) + ", expected " +
                        shape(inputs, tokens));
     }
-    if (overlap(*dx, dy)) throw ShapeError("dX overlaps dY in memory");
+    if (overlap(*dx, dy)) throw ArgumentError("dX overlaps dY in memory");
   }
 }
 
 void check_kind(const StreamHeader& h, bool need_values) {
   if (h.kind == StreamKind::gradient || (need_values && h.kind != StreamKind::weights)) {
-    throw ShapeError(std::string("this backward pass needs a ") +
-                     (need_values ? "weights" : "weights or mask") + " stream, got a " +
-                     to_string(h.kind) + " stream");
+    throw ArgumentError(std::string("this backward pass needs a ") +
+                        (need_values ? "weights" : "weights or mask") + " stream, got a " +
+                        to_string(h.kind) + " stream");
   }
 }
 
@@ -159,7 +159,7 @@ WeightStream Engine::backward(StreamSource& weights, const Placement& placement,
   check_kind(h, dx != nullptr);
   check_view(x, "X");
   check_backward(h, placement, x.rows, x.cols, dy, dx);
-  if (dx != nullptr && overlap(*dx, x)) throw ShapeError("dX overlaps X in memory");
+  if (dx != nullptr && overlap(*dx, x)) throw ArgumentError("dX overlaps X in memory");
   return backward_impl(weights, placement, &x, dy, dx);
 }
 

@@ -91,11 +91,11 @@ double cross_entropy(ConstMatrixView y, std::int64_t t, int label, MutableMatrix
 
 void check_layer(const ActivationStore& store, std::int32_t layer, const char* what) {
   if (!store.loaded()) {
-    throw ShapeError(std::string("engine ") + what + ": no batch shard loaded");
+    throw ArgumentError(std::string("engine ") + what + ": no batch shard loaded");
   }
   if (layer < 0 || layer >= store.layers()) {
-    throw ShapeError(std::string("engine ") + what + ": layer " + std::to_string(layer) + " of " +
-                     std::to_string(store.layers()));
+    throw ArgumentError(std::string("engine ") + what + ": layer " + std::to_string(layer) +
+                        " of " + std::to_string(store.layers()));
   }
 }
 
@@ -113,8 +113,8 @@ void Engine::load_samples(const PassSpec& spec, const Dataset& data,
   for (std::size_t t = 0; t < indices.size(); ++t) {
     const std::int64_t s = indices[t];
     if (s < 0 || s >= data.samples()) {
-      throw ShapeError("engine load_samples: sample " + std::to_string(s) + " of a set of " +
-                       std::to_string(data.samples()));
+      throw ArgumentError("engine load_samples: sample " + std::to_string(s) + " of a set of " +
+                          std::to_string(data.samples()));
     }
     for (std::int64_t f = 0; f < x.rows(); ++f)
       x(f, static_cast<std::int64_t>(t)) = data.features(f, s);
@@ -150,11 +150,11 @@ LossSums Engine::loss(bool want_delta, std::int64_t total_tokens) {
   const std::optional<ConstMatrixView> target = store_.targets();
   if (kind == Loss::softmax_cross_entropy ? labels.size() != static_cast<std::size_t>(y.cols)
                                           : !target.has_value()) {
-    throw ShapeError("engine loss: the shard was loaded without its labels or targets");
+    throw ArgumentError("engine loss: the shard was loaded without its labels or targets");
   }
   if (want_delta && total_tokens < 1) {
-    throw ShapeError("engine loss: a delta needs the batch's token count, got " +
-                     std::to_string(total_tokens));
+    throw ArgumentError("engine loss: a delta needs the batch's token count, got " +
+                        std::to_string(total_tokens));
   }
   MutableMatrixView d{};
   if (want_delta) d = store_.delta(outputs);
@@ -194,7 +194,7 @@ WeightStream Engine::backward_layer(StreamSource& weights, const Placement& plac
   }
   MutableMatrixView dx{};
   if (want_dx) {
-    if (layer == 0) throw ShapeError("engine backward_layer: layer 0 has no layer below");
+    if (layer == 0) throw ArgumentError("engine backward_layer: layer 0 has no layer below");
     dx = store_.delta_below(sizes[li]);
   }
   WeightStream gradient =

@@ -107,7 +107,7 @@ void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
 }  // namespace
 
 StreamingTopK::StreamingTopK(std::int64_t k) : k_(k) {
-  if (k < 0) throw ShapeError("StreamingTopK: negative k " + std::to_string(k));
+  if (k < 0) throw ArgumentError("StreamingTopK: negative k " + std::to_string(k));
   if (k == 0) bar_ = std::numeric_limits<float>::infinity();  // nothing is kept
   kept_.reserve(static_cast<std::size_t>(2 * k));
 }
@@ -158,8 +158,8 @@ std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
   }
   const std::int64_t inactive = mask.rows() * mask.cols() - mask.nnz();
   if (k < 0 || k > inactive) {
-    throw ShapeError("dense_gradient_top_k: k = " + std::to_string(k) + " but the layer has " +
-                     std::to_string(inactive) + " inactive positions");
+    throw ArgumentError("dense_gradient_top_k: k = " + std::to_string(k) + " but the layer has " +
+                        std::to_string(inactive) + " inactive positions");
   }
   if (k == 0) return {};
   const std::int64_t tiles = (mask.cols() + kTileColumns - 1) / kTileColumns;

@@ -11,7 +11,7 @@ namespace {
 
 void check_lanes(std::int32_t lanes) {
   if (lanes < 1)
-    throw ShapeError("placement needs at least one lane, got " + std::to_string(lanes));
+    throw ArgumentError("placement needs at least one lane, got " + std::to_string(lanes));
 }
 
 }  // namespace

@@ -162,7 +162,7 @@ struct LayerStreamingExecutor::Impl {
              w.rows == sizes[static_cast<std::size_t>(l) + 1];
     }
     if (!same) {
-      throw ShapeError(
+      throw ArgumentError(
           "executor: the ModelMemory's layers changed since this executor was "
           "built for " +
           std::to_string(layers()) + " layers; build a new executor");
@@ -302,9 +302,9 @@ struct LayerStreamingExecutor::Impl {
       }
       for (std::size_t t = 0; t < batch.labels.size(); ++t) {
         if (batch.labels[t] < 0 || batch.labels[t] >= sizes.back()) {
-          throw ShapeError("executor: label " + std::to_string(batch.labels[t]) + " of token " +
-                           std::to_string(t) + " is not in [0, " + std::to_string(sizes.back()) +
-                           ")");
+          throw ArgumentError("executor: label " + std::to_string(batch.labels[t]) + " of token " +
+                              std::to_string(t) + " is not in [0, " + std::to_string(sizes.back()) +
+                              ")");
         }
       }
     } else if (!batch.targets || batch.targets->rows != sizes.back() || batch.targets->cols != n) {
@@ -373,9 +373,9 @@ struct LayerStreamingExecutor::Impl {
   void load_samples(std::span<const std::int64_t> samples) {
     check_model_unchanged();
     const Dataset* data = fabric.dataset();
-    if (data == nullptr) throw ShapeError("executor: the fabric has no data set attached");
+    if (data == nullptr) throw ArgumentError("executor: the fabric has no data set attached");
     if (options.loss != Loss::softmax_cross_entropy) {
-      throw ShapeError("executor: a data set's samples have labels, not MSE targets");
+      throw ArgumentError("executor: a data set's samples have labels, not MSE targets");
     }
     if (data->features.rows() != sizes.front()) {
       throw ShapeError("executor: the model takes " + std::to_string(sizes.front()) +
@@ -386,9 +386,9 @@ struct LayerStreamingExecutor::Impl {
       if (s >= 0 && s < data->samples()) {
         const int label = data->labels[static_cast<std::size_t>(s)];
         if (label >= 0 && label < sizes.back()) continue;
-        throw ShapeError("executor: label " + std::to_string(label) + " of sample " +
-                         std::to_string(s) + " is not in [0, " + std::to_string(sizes.back()) +
-                         ")");
+        throw ArgumentError("executor: label " + std::to_string(label) + " of sample " +
+                            std::to_string(s) + " is not in [0, " + std::to_string(sizes.back()) +
+                            ")");
       }
     }
     check_budget(std::max<std::int64_t>(n, engines), true);
@@ -438,8 +438,8 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   const std::int32_t layers = memory.layer_count();
   try {
     m.sizes = mlp_sizes(memory);
-  } catch (const ShapeError& e) {
-    throw ShapeError(std::string("executor: ") + e.what());
+  } catch (const ArgumentError& e) {
+    throw ArgumentError(std::string("executor: ") + e.what());
   }
   if (m.options.activations.empty()) {
     m.options.activations.assign(static_cast<std::size_t>(layers), Activation::relu);
@@ -451,11 +451,12 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   }
   for (const Activation a : m.options.activations) {
     if (a != Activation::none && a != Activation::relu && a != Activation::gelu) {
-      throw ShapeError("executor: unknown activation " + std::to_string(static_cast<int>(a)));
+      throw ArgumentError("executor: unknown activation " + std::to_string(static_cast<int>(a)));
     }
   }
   if (m.options.loss != Loss::softmax_cross_entropy && m.options.loss != Loss::mse) {
-    throw ShapeError("executor: unknown loss " + std::to_string(static_cast<int>(m.options.loss)));
+    throw ArgumentError("executor: unknown loss " +
+                        std::to_string(static_cast<int>(m.options.loss)));
   }
   if (m.options.precisions.empty()) {
     m.options.precisions.assign(static_cast<std::size_t>(layers), Precision::fp32);
@@ -469,14 +470,16 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
       const LayerShape w = memory.layer_shape(l);
       stream_header_for(w.rows, w.cols, w.nnz, StreamKind::weights,
                         m.options.precisions[static_cast<std::size_t>(l)]);
-    } catch (const ShapeError& e) {
-      throw ShapeError("executor: layer " + std::to_string(l) + ": " + e.what());
+    } catch (const ArgumentError& e) {
+      throw ArgumentError("executor: layer " + std::to_string(l) + ": " + e.what());
+    } catch (const UnsupportedError& e) {
+      throw UnsupportedError("executor: layer " + std::to_string(l) + ": " + e.what());
     }
   }
-  if (m.options.prefetch_bytes < 0) throw ShapeError("executor: negative prefetch budget");
+  if (m.options.prefetch_bytes < 0) throw ArgumentError("executor: negative prefetch budget");
   m.options.dynamic.validate();
-  if (m.options.chunk_packets < 1) throw ShapeError("executor: chunk_packets must be >= 1");
-  if (m.options.memory_budget_bytes < 0) throw ShapeError("executor: negative memory budget");
+  if (m.options.chunk_packets < 1) throw ArgumentError("executor: chunk_packets must be >= 1");
+  if (m.options.memory_budget_bytes < 0) throw ArgumentError("executor: negative memory budget");
   m.engines = fabric.engine_count();
 }
 
@@ -610,8 +613,8 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
   Impl& m = *impl_;
   m.check_batch(data);
   if (batch_tokens < 1) {
-    throw ShapeError("evaluate: batch_tokens must be at least 1, got " +
-                     std::to_string(batch_tokens));
+    throw ArgumentError("evaluate: batch_tokens must be at least 1, got " +
+                        std::to_string(batch_tokens));
   }
   const std::int64_t total = data.features.cols;
   batch_tokens = std::max<std::int64_t>(batch_tokens, m.engines);
@@ -649,7 +652,7 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
 
 std::vector<std::int64_t> mlp_sizes(const ModelMemory& memory) {
   const std::int32_t layers = memory.layer_count();
-  if (layers < 1) throw ShapeError("the ModelMemory holds no layers");
+  if (layers < 1) throw ArgumentError("the ModelMemory holds no layers");
   std::vector<std::int64_t> sizes{memory.layer_shape(0).cols};
   for (std::int32_t l = 0; l < layers; ++l) {
     const LayerShape w = memory.layer_shape(l);

@@ -34,7 +34,7 @@ void check_placements(std::span<const Placement* const> placements, std::int32_t
   check_count(placements, engines, "placements");
   for (std::size_t k = 0; k < placements.size(); ++k) {
     if (placements[k] == nullptr) {
-      throw ShapeError("fabric: placement of engine " + std::to_string(k) + " is null");
+      throw ArgumentError("fabric: placement of engine " + std::to_string(k) + " is null");
     }
   }
 }
@@ -123,7 +123,7 @@ std::vector<float> bias_gradient(ConstMatrixView dy) {
 
 ReducedGradient reduce_gradients(std::vector<WeightStream> streams,
                                  std::vector<std::vector<float>> biases) {
-  if (streams.empty()) throw ShapeError("reduce_gradients: no streams");
+  if (streams.empty()) throw ArgumentError("reduce_gradients: no streams");
   if (!biases.empty() && biases.size() != streams.size()) {
     throw ShapeError("reduce_gradients: " + std::to_string(biases.size()) + " bias vectors for " +
                      std::to_string(streams.size()) + " streams");
@@ -154,12 +154,12 @@ void Fabric::forward(StreamSource& weights, std::span<const Placement* const> pl
                      std::span<const ConstMatrixView> xs, std::span<const MutableMatrixView> ys) {
   const std::int32_t n = engine_count();
   if (weights.header().kind != StreamKind::weights) {
-    throw ShapeError(std::string("fabric forward needs a weights stream, got a ") +
-                     to_string(weights.header().kind) + " stream");
+    throw ArgumentError(std::string("fabric forward needs a weights stream, got a ") +
+                        to_string(weights.header().kind) + " stream");
   }
   if (weights.header().order != StreamOrder::by_output) {
-    throw ShapeError(std::string("fabric forward needs a stream by output, got one ") +
-                     to_string(weights.header().order));
+    throw ArgumentError(std::string("fabric forward needs a stream by output, got one ") +
+                        to_string(weights.header().order));
   }
   check_placements(placements, n);
   check_count(xs, n, "X views");
@@ -196,7 +196,7 @@ ReducedGradient Fabric::backward(StreamSource& weights,
   if (!dxs.empty()) check_count(dxs, n, "dX views");
   const bool want_dx = std::any_of(dxs.begin(), dxs.end(), [](auto* p) { return p != nullptr; });
   if (want_dx && weights.header().kind != StreamKind::weights) {
-    throw ShapeError("fabric backward with dX needs a weights stream");
+    throw ArgumentError("fabric backward with dX needs a weights stream");
   }
   return backward_impl(weights, placements, xs, dys, dxs, with_bias);
 }
@@ -240,7 +240,7 @@ void Fabric::load_batch(const PassSpec& spec, const ShardData& batch) {
 }
 
 void Fabric::load_samples(const PassSpec& spec, std::span<const std::int64_t> indices) {
-  if (dataset_ == nullptr) throw ShapeError("fabric load_samples: no data set attached");
+  if (dataset_ == nullptr) throw ArgumentError("fabric load_samples: no data set attached");
   const auto n = static_cast<std::int64_t>(indices.size());
   if (n < engine_count()) {
     throw ShapeError("fabric: a batch of " + std::to_string(n) + " samples cannot be split over " +
@@ -248,8 +248,8 @@ void Fabric::load_samples(const PassSpec& spec, std::span<const std::int64_t> in
   }
   for (const std::int64_t s : indices) {
     if (s < 0 || s >= dataset_->samples()) {
-      throw ShapeError("fabric load_samples: sample " + std::to_string(s) + " of a set of " +
-                       std::to_string(dataset_->samples()));
+      throw ArgumentError("fabric load_samples: sample " + std::to_string(s) + " of a set of " +
+                          std::to_string(dataset_->samples()));
     }
   }
   load_samples_impl(spec, indices);
@@ -260,7 +260,7 @@ void Fabric::forward_layer(StreamSource& weights, std::span<const Placement* con
                            std::int32_t layer, std::span<const float> bias) {
   if (weights.header().kind != StreamKind::weights ||
       weights.header().order != StreamOrder::by_output) {
-    throw ShapeError("fabric forward_layer needs a weights stream by output");
+    throw ArgumentError("fabric forward_layer needs a weights stream by output");
   }
   check_placements(placements, engine_count());
   CountingSource counted(weights, counters_.driver_bytes_sent);
@@ -281,7 +281,7 @@ ReducedGradient Fabric::backward_layer(StreamSource& weights,
                                        std::int32_t layer, bool want_dx, bool with_bias) {
   check_placements(placements, engine_count());
   if (want_dx && weights.header().kind != StreamKind::weights) {
-    throw ShapeError("fabric backward_layer with dX needs a weights stream");
+    throw ArgumentError("fabric backward_layer with dX needs a weights stream");
   }
   CountingSource counted(weights, counters_.driver_bytes_sent);
   ReducedGradient g = backward_layer_impl(counted, placements, layer, want_dx, with_bias);

@@ -68,14 +68,14 @@ void broadcast(StreamSource& source, std::vector<std::unique_ptr<EngineWorker>>&
 
 LocalFabric::LocalFabric(LocalFabricOptions options) : options_(std::move(options)) {
   if (options_.engines < 1) {
-    throw ShapeError("LocalFabric: needs at least one engine, got " +
-                     std::to_string(options_.engines));
+    throw ArgumentError("LocalFabric: needs at least one engine, got " +
+                        std::to_string(options_.engines));
   }
-  if (options_.channel_capacity < 1) throw ShapeError("LocalFabric: channel capacity 0");
+  if (options_.channel_capacity < 1) throw ArgumentError("LocalFabric: channel capacity 0");
   EngineOptions eo = options_.engine;
   if (eo.threads < 0) {
-    throw ShapeError("LocalFabric: engine threads must be >= 0 (0: share the cores), got " +
-                     std::to_string(eo.threads));
+    throw ArgumentError("LocalFabric: engine threads must be >= 0 (0: share the cores), got " +
+                        std::to_string(eo.threads));
   }
   if (eo.threads == 0) {
     const auto cores = static_cast<std::int32_t>(std::max(1U, std::thread::hardware_concurrency()));
@@ -214,7 +214,7 @@ ReducedGradient LocalFabric::backward_layer_impl(StreamSource& weights,
 DenseMatrix LocalFabric::gather_output_impl() {
   std::int64_t tokens = 0;
   for (const auto& e : engines_) {
-    if (!e->store().loaded()) throw ShapeError("fabric gather_output: no batch loaded");
+    if (!e->store().loaded()) throw ArgumentError("fabric gather_output: no batch loaded");
     tokens += e->store().tokens();
   }
   const std::int32_t last = engines_.front()->store().layers() - 1;
@@ -235,8 +235,8 @@ void LocalFabric::layer_activations_impl(std::int32_t layer, std::vector<ConstMa
   for (const auto& e : engines_) {
     const ActivationStore& store = e->store();
     if (!store.loaded() || layer < 0 || layer >= store.layers()) {
-      throw ShapeError("fabric layer activations: no layer " + std::to_string(layer) +
-                       " in the engines' stores");
+      throw ArgumentError("fabric layer activations: no layer " + std::to_string(layer) +
+                          " in the engines' stores");
     }
     xs.push_back(store.in(layer));
     dzs.push_back(store.last_delta(store.spec().sizes[static_cast<std::size_t>(layer) + 1]));

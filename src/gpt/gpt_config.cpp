@@ -15,8 +15,8 @@ constexpr std::int64_t kMaxDimension = std::int64_t{1} << 20;
 
 void check_range(const char* name, std::int64_t value, std::int64_t lowest) {
   if (value < lowest || value > kMaxDimension) {
-    throw ShapeError(std::string("gpt: ") + name + " " + std::to_string(value) + " is outside [" +
-                     std::to_string(lowest) + ", 2^20]");
+    throw ArgumentError(std::string("gpt: ") + name + " " + std::to_string(value) +
+                        " is outside [" + std::to_string(lowest) + ", 2^20]");
   }
 }
 
@@ -53,7 +53,7 @@ void GptConfig::validate() const {
                      std::to_string(heads));
   }
   if (!(sparsity >= 0.0 && sparsity < 1.0)) {
-    throw ShapeError("gpt: sparsity " + std::to_string(sparsity) + " is outside [0, 1)");
+    throw ArgumentError("gpt: sparsity " + std::to_string(sparsity) + " is outside [0, 1)");
   }
 }
 
@@ -89,7 +89,7 @@ GptConfig GptConfig::parse(const std::string& text) {
   if (in >> word) throw FormatError("gpt: the model '" + text + "' has more after blocks=");
   try {
     c.validate();
-  } catch (const ShapeError& e) {
+  } catch (const ArgumentError& e) {
     throw FormatError(std::string(e.what()) + " (in the model '" + text + "')");
   }
   return c;
@@ -113,8 +113,8 @@ GptLayers::GptLayers(const GptConfig& config) {
 void build_gpt(ModelMemory& memory, const GptConfig& config, std::uint64_t seed) {
   config.validate();
   if (memory.layer_count() != 0) {
-    throw ShapeError("build_gpt: the ModelMemory already holds " +
-                     std::to_string(memory.layer_count()) + " layers");
+    throw ArgumentError("build_gpt: the ModelMemory already holds " +
+                        std::to_string(memory.layer_count()) + " layers");
   }
   const std::int64_t d = config.d_model;
   const double s = config.sparsity;

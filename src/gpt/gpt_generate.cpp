@@ -3,18 +3,18 @@
 #include <cmath>
 #include <string>
 
+#include "core/splitmix.hpp"
 #include "sluice/error.hpp"
 #include "sluice/gpt.hpp"
-#include "core/splitmix.hpp"
 
 namespace sluice {
 
 std::string generate_text(GptModel& model, std::string_view prompt, std::int64_t bytes,
                           double temperature, std::uint64_t seed) {
-  if (bytes < 0) throw ShapeError("generate: " + std::to_string(bytes) + " bytes");
+  if (bytes < 0) throw ArgumentError("generate: " + std::to_string(bytes) + " bytes");
   if (!(temperature >= 0) || !std::isfinite(temperature)) {
-    throw ShapeError("generate: temperature " + std::to_string(temperature) +
-                     " is not a finite number >= 0");
+    throw ArgumentError("generate: temperature " + std::to_string(temperature) +
+                        " is not a finite number >= 0");
   }
   std::vector<std::int32_t> tokens;
   for (const char c : prompt) tokens.push_back(static_cast<unsigned char>(c));

@@ -129,9 +129,9 @@ struct GptModel::Impl {
     for (const std::int32_t* list : {batch.inputs.data(), batch.targets.data()}) {
       for (std::size_t t = 0; t < expected; ++t) {
         if (list[t] < 0 || list[t] >= config.vocab) {
-          throw ShapeError("GptModel: token " + std::to_string(list[t]) + " at " +
-                           std::to_string(t) + " is outside the vocabulary of " +
-                           std::to_string(config.vocab));
+          throw ArgumentError("GptModel: token " + std::to_string(list[t]) + " at " +
+                              std::to_string(t) + " is outside the vocabulary of " +
+                              std::to_string(config.vocab));
         }
       }
     }
@@ -490,7 +490,7 @@ double GptModel::loss(const TextBatch& batch) {
 
 std::vector<float> GptModel::next_logits(std::span<const std::int32_t> tokens) {
   Impl& m = *impl_;
-  if (tokens.empty()) throw ShapeError("GptModel::next_logits: no tokens");
+  if (tokens.empty()) throw ArgumentError("GptModel::next_logits: no tokens");
   const std::int64_t context = m.config.context;
   const auto used = std::min<std::int64_t>(context, static_cast<std::int64_t>(tokens.size()));
   // One window per engine (each takes whole sequences); causal attention lets the padding

@@ -183,7 +183,7 @@ Dataset make_synthetic_dataset(std::int64_t samples, std::int64_t features, int 
   constexpr std::int64_t kMaxSide = std::int64_t{1} << 24;
   if (samples < 1 || features < 1 || classes < 2 || samples > kMaxSide || features > kMaxSide ||
       classes > kMaxSide / 4) {
-    throw ShapeError(
+    throw ArgumentError(
         "synthetic data set: needs 1 <= samples, features <= 2^24 and 2 <= classes "
         "<= 2^22, got " +
         std::to_string(samples) + ", " + std::to_string(features) + ", " + std::to_string(classes));
@@ -227,8 +227,8 @@ Dataset make_synthetic_dataset(std::int64_t samples, std::int64_t features, int 
 std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fraction,
                                           std::uint64_t seed) {
   if (!(test_fraction >= 0 && test_fraction < 1)) {
-    throw ShapeError("split_dataset: test fraction must be in [0, 1), got " +
-                     std::to_string(test_fraction));
+    throw ArgumentError("split_dataset: test fraction must be in [0, 1), got " +
+                        std::to_string(test_fraction));
   }
   if (static_cast<std::int64_t>(data.labels.size()) != data.samples()) {
     throw ShapeError("split_dataset: " + std::to_string(data.labels.size()) + " labels for " +
@@ -274,8 +274,8 @@ void standardize(Dataset& train, Dataset& test) {
 
 ConstMatrixView sample_view(const Dataset& data, std::int64_t begin, std::int64_t end) {
   if (begin < 0 || end < begin || end > data.samples()) {
-    throw ShapeError("sample_view: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                     ") is outside " + std::to_string(data.samples()) + " samples");
+    throw ArgumentError("sample_view: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                        ") is outside " + std::to_string(data.samples()) + " samples");
   }
   return {data.features.data() + begin, data.features.rows(), end - begin, data.features.stride()};
 }

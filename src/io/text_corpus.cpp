@@ -69,7 +69,7 @@ TextCorpus TextCorpus::load(const std::filesystem::path& path, std::int64_t cont
 TextCorpus::TextCorpus(std::string bytes, std::int64_t context, std::string name)
     : bytes_(std::move(bytes)), context_(context) {
   if (context <= 0) {
-    throw ShapeError("TextCorpus: context must be positive, got " + std::to_string(context));
+    throw ArgumentError("TextCorpus: context must be positive, got " + std::to_string(context));
   }
   const auto size = static_cast<std::int64_t>(bytes_.size());
   if (size == 0) throw FormatError(name + ": no text (0 bytes)");
@@ -113,7 +113,7 @@ TextBatch TextCorpus::batch_at(std::span<const std::uint8_t> part,
 
 TextBatch TextCorpus::sample(std::int64_t sequences, std::uint64_t seed, std::uint64_t step) const {
   if (sequences < 0) {
-    throw ShapeError("TextCorpus::sample: negative sequence count " + std::to_string(sequences));
+    throw ArgumentError("TextCorpus::sample: negative sequence count " + std::to_string(sequences));
   }
   const std::int64_t starts = train_bytes_ - context_;  // offsets with context + 1 bytes after
   const std::uint64_t stream = detail::splitmix64(detail::splitmix64(seed) ^ step);
@@ -131,9 +131,9 @@ std::int64_t TextCorpus::held_out_windows() const {
 
 TextBatch TextCorpus::held_out_batch(std::int64_t first, std::int64_t count) const {
   if (first < 0 || count < 0 || first + count > held_out_windows()) {
-    throw ShapeError("TextCorpus::held_out_batch: windows [" + std::to_string(first) + ", " +
-                     std::to_string(first + count) + ") outside the " +
-                     std::to_string(held_out_windows()) + " held-out windows");
+    throw ArgumentError("TextCorpus::held_out_batch: windows [" + std::to_string(first) + ", " +
+                        std::to_string(first + count) + ") outside the " +
+                        std::to_string(held_out_windows()) + " held-out windows");
   }
   std::vector<std::int64_t> offsets(static_cast<std::size_t>(count));
   for (std::int64_t w = 0; w < count; ++w)

@@ -138,16 +138,16 @@ std::vector<float> values_of(const WeightStream& gradient, const TransposedPatte
 SparseLinear::SparseLinear(std::shared_ptr<ModelMemory> memory, CsrMatrix weights,
                            std::vector<float> bias)
     : memory_(std::move(memory)), cache_(std::make_unique<Cache>()) {
-  if (!memory_) throw ShapeError("SparseLinear: no ModelMemory");
+  if (!memory_) throw ArgumentError("SparseLinear: no ModelMemory");
   layer_ = memory_->add_layer(std::move(weights), std::move(bias));
 }
 
 SparseLinear::SparseLinear(std::shared_ptr<ModelMemory> memory, std::int32_t layer)
     : memory_(std::move(memory)), layer_(layer), cache_(std::make_unique<Cache>()) {
-  if (!memory_) throw ShapeError("SparseLinear: no ModelMemory");
+  if (!memory_) throw ArgumentError("SparseLinear: no ModelMemory");
   if (layer < 0 || layer >= memory_->layer_count()) {
-    throw ShapeError("SparseLinear: no layer " + std::to_string(layer) + " in a ModelMemory of " +
-                     std::to_string(memory_->layer_count()));
+    throw ArgumentError("SparseLinear: no layer " + std::to_string(layer) +
+                        " in a ModelMemory of " + std::to_string(memory_->layer_count()));
   }
 }
 
@@ -185,8 +185,8 @@ SparseLinear SparseLinear::from_file(std::shared_ptr<ModelMemory> memory,
 SparseLinear SparseLinear::pruned(std::shared_ptr<ModelMemory> memory, ConstMatrixView dense,
                                   double sparsity, std::vector<float> bias) {
   if (!(sparsity >= 0.0 && sparsity < 1.0)) {
-    throw ShapeError("SparseLinear::pruned: sparsity " + std::to_string(sparsity) +
-                     " is not in [0, 1)");
+    throw ArgumentError("SparseLinear::pruned: sparsity " + std::to_string(sparsity) +
+                        " is not in [0, 1)");
   }
   const std::int64_t total = dense.rows * dense.cols;
   auto keep =

@@ -304,7 +304,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
   }
   try {
     detail::validate_optimizer_config(c);
-  } catch (const ShapeError& e) {
+  } catch (const ArgumentError& e) {
     head.fail(e.what());
   }
   if (version >= 3) {

@@ -28,27 +28,27 @@ MaskUpdateRule parse_mask_update_rule(const std::string& name) {
 
 void DynamicSparsity::validate() const {
   if (rule != MaskUpdateRule::none && rule != MaskUpdateRule::set && rule != MaskUpdateRule::rigl) {
-    throw ShapeError("dynamic sparsity: unknown rule " + std::to_string(static_cast<int>(rule)));
+    throw ArgumentError("dynamic sparsity: unknown rule " + std::to_string(static_cast<int>(rule)));
   }
   if (update_every < 1) {
-    throw ShapeError("dynamic sparsity: update_every must be at least 1, got " +
-                     std::to_string(update_every));
+    throw ArgumentError("dynamic sparsity: update_every must be at least 1, got " +
+                        std::to_string(update_every));
   }
   if (!(drop > 0 && drop <= 1)) {
-    throw ShapeError("dynamic sparsity: drop must be in (0, 1], got " + std::to_string(drop));
+    throw ArgumentError("dynamic sparsity: drop must be in (0, 1], got " + std::to_string(drop));
   }
   if (!(update_until >= 0 && update_until <= 1)) {
-    throw ShapeError("dynamic sparsity: update_until must be in [0, 1], got " +
-                     std::to_string(update_until));
+    throw ArgumentError("dynamic sparsity: update_until must be in [0, 1], got " +
+                        std::to_string(update_until));
   }
   if (total_steps < 0) {
-    throw ShapeError("dynamic sparsity: total_steps must be >= 0, got " +
-                     std::to_string(total_steps));
+    throw ArgumentError("dynamic sparsity: total_steps must be >= 0, got " +
+                        std::to_string(total_steps));
   }
   if (rule != MaskUpdateRule::none && total_steps == 0) {
     // The schedule is a fraction of the run: without its length no mask would ever change.
-    throw ShapeError(std::string("dynamic sparsity: rule ") + to_string(rule) +
-                     " needs total_steps, the run's length, for its schedule");
+    throw ArgumentError(std::string("dynamic sparsity: rule ") + to_string(rule) +
+                        " needs total_steps, the run's length, for its schedule");
   }
 }
 
@@ -81,8 +81,8 @@ std::vector<std::int64_t> random_inactive_positions(const CsrMatrix& mask, std::
   const std::int64_t cols = mask.cols();
   const std::int64_t inactive = mask.rows() * cols - mask.nnz();
   if (count < 0 || count > inactive) {
-    throw ShapeError("random_inactive_positions: " + std::to_string(count) + " of " +
-                     std::to_string(inactive) + " inactive positions asked for");
+    throw ArgumentError("random_inactive_positions: " + std::to_string(count) + " of " +
+                        std::to_string(inactive) + " inactive positions asked for");
   }
   // Floyd's sampling of `count` distinct ranks among the inactive positions: no dense
   // mask, memory in the count only. The draws are splitmix64's (the same positions on
@@ -131,8 +131,8 @@ namespace detail {
 
 std::vector<std::int64_t> smallest_magnitudes(const CsrMatrix& w, std::int64_t count) {
   if (count < 0 || count > w.nnz()) {
-    throw ShapeError("smallest_magnitudes: " + std::to_string(count) + " of " +
-                     std::to_string(w.nnz()) + " non-zeros asked for");
+    throw ArgumentError("smallest_magnitudes: " + std::to_string(count) + " of " +
+                        std::to_string(w.nnz()) + " non-zeros asked for");
   }
   std::vector<std::int64_t> order(static_cast<std::size_t>(w.nnz()));
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
@@ -152,16 +152,16 @@ MaskChange prune_and_regrow(const CsrMatrix& w, std::span<const std::int64_t> dr
   const std::int64_t rows = w.rows(), cols = w.cols(), nnz = w.nnz();
   for (std::size_t i = 0; i < drop.size(); ++i) {
     if (drop[i] < 0 || drop[i] >= nnz || (i > 0 && drop[i] <= drop[i - 1])) {
-      throw ShapeError("prune_and_regrow: drop index " + std::to_string(drop[i]) + " (entry " +
-                       std::to_string(i) + ") is out of range or order (" + std::to_string(nnz) +
-                       " non-zeros)");
+      throw ArgumentError("prune_and_regrow: drop index " + std::to_string(drop[i]) + " (entry " +
+                          std::to_string(i) + ") is out of range or order (" + std::to_string(nnz) +
+                          " non-zeros)");
     }
   }
   for (std::size_t i = 0; i < grow.size(); ++i) {
     if (grow[i] < 0 || grow[i] >= rows * cols || (i > 0 && grow[i] <= grow[i - 1])) {
-      throw ShapeError("prune_and_regrow: grow position " + std::to_string(grow[i]) + " (entry " +
-                       std::to_string(i) + ") is out of range or order (" + std::to_string(rows) +
-                       "x" + std::to_string(cols) + ")");
+      throw ArgumentError("prune_and_regrow: grow position " + std::to_string(grow[i]) +
+                          " (entry " + std::to_string(i) + ") is out of range or order (" +
+                          std::to_string(rows) + "x" + std::to_string(cols) + ")");
     }
   }
   const auto& offsets = w.row_offsets();
@@ -192,9 +192,9 @@ MaskChange prune_and_regrow(const CsrMatrix& w, std::span<const std::int64_t> dr
         continue;
       }
       if (g < grow.size() && grow[g] == r * cols + indices[k]) {
-        throw ShapeError("prune_and_regrow: grow position " + std::to_string(grow[g]) + " (row " +
-                         std::to_string(r) + ", column " + std::to_string(indices[k]) +
-                         ") is already active");
+        throw ArgumentError("prune_and_regrow: grow position " + std::to_string(grow[g]) +
+                            " (row " + std::to_string(r) + ", column " +
+                            std::to_string(indices[k]) + ") is already active");
       }
       if (d < drop.size() && drop[d] == k) {
         ++d;

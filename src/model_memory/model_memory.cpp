@@ -31,8 +31,8 @@ using detail::layer_name;
 
 void check_stream_kind(StreamKind kind, const char* where) {
   if (kind != StreamKind::weights && kind != StreamKind::mask) {
-    throw ShapeError(std::string(where) + ": ModelMemory streams weights or masks, not kind " +
-                     std::to_string(static_cast<std::uint32_t>(kind)));
+    throw ArgumentError(std::string(where) + ": ModelMemory streams weights or masks, not kind " +
+                        std::to_string(static_cast<std::uint32_t>(kind)));
   }
 }
 
@@ -43,8 +43,8 @@ void check_stream_kind(StreamKind kind, const char* where) {
 void ModelMemory::check_layer(std::int32_t layer) const {
   const std::int32_t count = layer_count_impl();
   if (layer < 0 || layer >= count) {
-    throw ShapeError("ModelMemory: " + layer_name(layer) + " out of range (" +
-                     std::to_string(count) + " layers)");
+    throw ArgumentError("ModelMemory: " + layer_name(layer) + " out of range (" +
+                        std::to_string(count) + " layers)");
   }
 }
 
@@ -100,8 +100,8 @@ const std::vector<float>& ModelMemory::bias(std::int32_t layer) const {
 const Placement& ModelMemory::placement(std::int32_t layer, std::int32_t lanes) {
   check_layer(layer);
   if (lanes < 1) {
-    throw ShapeError("placement: " + layer_name(layer) + ": needs at least one lane, got " +
-                     std::to_string(lanes));
+    throw ArgumentError("placement: " + layer_name(layer) + ": needs at least one lane, got " +
+                        std::to_string(lanes));
   }
   return placement_impl(layer, lanes);
 }
@@ -145,7 +145,7 @@ void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& 
   try {
     check_layer(layer);
     check_stream_kind(kind, "stream_to");
-    if (chunk_packets == 0) throw ShapeError("stream_to: chunk_packets must be at least 1");
+    if (chunk_packets == 0) throw ArgumentError("stream_to: chunk_packets must be at least 1");
     const LayerShape shape = layer_shape_impl(layer);
     // Refuses what cannot be streamed so before the implementation fetches anything.
     stream_header_for(shape.rows, shape.cols, shape.nnz, kind, precision, order);
@@ -215,9 +215,9 @@ void ModelMemory::regrow(std::int32_t layer, std::span<const std::int64_t> grow)
   const std::int64_t cells = w.rows * w.cols;
   for (std::size_t i = 0; i < grow.size(); ++i) {
     if (grow[i] < 0 || grow[i] >= cells || (i > 0 && grow[i] <= grow[i - 1])) {
-      throw ShapeError("regrow: " + layer_name(layer) + ": position " + std::to_string(grow[i]) +
-                       " (entry " + std::to_string(i) + ") is out of range [0, " +
-                       std::to_string(cells) + ") or not increasing");
+      throw ArgumentError("regrow: " + layer_name(layer) + ": position " + std::to_string(grow[i]) +
+                          " (entry " + std::to_string(i) + ") is out of range [0, " +
+                          std::to_string(cells) + ") or not increasing");
     }
   }
   if (grow.empty()) return;
@@ -240,8 +240,8 @@ const OptimizerConfig& ModelMemory::optimizer() const {
 
 void ModelMemory::set_non_finite_policy(NonFinitePolicy policy) {
   if (policy != NonFinitePolicy::skip_step && policy != NonFinitePolicy::error) {
-    throw ShapeError("set_non_finite_policy: unknown policy " +
-                     std::to_string(static_cast<int>(policy)));
+    throw ArgumentError("set_non_finite_policy: unknown policy " +
+                        std::to_string(static_cast<int>(policy)));
   }
   set_non_finite_policy_impl(policy);
 }
@@ -251,12 +251,12 @@ std::int64_t ModelMemory::step() const {
 }
 
 void ModelMemory::save(const std::filesystem::path& path) const {
-  if (path.empty()) throw ShapeError("save: empty checkpoint path");
+  if (path.empty()) throw ArgumentError("save: empty checkpoint path");
   save_impl(path);
 }
 
 void ModelMemory::load(const std::filesystem::path& path) {
-  if (path.empty()) throw ShapeError("load: empty checkpoint path");
+  if (path.empty()) throw ArgumentError("load: empty checkpoint path");
   load_impl(path);
   ++mask_generation_;
 }

@@ -25,8 +25,8 @@ namespace {
 
 void require(bool ok, const char* field, double value, const char* expected) {
   if (!ok) {
-    throw ShapeError(std::string("optimizer config: ") + field + " = " + std::to_string(value) +
-                     ", expected " + expected);
+    throw ArgumentError(std::string("optimizer config: ") + field + " = " + std::to_string(value) +
+                        ", expected " + expected);
   }
 }
 
@@ -99,11 +99,11 @@ bool adam_update(const UpdateScalars& s, const UpdateArrays& a, std::size_t begi
 /// be zeroed or flip sign every step, which no schedule means.
 void require_decay_below_one(const OptimizerConfig& c, double learning_rate, const char* when) {
   if (c.kind == OptimizerKind::adamw && learning_rate * c.weight_decay >= 1) {
-    throw ShapeError(std::string("optimizer config: adamw with learning rate ") +
-                     std::to_string(learning_rate) + when + " and weight_decay " +
-                     std::to_string(c.weight_decay) +
-                     " decays each weight by a factor 1 - lr * weight_decay <= 0 (needs lr * "
-                     "weight_decay < 1)");
+    throw ArgumentError(std::string("optimizer config: adamw with learning rate ") +
+                        std::to_string(learning_rate) + when + " and weight_decay " +
+                        std::to_string(c.weight_decay) +
+                        " decays each weight by a factor 1 - lr * weight_decay <= 0 (needs lr * "
+                        "weight_decay < 1)");
   }
 }
 
@@ -116,8 +116,8 @@ int optimizer_slot_count(OptimizerKind kind) {
 void validate_optimizer_config(const OptimizerConfig& c) {
   if (c.kind != OptimizerKind::sgd && c.kind != OptimizerKind::adam &&
       c.kind != OptimizerKind::adamw) {
-    throw ShapeError("optimizer config: unknown optimizer kind " +
-                     std::to_string(static_cast<int>(c.kind)));
+    throw ArgumentError("optimizer config: unknown optimizer kind " +
+                        std::to_string(static_cast<int>(c.kind)));
   }
   require(std::isfinite(c.learning_rate) && c.learning_rate >= 0, "learning_rate", c.learning_rate,
           "finite and >= 0");
@@ -137,8 +137,8 @@ double scheduled_learning_rate(const OptimizerConfig& config, std::int64_t step)
   if (!config.schedule) return config.learning_rate;
   const double factor = config.schedule(step);
   if (!std::isfinite(factor) || factor < 0) {
-    throw ShapeError("learning-rate schedule returned " + std::to_string(factor) + " at step " +
-                     std::to_string(step) + " (expected a finite multiplier >= 0)");
+    throw ArgumentError("learning-rate schedule returned " + std::to_string(factor) + " at step " +
+                        std::to_string(step) + " (expected a finite multiplier >= 0)");
   }
   const double learning_rate = config.learning_rate * factor;
   require_decay_below_one(config, learning_rate,

@@ -26,8 +26,8 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
     : state_(std::make_unique<State>()) {
   State& st = *state_;
   if (budget_bytes <= 0) {
-    throw ShapeError("TieredModelMemory: the budget must be positive, got " +
-                     std::to_string(budget_bytes) + " bytes");
+    throw ArgumentError("TieredModelMemory: the budget must be positive, got " +
+                        std::to_string(budget_bytes) + " bytes");
   }
   st.dir = std::move(directory);
   st.budget = budget_bytes;
@@ -436,14 +436,14 @@ std::int64_t TieredModelMemory::step_impl() const {
 }
 
 void TieredModelMemory::save_impl(const std::filesystem::path& path) const {
-  throw ShapeError("save " + path.string() + ": a TieredModelMemory is its own checkpoint (" +
-                   state_->dir.string() + "); copy the directory instead");
+  throw UnsupportedError("save " + path.string() + ": a TieredModelMemory is its own checkpoint (" +
+                         state_->dir.string() + "); copy the directory instead");
 }
 
 void TieredModelMemory::load_impl(const std::filesystem::path& path) {
-  throw ShapeError("load " + path.string() +
-                   ": a TieredModelMemory loads its store when it is opened; open a "
-                   "TieredModelMemory on the store directory instead");
+  throw UnsupportedError("load " + path.string() +
+                         ": a TieredModelMemory loads its store when it is opened; open a "
+                         "TieredModelMemory on the store directory instead");
 }
 
 }  // namespace sluice

@@ -21,7 +21,8 @@ StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precisi
 StreamHeader stream_header_for(std::int64_t rows, std::int64_t cols, std::int64_t nnz,
                                StreamKind kind, Precision precision, StreamOrder order) {
   if (order != StreamOrder::by_output && order != StreamOrder::by_input) {
-    throw ShapeError("encode: unknown order " + std::to_string(static_cast<std::uint32_t>(order)));
+    throw ArgumentError("encode: unknown order " +
+                        std::to_string(static_cast<std::uint32_t>(order)));
   }
   const bool by_input = order == StreamOrder::by_input;
   // The stream's runs and tags: the layer's outputs and inputs, or the other way round.
@@ -37,13 +38,13 @@ StreamHeader stream_header_for(std::int64_t rows, std::int64_t cols, std::int64_
         "engine");
   }
   if (precision != Precision::fp32 && precision != Precision::bf16) {
-    throw ShapeError("encode: unknown precision " +
-                     std::to_string(static_cast<std::uint32_t>(precision)));
+    throw ArgumentError("encode: unknown precision " +
+                        std::to_string(static_cast<std::uint32_t>(precision)));
   }
   if (precision == Precision::bf16 && tags > kMaxBf16Inputs) {
-    throw ShapeError("a bf16 stream addresses at most " + std::to_string(kMaxBf16Inputs) + " " +
-                     (by_input ? "outputs (its tags by input)" : "inputs") + "; this layer has " +
-                     std::to_string(tags) + " (stream it in fp32)");
+    throw UnsupportedError("a bf16 stream addresses at most " + std::to_string(kMaxBf16Inputs) +
+                           " " + (by_input ? "outputs (its tags by input)" : "inputs") +
+                           "; this layer has " + std::to_string(tags) + " (stream it in fp32)");
   }
   return {kind,
           static_cast<std::uint32_t>(runs),
@@ -58,10 +59,10 @@ namespace {
 std::int64_t chunk_end(const std::vector<std::int64_t>& offsets, std::int64_t first,
                        std::size_t chunk_packets) {
   const auto runs = static_cast<std::int64_t>(offsets.size()) - 1;
-  if (chunk_packets == 0) throw ShapeError("chunk_end: chunks of 0 packets");
+  if (chunk_packets == 0) throw ArgumentError("chunk_end: chunks of 0 packets");
   if (first < 0 || first > runs) {
-    throw ShapeError("chunk_end: output " + std::to_string(first) + " outside the matrix's " +
-                     std::to_string(runs));
+    throw ArgumentError("chunk_end: output " + std::to_string(first) + " outside the matrix's " +
+                        std::to_string(runs));
   }
   std::int64_t last = first;
   std::size_t packets = 0;
@@ -157,9 +158,9 @@ template <typename Value>
 ChunkPtr encode_runs(const RunSource<Value>& rows, StreamKind kind, std::int64_t first,
                      std::int64_t last, Precision precision) {
   if (first < 0 || last < first || last > rows.runs()) {
-    throw ShapeError("encode_chunk: outputs [" + std::to_string(first) + ", " +
-                     std::to_string(last) + ") outside the matrix's " +
-                     std::to_string(rows.runs()));
+    throw ArgumentError("encode_chunk: outputs [" + std::to_string(first) + ", " +
+                        std::to_string(last) + ") outside the matrix's " +
+                        std::to_string(rows.runs()));
   }
   auto chunk = std::make_shared<StreamChunk>();
   chunk->first_output = static_cast<std::uint32_t>(first);

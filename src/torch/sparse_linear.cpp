@@ -110,10 +110,11 @@ void check_input(const LayerBinding& b, const Tensor& x) {
   }
   const auto dtype = x.scalar_type();
   if (dtype != ::torch::kFloat && dtype != ::torch::kBFloat16 && dtype != ::torch::kDouble) {
-    throw ShapeError(std::string("sluice SparseLinear: input of dtype ") + c10::toString(dtype) +
-                     "; float32, bfloat16 or float64 (reference) only");
+    throw UnsupportedError(std::string("sluice SparseLinear: input of dtype ") +
+                           c10::toString(dtype) +
+                           "; float32, bfloat16 or float64 (reference) only");
   }
-  if (!x.device().is_cpu()) throw ShapeError("sluice SparseLinear: input not on the CPU");
+  if (!x.device().is_cpu()) throw UnsupportedError("sluice SparseLinear: input not on the CPU");
 }
 
 std::vector<std::int64_t> with_last(const Tensor& x, std::int64_t last) {
@@ -264,8 +265,8 @@ sluice::SparseLinear random_layer(SparseLinearOptions& options) {
                      std::to_string(out) + " outputs");
   }
   if (!(options.sparsity() >= 0.0 && options.sparsity() < 1.0)) {
-    throw ShapeError("sluice SparseLinear: sparsity " + std::to_string(options.sparsity()) +
-                     " is not in [0, 1)");
+    throw ArgumentError("sluice SparseLinear: sparsity " + std::to_string(options.sparsity()) +
+                        " is not in [0, 1)");
   }
   CsrMatrix w = CsrMatrix::random(out, in, options.sparsity(), options.seed());
   // As torch::nn::Linear (uniform in +-1/sqrt(fan-in)), over the inputs a row keeps.

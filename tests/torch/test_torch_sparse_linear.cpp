@@ -130,7 +130,7 @@ TEST(TorchSparseLinearPruned, KeepsTheLargest) {
   EXPECT_GE(kept.masked_select(layer->mask()).min().item<float>(), dropped.max().item<float>());
   EXPECT_TRUE(torch::equal(layer->bias().detach(), dense->bias.detach()));
   EXPECT_THROW(layer->forward(torch::randn({3, 49})), sluice::ShapeError);
-  EXPECT_THROW(layer->forward(torch::randn({3, 50}).to(torch::kInt)), sluice::ShapeError);
+  EXPECT_THROW(layer->forward(torch::randn({3, 50}).to(torch::kInt)), sluice::UnsupportedError);
 }
 
 // An MLP of sluice layers and the same masked dense torch model, trained side by side

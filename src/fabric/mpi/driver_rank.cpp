@@ -360,7 +360,7 @@ void DriverRank::load_samples(const PassSpec& spec, std::span<const std::int64_t
 void DriverRank::forward_layer(StreamSource& weights, std::span<const Placement* const> placements,
                                std::int32_t layer, std::span<const float> bias) {
   const StreamHeader& h = weights.header();
-  if (shard_tokens_.empty()) throw ShapeError("MpiFabric forward_layer: no batch loaded");
+  if (shard_tokens_.empty()) throw ArgumentError("MpiFabric forward_layer: no batch loaded");
   if (!bias.empty() && bias.size() != h.outputs) {
     throw ShapeError("MpiFabric forward_layer: " + std::to_string(bias.size()) + " biases for " +
                      std::to_string(h.outputs) + " outputs");
@@ -388,7 +388,7 @@ void DriverRank::forward_layer(StreamSource& weights, std::span<const Placement*
 }
 
 std::vector<LossSums> DriverRank::loss(bool want_delta, std::int64_t total_tokens) {
-  if (shard_tokens_.empty()) throw ShapeError("MpiFabric loss: no batch loaded");
+  if (shard_tokens_.empty()) throw ArgumentError("MpiFabric loss: no batch loaded");
   std::vector<LossSums> parts(engines());
   inside_operation([&] {
     Command c;
@@ -412,7 +412,7 @@ ReducedGradient DriverRank::backward_layer(StreamSource& weights,
                                            std::span<const Placement* const> placements,
                                            std::int32_t layer, bool want_dx, bool with_bias) {
   const StreamHeader& h = weights.header();
-  if (shard_tokens_.empty()) throw ShapeError("MpiFabric backward_layer: no batch loaded");
+  if (shard_tokens_.empty()) throw ArgumentError("MpiFabric backward_layer: no batch loaded");
   for (std::size_t k = 0; k < placements.size(); ++k) {
     check_slice("placement", k, placements[k]->features(), 1, h.layer_inputs(), 1);
   }
@@ -436,7 +436,7 @@ ReducedGradient DriverRank::backward_layer(StreamSource& weights,
 }
 
 DenseMatrix DriverRank::gather_output() {
-  if (shard_tokens_.empty()) throw ShapeError("MpiFabric gather_output: no batch loaded");
+  if (shard_tokens_.empty()) throw ArgumentError("MpiFabric gather_output: no batch loaded");
   std::int64_t tokens = 0;
   for (const std::int64_t t : shard_tokens_) tokens += t;
   DenseMatrix y(outputs_, tokens);
@@ -461,8 +461,8 @@ DenseMatrix DriverRank::gather_output() {
 void DriverRank::layer_activations(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                                    std::vector<ConstMatrixView>& dzs) {
   if (shard_tokens_.empty() || layer < 0 || layer + 1 >= static_cast<std::int32_t>(sizes_.size())) {
-    throw ShapeError("MpiFabric layer activations: no layer " + std::to_string(layer) +
-                     " in the engines' stores");
+    throw ArgumentError("MpiFabric layer activations: no layer " + std::to_string(layer) +
+                        " in the engines' stores");
   }
   const std::size_t n = engines();
   lent_.clear();

@@ -73,16 +73,16 @@ EngineOptions options_from(const mpi::WireEngine& w) {
 void check_mpi(const MpiFabricOptions& options) {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (!initialized) throw ShapeError("MpiFabric: MPI is not initialised (call MPI_Init_thread)");
-  if (options.window < 1) throw ShapeError("MpiFabric: window must be >= 1");
+  if (!initialized) throw ArgumentError("MpiFabric: MPI is not initialised (call MPI_Init_thread)");
+  if (options.window < 1) throw ArgumentError("MpiFabric: window must be >= 1");
   if (!(options.peer_timeout_seconds >= 0)) {
-    throw ShapeError("MpiFabric: peer_timeout_seconds must be >= 0 (0: wait forever)");
+    throw ArgumentError("MpiFabric: peer_timeout_seconds must be >= 0 (0: wait forever)");
   }
   int rank = 0, size = 0;
   mpi_check(MPI_Comm_rank(options.comm, &rank), "MPI_Comm_rank");
   mpi_check(MPI_Comm_size(options.comm, &size), "MPI_Comm_size");
   if (size < 2) {
-    throw ShapeError(
+    throw ArgumentError(
         "MpiFabric: needs at least 2 ranks (rank 0 drives, the others are engines), got " +
         std::to_string(size));
   }
@@ -90,10 +90,10 @@ void check_mpi(const MpiFabricOptions& options) {
   MPI_Query_thread(&provided);
   const int needed = rank == 0 ? MPI_THREAD_SERIALIZED : MPI_THREAD_FUNNELED;
   if (provided < needed) {
-    throw ShapeError("MpiFabric: MPI was initialised without enough thread support (rank " +
-                     std::to_string(rank) + " needs MPI_THREAD_" +
-                     (rank == 0 ? "SERIALIZED" : "FUNNELED") +
-                     "); use MPI_Init_thread with MPI_THREAD_MULTIPLE");
+    throw UnsupportedError("MpiFabric: MPI was initialised without enough thread support (rank " +
+                           std::to_string(rank) + " needs MPI_THREAD_" +
+                           (rank == 0 ? "SERIALIZED" : "FUNNELED") +
+                           "); use MPI_Init_thread with MPI_THREAD_MULTIPLE");
   }
 }
 
@@ -153,8 +153,8 @@ struct MpiFabric::Impl {
   bool stopped = false;
 
   mpi::DriverRank& drive() {
-    if (!driver) throw ShapeError("MpiFabric: only rank 0 drives the fabric");
-    if (stopped) throw ShapeError("MpiFabric: the fabric was stopped");
+    if (!driver) throw ArgumentError("MpiFabric: only rank 0 drives the fabric");
+    if (stopped) throw ArgumentError("MpiFabric: the fabric was stopped");
     return *driver;
   }
 };
@@ -237,7 +237,7 @@ double MpiFabric::last_gradient_seconds() const {
 
 void MpiFabric::stop() {
   Impl& m = *impl_;
-  if (!m.driver) throw ShapeError("MpiFabric::stop: only rank 0 stops the fabric");
+  if (!m.driver) throw ArgumentError("MpiFabric::stop: only rank 0 stops the fabric");
   if (m.stopped) return;
   m.driver->stop();
   m.stopped = true;
@@ -245,7 +245,8 @@ void MpiFabric::stop() {
 
 void MpiFabric::serve() {
   Impl& m = *impl_;
-  if (m.driver) throw ShapeError("MpiFabric::serve: rank 0 drives the fabric, it does not serve");
+  if (m.driver)
+    throw ArgumentError("MpiFabric::serve: rank 0 drives the fabric, it does not serve");
   try {
     m.engine->serve(dataset());
     m.stopped = true;
@@ -262,8 +263,9 @@ Engine& MpiFabric::engine_impl(std::int32_t k) {
   Impl& m = *impl_;
   if (m.driver) return m.driver->twin(k);
   if (k != m.link->rank() - 1) {
-    throw ShapeError("MpiFabric: rank " + std::to_string(m.link->rank()) + " holds engine " +
-                     std::to_string(m.link->rank() - 1) + " only, not engine " + std::to_string(k));
+    throw ArgumentError("MpiFabric: rank " + std::to_string(m.link->rank()) + " holds engine " +
+                        std::to_string(m.link->rank() - 1) + " only, not engine " +
+                        std::to_string(k));
   }
   return m.engine->engine();
 }
