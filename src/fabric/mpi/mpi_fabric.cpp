@@ -51,6 +51,7 @@ mpi::WireEngine wire_of(const EngineOptions& eo) {
   wire.isa = eo.isa ? static_cast<std::int32_t>(*eo.isa) : -1;
   wire.pin = eo.pin_threads ? 1 : 0;
   wire.tile_cache_bytes = eo.tile_cache_bytes;
+  wire.path = static_cast<std::int32_t>(eo.path);
   return wire;
 }
 
@@ -66,6 +67,10 @@ EngineOptions options_from(const mpi::WireEngine& w) {
   if (w.isa >= 0) o.isa = static_cast<Isa>(w.isa);
   o.pin_threads = w.pin != 0;
   o.tile_cache_bytes = w.tile_cache_bytes;
+  if (w.path < 0 || w.path > static_cast<std::int32_t>(ProductPath::dense)) {
+    throw FormatError("MpiFabric: rank 0 sent product path " + std::to_string(w.path));
+  }
+  o.path = static_cast<ProductPath>(w.path);
   return o;
 }
 

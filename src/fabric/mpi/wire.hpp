@@ -102,7 +102,7 @@ struct Reply {
 /// Engine options as rank 0 sends them, and what each engine rank resolved.
 struct WireEngine {
   std::int32_t lanes = 0, blocks = 0, tile_tokens = 0, threads = 0;
-  std::int32_t isa = -1, pin = 0, shares = 0, unused = 0;
+  std::int32_t isa = -1, pin = 0, shares = 0, path = 0;  ///< path: ProductPath
   std::int64_t tile_cache_bytes = 0;
 };
 
