@@ -39,7 +39,7 @@ inline void require_size(const char* block, const char* name, std::size_t actual
   }
 }
 
-/// Throws ShapeError unless 0 <= tokens[t] < vocab for every t.
+/// Throws ArgumentError unless 0 <= tokens[t] < vocab for every t.
 inline void require_symbols(const char* block, std::span<const std::int32_t> tokens,
                             std::int64_t vocab) {
   for (std::size_t t = 0; t < tokens.size(); ++t) {

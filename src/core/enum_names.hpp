@@ -23,7 +23,7 @@ const char* name_of(const EnumName<E> (&names)[N], E value) {
   return "unknown";
 }
 
-/// The value named `name`; otherwise ShapeError "unknown <what> '<name>' (expected a, b or c)".
+/// The value named `name`; otherwise ArgumentError "unknown <what> '<name>' (expected a, b or c)".
 template <typename E, std::size_t N>
 E parse_name(const EnumName<E> (&names)[N], const std::string& name, const char* what) {
   std::string expected;

@@ -64,7 +64,7 @@ class StreamingTopK {
 /// the smaller position), in increasing order; fewer if fewer scores are finite. xs[e] is
 /// engine e's layer input (mask.cols() x its tokens), dys[e] its output gradient
 /// (mask.rows() x the same tokens). Tiles of columns run in parallel, their products with
-/// `isa`'s kernel. ShapeError on shapes that do not fit or a k over the inactive positions.
+/// `isa`'s kernel. ShapeError on shapes that do not fit, ArgumentError for a k over the inactive positions.
 std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
                                                std::span<const ConstMatrixView> xs,
                                                std::span<const ConstMatrixView> dys, std::int64_t k,

@@ -22,7 +22,7 @@ struct MaskChange {
 };
 
 /// Drops the non-zeros at CSR indices `drop` (increasing) and adds the positions `grow`
-/// (row * cols + col, increasing, inactive in w). ShapeError if an index or position is
+/// (row * cols + col, increasing, inactive in w). ArgumentError if an index or position is
 /// out of range, out of order, or a grown position is already active.
 MaskChange prune_and_regrow(const CsrMatrix& w, std::span<const std::int64_t> drop,
                             std::span<const std::int64_t> grow);

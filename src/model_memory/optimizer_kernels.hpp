@@ -16,10 +16,10 @@ inline constexpr int kMaxOptimizerSlots = 2;
 /// and second moments (m, v), in that order.
 int optimizer_slot_count(OptimizerKind kind);
 
-/// Checks that the numbers make sense (ShapeError naming the field).
+/// Checks that the numbers make sense (ArgumentError naming the field).
 void validate_optimizer_config(const OptimizerConfig& config);
 
-/// learning_rate * schedule(step), step 1-based (empty schedule = 1). ShapeError if the
+/// learning_rate * schedule(step), step 1-based (empty schedule = 1). ArgumentError if the
 /// schedule gives a negative or non-finite multiplier.
 double scheduled_learning_rate(const OptimizerConfig& config, std::int64_t step);
 
