@@ -52,6 +52,51 @@ TEST_F(Cli, BadArgumentsExitWithTwo) {
   expect_exit(run(""), 2, "subcommand");
 }
 
+// Integer flags take decimal digits only, within 64 bits: no trailing garbage, no other
+// base or exponent, no wrap past 2^64 (CLI11 read "0x10" as 16 and 2^64 as something).
+TEST_F(Cli, IntegerFlagsAreStrictDecimal) {
+  const std::string train = "train --dataset synthetic --layers 64,8,10 --epochs 1 ";
+  for (const char* value : {"12abc", "0x10", "1e3", "+5", "-1", "2.5", "''"}) {
+    expect_exit(run(train + "--seed " + value), 2, "--seed: ");
+  }
+  expect_exit(run(train + "--seed 18446744073709551616"), 2, "does not fit in 64 bits");
+  expect_exit(run(train + "--prefetch-bytes 99999999999999999999"), 2, "--prefetch-bytes");
+  expect_exit(run(train + "--memory-budget 1e9"), 2, "not a whole number");
+  expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --tokens 4x"), 2, "--tokens");
+  EXPECT_EQ(run(train + "--steps 1 --seed 18446744073709551615").exit_code, 0);
+}
+
+// A byte budget above what this process can have promises memory that is not there.
+TEST_F(Cli, AMemoryBudgetAboveAvailableMemoryIsRefused) {
+  const std::string train = "train --dataset synthetic --layers 64,8,10 --epochs 1 ";
+  expect_exit(run(train + "--memory-budget 100000000000000000"), 2, "physical memory");
+  expect_exit(run(train + "--model-store " + (dir_ / "store").string() +
+                  " --model-memory-budget 100000000000000000"),
+              2, "--model-memory-budget");
+}
+
+// Messages stay a line: a megabyte argument or cell is cut to ~40 characters with "…",
+// a NUL in a cell is shown, not left to cut the message, and a range prints as %g (CLI11
+// printed DBL_MAX's 309 digits).
+TEST_F(Cli, MessagesShowValuesBriefly) {
+  const std::string huge(100000, '9');
+  Outcome o = run("train --dataset synthetic --epochs 1 --threads " + huge);
+  EXPECT_EQ(o.exit_code, 2) << o.output.substr(0, 300);
+  EXPECT_NE(o.output.find("9999…"), std::string::npos) << o.output.substr(0, 300);
+  EXPECT_EQ(o.output.find(std::string(100, '9')), std::string::npos);
+  o = run("train --dataset synthetic --epochs 1 --lr -1");
+  expect_exit(o, 2, "--lr: '-1' is not a number > 0");
+  EXPECT_EQ(o.output.find("179769"), std::string::npos) << o.output;
+  o = run("x" + std::string(5000, 'y'));
+  expect_exit(o, 2, "unknown command 'xyyy");
+  EXPECT_LT(o.output.size(), 300U) << o.output;
+  o = run("train --dataset " + file("huge.csv", "1,2\n3," + huge + "x,1\n"));
+  expect_exit(o, 1, "huge.csv:2: column 2 is not a finite number: '9999");
+  EXPECT_LT(o.output.size(), 300U) << o.output;
+  const std::string nul = "1,2\n3," + std::string("4\0x", 3) + ",1\n";
+  expect_exit(run("train --dataset " + file("nul.csv", nul)), 1, "'4\\x00x'");
+}
+
 TEST_F(Cli, BadMatrixFilesExitWithOne) {
   const std::string mm = "%%MatrixMarket matrix coordinate real general\n";
   expect_exit(run("spmm --tokens 4 --matrix " + file("empty.smtx", "")), 1, "empty.smtx");

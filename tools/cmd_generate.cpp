@@ -5,6 +5,7 @@
 
 #include "commands.hpp"
 #include "measure.hpp"
+#include "number_options.hpp"
 #include "output_files.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
@@ -33,14 +34,14 @@ Command add_generate_command(CLI::App& app) {
       ->check(path_argument());
   cmd->add_option("--prompt", o->prompt, "The text to continue (default: none)");
   cmd->add_option("--bytes", o->bytes, "Bytes to generate")
-      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 24));
+      ->check(number_range(std::int64_t{0}, std::int64_t{1} << 24));
   cmd->add_option("--temperature", o->temperature,
                   "Sampling temperature; 0 takes the most likely byte")
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(number_range(0.0, 100.0));
   cmd->add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd->add_option("--threads", o->threads, "Threads of the engine (default: every core)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   return [o] {
     HostModelMemory memory;
     memory.load(o->checkpoint);

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "core/excerpt.hpp"
 #include "json_writer.hpp"
+#include "number_options.hpp"
 #include "output_files.hpp"
 #include "sluice/cost_model.hpp"
 #include "sluice/error.hpp"
@@ -345,7 +347,8 @@ void write_outputs(const Prediction& p, const fs::path& dir) {
 
 int run_predict(const PredictOptions& options) {
   if (options.system != "wse2")
-    throw UsageError("predict: unknown --system '" + options.system + "' (known: wse2)");
+    throw UsageError("predict: unknown --system " + detail::excerpt(options.system) +
+                     " (known: wse2)");
   if (!(options.scaling_sparsity >= 0 && options.scaling_sparsity < 1))
     throw UsageError("predict: --scaling-sparsity must be in [0, 1)");
   const Prediction p = predict(options);
@@ -379,7 +382,7 @@ Command add_predict_command(CLI::App& app) {
                   "layer's 16-bit input kept, the rest recomputed in backward, which GPT-3 needs "
                   "to hold one sequence in 40 GB; 34: Korthikanti et al. 2022, only the "
                   "attention scores recomputed)")
-      ->check(CLI::Range(0.001, 1e6))
+      ->check(number_range(0.001, 1e6))
       ->capture_default_str();
   sub->add_flag("--json", options->json, "Print JSON instead of tables");
   sub->add_option("--out", options->out_dir,

@@ -8,6 +8,7 @@
 #include "dense_baseline.hpp"
 #include "json_writer.hpp"
 #include "measure.hpp"
+#include "number_options.hpp"
 #include "reference.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/engine.hpp"
@@ -283,22 +284,22 @@ Command add_spmm_command(CLI::App& app) {
                                        "Row counts of a random W: uniform or powerlaw")
                            ->check(CLI::IsMember({"uniform", "powerlaw"}));
   matrix->excludes(shape)->excludes(sparsity)->excludes(distribution);
-  cmd->add_option("--tokens", o->tokens, "Tokens (columns of X)")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--tokens", o->tokens, "Tokens (columns of X)")->check(number_range(1, 1 << 24));
   cmd->add_option("--threads", o->threads, "Threads (default: all cores)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--repeat", o->repeat, "Timed repetitions (median)")
-      ->check(CLI::Range(1, 100000));
+      ->check(number_range(1, 100000));
   cmd->add_option("--seed", o->seed, "Seed for W, X and values");
   cmd->add_option("--lanes", o->geometry.lanes, "Engine lanes P (default: chosen)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--blocks", o->geometry.blocks, "Token blocks Q (default: chosen)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--tile", o->geometry.tile_tokens, "Tokens per tile (default: chosen)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(number_range(1, 1 << 20));
   cmd->add_option("--shares", o->geometry.shares,
                   "Stream shares S: the chunks split among S groups of threads (default: "
                   "chosen, > 1 only for a batch too small to split by tokens)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--precision", o->precision,
                   "fp32, or bf16: weights streamed and activations held in bf16, fp32 sums")
       ->check(CLI::IsMember({"fp32", "bf16"}));

@@ -21,6 +21,7 @@
 #include "dense_baseline.hpp"
 #include "json_writer.hpp"
 #include "measure.hpp"
+#include "number_options.hpp"
 #include "output_files.hpp"
 #include "reference.hpp"
 #include "sluice/cost_model.hpp"
@@ -581,15 +582,15 @@ Command add_sweep_command(CLI::App& app) {
       "and compare measured with predicted acceleration");
   cmd->add_option("--shape", o->shape, "OUTxIN of the random weights")->capture_default_str();
   cmd->add_option("--tokens", o->tokens, "Tokens (columns of X)")
-      ->check(CLI::Range(1, 1 << 24))
+      ->check(number_range(1, 1 << 24))
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Threads (default: all cores)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--sparsities", o->sparsities, "Comma-separated sparsities in [0, 1)")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed for W, X and values")->capture_default_str();
   cmd->add_option("--repeat", o->repeat, "Timed repetitions per point (median, after a warm-up)")
-      ->check(CLI::Range(1, 100000))
+      ->check(number_range(1, 100000))
       ->capture_default_str();
   cmd->add_flag("--training", o->training,
                 "Time a training step (forward + backward dX + weight gradient) against dense "

@@ -18,10 +18,12 @@
 #include <sstream>
 #include <tuple>
 
+#include "core/excerpt.hpp"
 #include "json_writer.hpp"
 #include "measure.hpp"
 #include "model_budget.hpp"
 #include "model_store_option.hpp"
+#include "number_options.hpp"
 #include "output_files.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dynamic_sparsity.hpp"
@@ -94,7 +96,7 @@ std::vector<std::int64_t> parse_layers(const std::string& text) {
       if (used != item.size() || v < 1) throw std::invalid_argument(item);
       sizes.push_back(v);
     } catch (const std::exception&) {
-      throw UsageError("--layers: '" + item + "' is not a positive integer");
+      throw UsageError("--layers: " + detail::excerpt(item) + " is not a positive integer");
     }
   }
   if (sizes.size() < 2) throw UsageError("--layers needs at least two sizes, e.g. 64,512,10");
@@ -106,7 +108,7 @@ std::vector<Precision> parse_precisions(const std::string& text, std::int32_t la
   std::vector<Precision> out;
   for (const std::string& item : split_list(text)) {
     if (item != "fp32" && item != "bf16") {
-      throw UsageError("--precision: '" + item + "' is neither fp32 nor bf16");
+      throw UsageError("--precision: " + detail::excerpt(item) + " is neither fp32 nor bf16");
     }
     out.push_back(parse_precision(item));
   }
@@ -407,37 +409,38 @@ Command add_train_command(CLI::App& app) {
                   "fortunes scripts/sluice-setup fetches); the last 5% is held out")
       ->check(path_argument());
   cmd->add_option("--context", o->gpt.context, "GPT: bytes per sequence")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--d-model", o->gpt.d_model, "GPT: width of the residual stream")
-      ->check(CLI::Range(1, 16384));
+      ->check(number_range(1, 16384));
   cmd->add_option("--heads", o->gpt.heads, "GPT: attention heads (divide --d-model)")
-      ->check(CLI::Range(1, 1024));
-  cmd->add_option("--blocks", o->gpt.blocks, "GPT: transformer blocks")->check(CLI::Range(1, 256));
+      ->check(number_range(1, 1024));
+  cmd->add_option("--blocks", o->gpt.blocks, "GPT: transformer blocks")
+      ->check(number_range(1, 256));
   cmd->add_option("--steps", o->steps, "Stop after this many steps")
-      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+      ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
   cmd->add_option("--max-seconds", o->max_seconds, "Stop after this much training time")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--dataset", o->dataset,
                   "digits, synthetic or a CSV file (last column the label); default: digits if "
                   "its file is found, else synthetic");
   cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
   cmd->add_option("--layers", o->layers,
                   "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");
-  auto* sparsity =
-      cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")->check(CLI::Range(0.0, 0.999));
+  auto* sparsity = cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")
+                       ->check(number_range(0.0, 0.999));
   auto* engines =
       cmd->add_option("--engines", o->engines, "Engines in the fabric (--fabric local only)")
-          ->check(CLI::Range(1, 256));
-  cmd->add_option("--epochs", o->epochs, "Epochs")->check(CLI::Range(1, 100000));
+          ->check(number_range(1, 256));
+  cmd->add_option("--epochs", o->epochs, "Epochs")->check(number_range(1, 100000));
   cmd->add_option("--batch", o->batch, "Per step: tokens (MLP) or sequences (GPT; default 32)")
-      ->check(CLI::Range(1, 1 << 24));
+      ->check(number_range(1, 1 << 24));
   auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
                         ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
-  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(CLI::PositiveNumber);
+  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(positive_number());
   auto* seed = cmd->add_option("--seed", o->seed,
                                "Seed for weights, data split and shuffles (a resumed run "
                                "keeps its checkpoint's)")
-                   ->check(CLI::NonNegativeNumber);
+                   ->check(non_negative_number());
   cmd->add_option("--checkpoint", o->checkpoint, "Save the model here at the end")
       ->check(path_argument());
   cmd->add_option("--resume", o->resume,
@@ -445,20 +448,21 @@ Command add_train_command(CLI::App& app) {
                   "change it), seed and data order")
       ->check(path_argument());
   cmd->add_option("--threads", o->threads, "Threads per engine (default: cores / engines)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_range(1, 4096));
   cmd->add_option("--path", o->path,
                   "How the engines multiply each layer: auto (the cost model's choice), sparse "
                   "(streamed) or dense (packets densified into tiles, oneDNN's matmul)")
       ->check(CLI::IsMember({"auto", "sparse", "dense"}));
   cmd->add_option("--memory-budget", o->memory_budget,
                   "Bytes the activations may take (0: no limit)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number())
+      ->check(within_available_memory());
   cmd->add_option("--prefetch", o->prefetch,
                   "Stream chunks prefetched ahead of the engines (overrides --prefetch-bytes)")
-      ->check(CLI::Range(1, 1024));
+      ->check(number_range(1, 1024));
   cmd->add_option("--prefetch-bytes", o->prefetch_bytes,
                   "Stream bytes prefetched ahead of the engines (0: the whole next layer)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd->add_option("--precision", o->precision,
                   "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
                   "and master weights), or one per layer: bf16,bf16,fp32");
@@ -470,23 +474,23 @@ Command add_train_command(CLI::App& app) {
       cmd->add_option("--peer-timeout", o->peer_timeout,
                       "--fabric mpi: seconds a rank waits on a silent peer before every rank "
                       "exits (exit code 1) naming it (0: wait forever)")
-          ->check(CLI::Range(0.0, 1e6));
+          ->check(number_range(0.0, 1e6));
   cmd->add_option("--dynamic", o->dynamic,
                   "Masks that change while training: none, set (grow random positions) or "
                   "rigl (grow where |dense gradient| is largest)")
       ->check(CLI::IsMember({"none", "set", "rigl"}));
   auto* update_every =
       cmd->add_option("--update-every", o->update_every, "Steps between mask updates (--dynamic)")
-          ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+          ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
   auto* drop =
       cmd->add_option("--drop", o->drop,
                       "Fraction of each layer's weights swapped per update, decayed by a cosine "
                       "(--dynamic)")
-          ->check(CLI::Range(0.0, 1.0));
+          ->check(number_range(0.0, 1.0));
   auto* update_until =
       cmd->add_option("--update-until", o->update_until,
                       "Fraction of the run after which the masks stay fixed (--dynamic)")
-          ->check(CLI::Range(0.0, 1.0));
+          ->check(number_range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
   add_model_store_options(*cmd, o->store);
 

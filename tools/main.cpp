@@ -6,7 +6,16 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "core/excerpt.hpp"
+#include "number_options.hpp"
 #include "sluice/error.hpp"
+
+namespace {
+// A message that echoes an argument or a cell whole (CLI11's do) is cut to a line.
+std::string shorten(const char* message) {
+  return sluice::detail::shorten_words(message);
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace sluice::cli;
@@ -23,6 +32,7 @@ int main(int argc, char** argv) {
   add(add_train_command);
   add(add_sweep_command);
   add(add_generate_command);
+  strict_integer_options(app);
 
   try {
     app.parse(argc, argv);
@@ -33,12 +43,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // CLI11 calls a mistyped command a missing one; name it and what there is instead.
     if (argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty()) {
-      std::cerr << "sluice: unknown command '" << argv[1] << "'; the commands are";
+      std::cerr << "sluice: unknown command " << sluice::detail::excerpt(argv[1])
+                << "; the commands are";
       for (const auto& [sub, run] : commands) std::cerr << " " << sub->get_name();
       std::cerr << " (sluice --help)\n";
       return 2;
     }
-    std::cerr << "sluice: " << e.what() << "\n\n" << app.help();
+    std::cerr << "sluice: " << shorten(e.what()) << "\n\n" << app.help();
     return 2;
   }
   try {
@@ -47,23 +58,23 @@ int main(int argc, char** argv) {
     }
     return 2;
   } catch (const UsageError& e) {
-    std::cerr << "sluice: " << e.what() << "\n";
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
     return 2;
   } catch (const sluice::ArgumentError& e) {  // shapes too
-    std::cerr << "sluice: " << e.what() << "\n";
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
     return 2;
   } catch (const sluice::UnsupportedError& e) {  // asked of this machine or build
-    std::cerr << "sluice: " << e.what() << "\n";
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
     return 2;
   } catch (const sluice::Error& e) {
-    std::cerr << "sluice: " << e.what() << "\n";
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
     return 1;
   } catch (const std::bad_alloc&) {
     std::cerr << "sluice: out of memory (the sizes asked for need more than this machine "
                  "can give)\n";
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "sluice: internal error: " << e.what() << "\n";
+    std::cerr << "sluice: internal error: " << shorten(e.what()) << "\n";
     return 1;
   }
 }

@@ -1,6 +1,7 @@
 #include "measure.hpp"
 
 #include "core/available_memory.hpp"
+#include "core/excerpt.hpp"
 
 #include <oneapi/tbb/task_arena.h>
 #include <sys/resource.h>
@@ -21,7 +22,8 @@ std::pair<std::int64_t, std::int64_t> parse_shape(const std::string& text) {
   if (x == std::string::npos || std::from_chars(s, s + x, a).ptr != s + x ||
       std::from_chars(s + x + 1, e, b).ptr != e || a <= 0 || b <= 0 || a >= (1LL << 31) ||
       b >= (1LL << 31)) {
-    throw UsageError("--shape must be OUTxIN with positive sizes below 2^31, got '" + text + "'");
+    throw UsageError("--shape must be OUTxIN with positive sizes below 2^31, got " +
+                     detail::excerpt(text));
   }
   return {a, b};
 }
@@ -43,7 +45,7 @@ std::vector<double> parse_sparsities(const std::string& text) {
     const char* s = item.data();
     const char* e = s + item.size();
     if (item.empty() || std::from_chars(s, e, v).ptr != e || !std::isfinite(v) || v < 0 || v >= 1) {
-      throw UsageError("sparsity must be a number in [0, 1), got '" + item + "'");
+      throw UsageError("sparsity must be a number in [0, 1), got " + detail::excerpt(item));
     }
     out.push_back(v);
   }

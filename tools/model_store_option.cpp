@@ -1,5 +1,7 @@
 #include "model_store_option.hpp"
 
+#include "number_options.hpp"
+
 #include <cmath>
 
 #include "sluice/tiered_model_memory.hpp"
@@ -12,7 +14,8 @@ void add_model_store_options(CLI::App& cmd, ModelStoreOptions& o) {
                  "creates the store, or resumes the model it holds (it is its own checkpoint)");
   o.budget_option = cmd.add_option("--model-memory-budget", o.budget,
                                    "Bytes of model the store keeps in RAM (default 2 GiB)")
-                        ->check(CLI::PositiveNumber);
+                        ->check(positive_number())
+                        ->check(within_available_memory());
 }
 
 void check_model_store_options(const ModelStoreOptions& o, bool resume, bool checkpoint) {

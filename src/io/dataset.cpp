@@ -8,12 +8,14 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
 
+#include "core/excerpt.hpp"
 #include "core/splitmix.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
@@ -96,12 +98,12 @@ Dataset load_csv(const std::filesystem::path& path) {
       if (cell.empty() || ec != std::errc() || ptr != cell.data() + cell.size() ||
           !std::isfinite(v)) {
         throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
-                          " is not a finite number: '" + cell + "'");
+                          " is not a finite number: " + detail::excerpt(cell));
       }
       // Features are held in fp32: a larger value would become infinite there.
       if (std::fabs(v) > std::numeric_limits<float>::max()) {
         throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
-                          " is outside the fp32 range: '" + cell + "'");
+                          " is outside the fp32 range: " + detail::excerpt(cell));
       }
       values.push_back(v);
       if (end == line.size()) break;
@@ -117,8 +119,10 @@ Dataset load_csv(const std::filesystem::path& path) {
     }
     const double label = values.back();
     if (label < 0 || label != std::floor(label) || label > 1e6) {
-      throw FormatError(where(path, line_no) + ": label " + std::to_string(label) +
-                        " is not a non-negative integer");
+      char shown[32];
+      std::snprintf(shown, sizeof shown, "%.6g", label);
+      throw FormatError(where(path, line_no) + ": label " + shown +
+                        " is not an integer in [0, 1e6]");
     }
     labels.push_back(static_cast<int>(label));
     values.pop_back();

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/available_memory.hpp"
+#include "core/excerpt.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
 
@@ -39,9 +40,7 @@ constexpr std::int64_t kMaxDimension = (std::int64_t{1} << 31) - 1;
 }
 
 std::string quoted(std::string_view text) {
-  constexpr std::size_t kMaxShown = 40;  // a garbage "number" may be a whole binary blob
-  if (text.size() > kMaxShown) return "'" + std::string(text.substr(0, kMaxShown)) + "...'";
-  return "'" + std::string(text) + "'";
+  return detail::excerpt(text);
 }
 
 std::string read_whole_file(const fs::path& path) {
@@ -518,13 +517,13 @@ CsrMatrix read_smtx(const fs::path& path, std::uint64_t seed) {
   }
   const auto [rows, cols, nnz] = size;
   check_shape(path, 1, rows, cols, nnz);
-  require_offsets_memory(path, 1, rows, cols);
   // Every number takes at least one byte: a header asking for more is corrupt.
   if (static_cast<std::uint64_t>(rows + 1 + nnz) > lines.remaining()) {
     fail(path, 1,
          "header declares " + std::to_string(rows + 1) + " row offsets and " + std::to_string(nnz) +
              " column indices but only " + std::to_string(lines.remaining()) + " bytes follow");
   }
+  require_offsets_memory(path, 1, rows, cols);
 
   if (!lines.next(line)) fail(path, 2, "file ends before the row offsets");
   std::vector<std::int64_t> offsets;
