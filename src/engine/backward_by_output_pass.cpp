@@ -60,12 +60,13 @@ struct ByOutput {
         [&](std::int64_t task) {
           const TokenTiling::Task here = tiling.task(task, lanes);
           TaskChunks mine(tiling, here.share, in.chunks.size(), claim ? &claims : nullptr);
-          const auto t_start = Clock::now();
+          const TaskClock clock(in.busy[task], in.spans[task]);
           fn(here, mine);
-          in.busy[task] += seconds_since(t_start);
         },
         /*one_task_each=*/true);
   }
+  /// Whether the stream (taken whole before the pass) has a chunk c.
+  bool has(std::size_t c) const { return c < in.chunks.size(); }
   Tile dy_rows(std::size_t c, std::int64_t t0) const {
     return {dy.row(in.chunks[c].chunk->first_output) + t0, dy.stride};
   }
@@ -84,9 +85,12 @@ struct ByOutput {
            ++t) {
         const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
         const MutableTile dx_tile = rows.start(t0, width);
-        mine.on_tile(t == tiling.first_tile(here.block), [&](std::size_t c, bool /*first*/) {
-          plan.data_step(engine.kernels, in.chunks[c], p, dy_rows(c, t0), dx_tile, width);
-        });
+        mine.on_tile(
+            t == tiling.first_tile(here.block),
+            [&](std::size_t c, bool /*first*/) {
+              plan.data_step(engine.kernels, in.chunks[c], p, dy_rows(c, t0), dx_tile, width);
+            },
+            [&](std::size_t c) { return has(c); });
         rows.finish(t0, width);
       }
     });
@@ -125,11 +129,14 @@ struct ByOutput {
             for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
               const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
               const HeldTile held = rows.hold(t0, width);
-              mine.on_tile(t == tiling.first_tile(q), [&](std::size_t c, bool first_visit) {
-                if (first_visit && plan.direct) gradient->write_controls(c);
-                plan.weight_step(engine.kernels, in.chunks[c], p, dy_rows(c, t0), held,
-                                 gradient->sums(tiling, p, q, c, t), width);
-              });
+              mine.on_tile(
+                  t == tiling.first_tile(q),
+                  [&](std::size_t c, bool first_visit) {
+                    if (first_visit && plan.direct) gradient->write_controls(c);
+                    plan.weight_step(engine.kernels, in.chunks[c], p, dy_rows(c, t0), held,
+                                     gradient->sums(tiling, p, q, c, t), width);
+                  },
+                  [&](std::size_t c) { return has(c); });
             }
           });
   }

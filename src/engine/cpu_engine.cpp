@@ -5,7 +5,8 @@
 // * A lane task (p, q) plays engine row p on token block q. Its activation tile (the
 //   rows of X it owns x `tile_tokens` tokens) is sized to stay in the core's cache while
 //   the whole layer's stream flows past it, once per tile (TilingPolicy, ResidentTile).
-// * The intake checks each chunk and routes its packets to the lanes that own their
+// * The intake takes the stream as it arrives (lanes compute the first chunks while later
+//   ones are produced), checks each chunk and routes its packets to the lanes that own their
 //   input features (Intake).
 // * A product's plan (plan.hpp) decides once per call how the lanes hold the activations,
 //   which kernel each step calls and which schedule runs the tasks; the passes
@@ -18,6 +19,7 @@
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,11 +56,19 @@ class PinningObserver final : public tbb::task_scheduler_observer {
   }
 };
 
-void count_stream(EngineCounters& counters, const std::vector<detail::TakenChunk>& chunks) {
+/// A product's stream, the lanes' computing time, and how much of the stream's arrival
+/// they computed through.
+void count_product(EngineCounters& counters, const std::vector<detail::TakenChunk>& chunks,
+                   const detail::Intake& intake, const std::vector<double>& busy,
+                   const std::vector<std::vector<detail::Span>>& spans) {
   for (const auto& c : chunks) {
     counters.packets += c.chunk->size();
     counters.bytes += c.chunk->byte_size();
   }
+  for (double b : busy) counters.busy_seconds += b;
+  const detail::Span arrival = intake.arrival();
+  counters.stream_arrival_seconds += detail::seconds_between(arrival.begin, arrival.end);
+  counters.overlapped_seconds += detail::covered_seconds(spans, arrival);
 }
 
 }  // namespace
@@ -139,16 +149,24 @@ void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, 
   detail::Intake intake(taken, weights, placement, layout, false);
   const detail::ForwardPlan plan = detail::plan_forward(engine.policy, weights.header(),
                                                         placement.lanes, x.cols, y.rows, intake);
-  if (plan.schedule != detail::ForwardSchedule::taken_as_computed) {
+  // One lane computes chunks as they arrive; several wait for the whole stream (their
+  // ring sum is laid out per chunk).
+  const bool live =
+      x.cols > 0 && y.rows > 0 && plan.schedule != detail::ForwardSchedule::lanes_in_ring;
+  if (live) {
+    intake.start_live(plan.schedule == detail::ForwardSchedule::one_lane_pieces);
+  } else {
     engine.arena.execute([&] { intake.take_all(); });
   }
   counters_.intake_seconds += seconds_since(t_intake);
   if (x.cols == 0 || y.rows == 0) return;
 
-  std::vector<double> busy(static_cast<std::size_t>(plan.tiling.tasks(placement.lanes)), 0.0);
-  detail::forward_pass(engine, plan, {layout, intake, taken.chunks, busy}, x, y, next_placement);
-  for (double b : busy) counters_.busy_seconds += b;
-  count_stream(counters_, taken.chunks);
+  const auto tasks = static_cast<std::size_t>(plan.tiling.tasks(placement.lanes));
+  std::vector<double> busy(tasks, 0.0);
+  std::vector<std::vector<detail::Span>> spans(tasks);
+  detail::forward_pass(engine, plan, {layout, intake, taken.chunks, busy, spans, live}, x, y,
+                       next_placement);
+  count_product(counters_, taken.chunks, intake, busy, spans);
 }
 
 WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& placement,
@@ -172,16 +190,35 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
   detail::TakenChunks taken(engine.spare_shares);
   detail::Intake intake(taken, weights, lanes_of, layout, P > 1);
   detail::complete_backward_plan(plan, engine.policy, P, want_grad, intake);
-  if (!plan.taken_as_computed) engine.arena.execute([&] { intake.take_all(); });
+  std::optional<detail::GradientOut> gradient;
+  if (want_grad) gradient.emplace(engine, plan, P, taken.chunks, header);
+  std::function<void(std::size_t)> add_gradient;
+  if (gradient) add_gradient = [&](std::size_t c) { gradient->add(c); };
+  // By input the first tile's tasks compute chunks as they arrive (those tasks that can
+  // before the chunks are counted); by output the dX pass waits for the whole stream.
+  const bool live = plan.by_input && dy.cols > 0 && detail::TaskChunks::live(plan.weight_tiling, P);
+  if (live) {
+    intake.start_live(!plan.taken_as_computed, add_gradient);
+  } else {
+    engine.arena.execute([&] {
+      if (plan.taken_as_computed) {
+        intake.pull_all();
+      } else {
+        intake.take_all();
+      }
+    });
+    if (add_gradient) {
+      for (std::size_t c = 0; c < taken.chunks.size(); ++c) add_gradient(c);
+    }
+  }
   counters_.intake_seconds += seconds_since(t_intake);
 
-  std::optional<detail::GradientOut> gradient;
-  if (want_grad) gradient.emplace(engine, plan, P, taken.chunks);
-  std::vector<double> busy(
-      static_cast<std::size_t>(std::max(plan.data_tiling.tasks(P), plan.weight_tiling.tasks(P))),
-      0.0);
+  const auto tasks =
+      static_cast<std::size_t>(std::max(plan.data_tiling.tasks(P), plan.weight_tiling.tasks(P)));
+  std::vector<double> busy(tasks, 0.0);
+  std::vector<std::vector<detail::Span>> spans(tasks);
   if (dy.cols > 0) {
-    const detail::ProductInputs in{layout, intake, taken.chunks, busy};
+    const detail::ProductInputs in{layout, intake, taken.chunks, busy, spans, live};
     detail::GradientOut* out = gradient ? &*gradient : nullptr;
     if (plan.by_input) {
       detail::backward_by_input_pass(engine, plan, in, x, dy, dx, out);
@@ -189,8 +226,7 @@ WeightStream CpuEngine::backward_impl(StreamSource& weights, const Placement& pl
       detail::backward_by_output_pass(engine, plan, in, x, dy, dx, out);
     }
   }
-  for (double b : busy) counters_.busy_seconds += b;
-  count_stream(counters_, taken.chunks);
+  count_product(counters_, taken.chunks, intake, busy, spans);
   if (!want_grad) return {};
 
   gradient->lay_out(dy.cols);

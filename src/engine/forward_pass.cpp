@@ -1,5 +1,6 @@
 // The forward pass: Y = W X, in the schedule its plan chose.
 #include <atomic>
+#include <mutex>
 
 #include "core/parallel.hpp"
 #include "engine/clock.hpp"
@@ -24,30 +25,29 @@ struct Forward {
     plan.step(engine.kernels, in.chunks[c], lane, first, count, held, out, width);
   }
 
-  /// The one-lane tasks: work(task, rows) each, with rows held on its own thread.
+  /// The one-lane tasks: work(task, rows, clock) each, with rows held on its own thread.
   template <typename Work>
   void one_lane_tasks(Work&& work) {
     engine.arena.execute([&] {
       parallel_for(
           std::int64_t{0}, plan.tiling.tasks(1),
           [&](std::int64_t task) {
-            const auto t_start = Clock::now();
+            TaskClock clock(in.busy[task], in.spans[task]);
             HeldRows rows = held_rows(0);
-            work(task, rows);
-            in.busy[task] = seconds_since(t_start);
+            work(task, rows, clock);
           },
           /*one_task_each=*/true);
     });
   }
 
-  /// ForwardSchedule::taken_as_computed.
+  /// ForwardSchedule::taken_as_computed: each task claims the next chunk as it arrives.
   void taken_as_computed() {
     std::atomic<std::size_t> next_chunk{0};
-    one_lane_tasks([&](std::int64_t /*task*/, HeldRows& rows) {
+    one_lane_tasks([&](std::int64_t /*task*/, HeldRows& rows, TaskClock& clock) {
       const HeldTile held = rows.hold(0, plan.tiling.width(0));
       for (;;) {
         const std::size_t c = next_chunk.fetch_add(1, std::memory_order_relaxed);
-        if (c >= in.chunks.size()) break;
+        if (!in.intake.arrive(c, &clock)) break;
         in.intake.take(c);
         const StreamChunk& chunk = *in.chunks[c].chunk;
         step(c, 0, 0, chunk.outputs, held, {y.row(chunk.first_output), y.stride},
@@ -58,35 +58,56 @@ struct Forward {
   }
 
   /// ForwardSchedule::one_lane_pieces. Items are (tile, piece), numbered tile by tile;
-  /// block q's are those of its tiles. Each task works through its own block from the
-  /// front, then takes what is left of the others' from the back, so it packs tiles their
-  /// owners will not reach; an item is claimed once, and a side stops where it finds the
-  /// other's claim. Every item writes its own part of Y the same way whoever runs it:
-  /// results stay bitwise reproducible.
+  /// block q's are those of its tiles. Each task first computes its block's first tile
+  /// as the stream arrives (the block's tasks claim its chunks in order), then works
+  /// through the rest of its block from the front, then takes what is left of the
+  /// others' from the back, so it packs tiles their owners will not reach; an item is
+  /// claimed once, and a side stops where it finds the other's claim. Every item writes
+  /// its own part of Y the same way whoever runs it: results stay bitwise reproducible.
   void one_lane_pieces() {
     const TokenTiling& tiling = plan.tiling;
-    const std::vector<StreamPiece> pieces = stream_pieces(in.chunks);
-    const auto per_tile = static_cast<std::int64_t>(pieces.size());
-    std::vector<std::atomic<std::uint8_t>> claimed(
-        static_cast<std::size_t>(tiling.count * per_tile));
+    std::vector<std::atomic<std::size_t>> first_tile_chunk(static_cast<std::size_t>(tiling.blocks));
+    // Known once the stream has arrived: set up by the first task past its first tile.
+    std::once_flag counted;
+    std::vector<StreamPiece> pieces;
+    std::int64_t per_tile = 0;
+    std::vector<std::atomic<std::uint8_t>> claimed;
     std::vector<std::atomic<std::int64_t>> front(static_cast<std::size_t>(tiling.blocks));
     std::vector<std::atomic<std::int64_t>> back(static_cast<std::size_t>(tiling.blocks));
+    auto count_items = [&] {
+      pieces = stream_pieces(in.chunks);
+      per_tile = static_cast<std::int64_t>(pieces.size());
+      claimed =
+          std::vector<std::atomic<std::uint8_t>>(static_cast<std::size_t>(tiling.count * per_tile));
+      for (std::int32_t q = 0; q < tiling.blocks; ++q) {  // the first tiles are done
+        const std::int64_t lo = tiling.first_tile(q) * per_tile;
+        for (std::int64_t i = lo; i < lo + per_tile; ++i)
+          claimed[static_cast<std::size_t>(i)].store(1);
+        front[static_cast<std::size_t>(q)].store(per_tile);
+      }
+    };
     auto claim = [&](std::int64_t item) {
       return claimed[static_cast<std::size_t>(item)].exchange(1, std::memory_order_relaxed) == 0;
     };
-    one_lane_tasks([&](std::int64_t task, HeldRows& rows) {
-      std::int64_t held_tile = -1;
-      HeldTile held;
+    one_lane_tasks([&](std::int64_t task, HeldRows& rows, TaskClock& clock) {
+      const std::int32_t home = tiling.task(task, 1).block;
+      std::int64_t held_tile = tiling.first_tile(home);
+      HeldTile held = rows.hold(tiling.begin(held_tile), tiling.width(held_tile));
+      auto& next = first_tile_chunk[static_cast<std::size_t>(home)];
+      for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed);
+           in.intake.arrive(c, &clock); c = next.fetch_add(1, std::memory_order_relaxed)) {
+        const auto outputs = static_cast<std::uint32_t>(in.chunks[c].chunk->outputs);
+        for (std::uint32_t r = 0; r < outputs; r += kPieceOutputs) {
+          run_piece({c, r, std::min(kPieceOutputs, outputs - r)}, held_tile, held);
+        }
+      }
+      std::call_once(counted, count_items);
       auto run = [&](std::int64_t item) {
         const std::int64_t t = item / per_tile;
         if (t != held_tile) held = rows.hold(tiling.begin(t), tiling.width(t));
         held_tile = t;
-        const StreamPiece& piece = pieces[static_cast<std::size_t>(item % per_tile)];
-        const std::int64_t row = in.chunks[piece.chunk].chunk->first_output + piece.first;
-        step(piece.chunk, 0, piece.first, piece.count, held,
-             {y.row(row) + tiling.begin(t), y.stride}, tiling.width(t));
+        run_piece(pieces[static_cast<std::size_t>(item % per_tile)], t, held);
       };
-      const std::int32_t home = tiling.task(task, 1).block;
       for (std::int32_t k = 0; k < tiling.blocks; ++k) {
         const std::int32_t q = (home + k) % tiling.blocks;
         const std::int64_t lo = tiling.first_tile(q) * per_tile;
@@ -100,6 +121,12 @@ struct Forward {
         }
       }
     });
+  }
+  void run_piece(const StreamPiece& piece, std::int64_t t, const HeldTile& held) const {
+    const TokenTiling& tiling = plan.tiling;
+    const std::int64_t row = in.chunks[piece.chunk].chunk->first_output + piece.first;
+    step(piece.chunk, 0, piece.first, piece.count, held, {y.row(row) + tiling.begin(t), y.stride},
+         tiling.width(t));
   }
 
   /// ForwardSchedule::lanes_in_ring.
@@ -115,7 +142,7 @@ struct Forward {
             const TokenTiling::Task here = tiling.task(task, P);
             const std::int32_t p = here.lane, q = here.block, share = here.share;
             const std::size_t c_end = tiling.first_chunk(share + 1, in.chunks.size());
-            const auto t_start = Clock::now();
+            const TaskClock clock(in.busy[task], in.spans[task]);
             HeldRows rows = held_rows(p);
             for (std::int64_t t = tiling.first_tile(q); t < tiling.first_tile(q + 1); ++t) {
               const std::int64_t t0 = tiling.begin(t), width = tiling.width(t);
@@ -127,7 +154,6 @@ struct Forward {
                 ring.lane_done(t, c, chunk, t0, width);
               }
             }
-            in.busy[task] = seconds_since(t_start);
           },
           /*one_task_each=*/true);
     });

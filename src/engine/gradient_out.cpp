@@ -1,35 +1,42 @@
 #include "engine/gradient_out.hpp"
 
 #include "core/parallel.hpp"
+#include "sluice/error.hpp"
+#include "stream/stream_check.hpp"
 
 namespace sluice::detail {
 
 GradientOut::GradientOut(EngineState& engine, const BackwardPlan& plan, std::int32_t lanes,
-                         const std::vector<TakenChunk>& chunks)
+                         const std::vector<TakenChunk>& chunks, const StreamHeader& header)
     : engine_(engine),
       plan_(plan),
       lanes_(lanes),
       blocks_(plan.weight_tiling.blocks),
       chunks_(chunks),
-      gradient_(chunks.size()),
-      partials_(static_cast<std::size_t>(blocks_)) {
-  for (std::size_t c = 0; c < chunks.size(); ++c) {
-    gradient_[c] = engine.gradient_chunks->take(chunks.size());
-    gradient_[c]->first_output = chunks[c].chunk->first_output;
-    gradient_[c]->outputs = chunks[c].chunk->outputs;
-    gradient_[c]->packets.resize(chunks[c].chunk->size());
-  }
-  std::size_t packets = 0;
-  for (const auto& c : chunks) packets += c.chunk->size();
-  const std::size_t wanted = static_cast<std::size_t>(blocks_) * packets;
+      most_chunks_(chunks.capacity()),
+      block_packets_(header.nnz + header.outputs + 1),
+      gradient_(most_chunks_),
+      partials_(static_cast<std::size_t>(blocks_), std::vector<float*>(most_chunks_)) {
+  const std::size_t wanted = static_cast<std::size_t>(blocks_) * block_packets_;
   if (engine.gradient_scratch.size() < wanted) engine.gradient_scratch.resize(wanted);
-  float* next = engine.gradient_scratch.data();
-  for (auto& per_chunk : partials_) {
-    for (const auto& c : chunks) {
-      per_chunk.push_back(next);
-      next += c.chunk->size();
-    }
+}
+
+void GradientOut::add(std::size_t c) {
+  const StreamChunk& chunk = *chunks_[c].chunk;
+  if (added_packets_ + chunk.size() > block_packets_) {
+    throw FormatError(describe_chunk(chunk, c) + ": the stream carries more packets than its " +
+                      "header's weights, a carriage return per output and an end");
   }
+  gradient_[c] = engine_.gradient_chunks->take(c + 1);  // (the pool keeps a stream's worth)
+  gradient_[c]->first_output = chunk.first_output;
+  gradient_[c]->outputs = chunk.outputs;
+  gradient_[c]->packets.resize(chunk.size());
+  for (std::int32_t q = 0; q < blocks_; ++q) {
+    partials_[static_cast<std::size_t>(q)][c] = engine_.gradient_scratch.data() +
+                                                static_cast<std::size_t>(q) * block_packets_ +
+                                                added_packets_;
+  }
+  added_packets_ += chunk.size();
 }
 
 void GradientOut::write_controls(std::size_t c) const {
@@ -75,7 +82,8 @@ WeightStream GradientOut::stream(const StreamHeader& weights) const {
   out.header = weights;
   out.header.kind = StreamKind::gradient;
   out.header.precision = Precision::fp32;
-  out.chunks.assign(gradient_.begin(), gradient_.end());
+  out.chunks.assign(gradient_.begin(),
+                    gradient_.begin() + static_cast<std::ptrdiff_t>(chunks_.size()));
   return out;
 }
 

@@ -20,8 +20,12 @@ namespace sluice::detail {
 /// the pass in a fixed order (lay_out), so sums are reproducible.
 class GradientOut {
  public:
+  /// For a stream of `header`, whose chunks arrive into `chunks`: add() each as it does.
   GradientOut(EngineState& engine, const BackwardPlan& plan, std::int32_t lanes,
-              const std::vector<TakenChunk>& chunks);
+              const std::vector<TakenChunk>& chunks, const StreamHeader& header);
+
+  /// Chunk c has arrived (in order, before any task reads it): its gradient chunk and sums.
+  void add(std::size_t c);
 
   /// Task (p, q)'s sums for chunk c on tile t of `tiling`: see GradientSums.
   GradientSums sums(const TokenTiling& tiling, std::int32_t p, std::int32_t q, std::size_t c,
@@ -49,6 +53,9 @@ class GradientOut {
   std::int32_t lanes_;
   std::int32_t blocks_;
   const std::vector<TakenChunk>& chunks_;
+  std::size_t most_chunks_;
+  std::size_t block_packets_;  // a valid stream's packets: each block's sums
+  std::size_t added_packets_ = 0;
   std::vector<std::shared_ptr<StreamChunk>> gradient_;
   // partials_[q][c]: block q's sums for the packets of chunk c (one lane), or for the
   // lanes' routed packets, lane after lane. The first tile overwrites them: no zeroing.

@@ -3,6 +3,7 @@
 // executes its plan. Internal.
 #include <vector>
 
+#include "engine/clock.hpp"
 #include "engine/engine_state.hpp"
 #include "engine/gradient_out.hpp"
 #include "engine/intake.hpp"
@@ -17,9 +18,14 @@ namespace sluice::detail {
 struct ProductInputs {
   const LaneLayout& layout;
   Intake& intake;
+  /// The stream's chunks: while it arrives, only those intake.arrive() has given.
   const std::vector<TakenChunk>& chunks;
-  /// busy[task]: seconds the task spent computing (for EngineCounters).
+  /// busy[task]: seconds the task spent computing, spans[task] when (for EngineCounters;
+  /// a TaskClock keeps both).
   std::vector<double>& busy;
+  std::vector<std::vector<Span>>& spans;
+  /// Whether the stream is still arriving when the pass starts (the plan's choice).
+  bool live = false;
 };
 
 /// Y = W X (forward_pass.cpp). Y's rows end where `next_placement` wants them (several

@@ -77,7 +77,7 @@ Step pick(const Holding& h, Step fp32, Step bf16_held, Step bf16_packets) {
 }  // namespace
 
 ForwardPlan plan_forward(const TilingPolicy& policy, const StreamHeader& header, std::int32_t lanes,
-                         std::int64_t tokens, std::int64_t outputs, const Intake& intake) {
+                         std::int64_t tokens, std::int64_t outputs, Intake& intake) {
   ForwardPlan plan;
   plan.holding = holding_for(lanes, header, tokens);
   plan.tiling =
@@ -112,9 +112,9 @@ BackwardPlan plan_backward(const TilingPolicy& policy, const StreamHeader& heade
 }
 
 void complete_backward_plan(BackwardPlan& plan, const TilingPolicy& policy, std::int32_t lanes,
-                            bool want_grad, const Intake& intake) {
+                            bool want_grad, Intake& intake) {
   // By input each run's dX row has one writer either way; shares give each weight one too.
-  if (want_grad || plan.by_input) policy.prefer_shares(plan.weight_tiling, lanes, intake.chunks());
+  if (want_grad || plan.by_input) policy.prefer_shares(plan.weight_tiling, lanes, intake);
   plan.taken_as_computed = plan.by_input && policy.takes_in_as_it_goes(plan.weight_tiling, intake);
   plan.direct = lanes == 1 && plan.weight_tiling.blocks == 1;
 }

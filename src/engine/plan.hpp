@@ -50,9 +50,10 @@ struct ForwardPlan {
   ForwardStep step;
 };
 
-/// After the intake has the stream (its size picks the schedule).
+/// Before the stream has arrived: its size picks the schedule (waiting, where the rule
+/// counts chunks, for that many at most).
 ForwardPlan plan_forward(const TilingPolicy& policy, const StreamHeader& header, std::int32_t lanes,
-                         std::int64_t tokens, std::int64_t outputs, const Intake& intake);
+                         std::int64_t tokens, std::int64_t outputs, Intake& intake);
 
 struct BackwardPlan {
   Holding holding;  ///< X by output (for dW), dY by input
@@ -73,8 +74,9 @@ struct BackwardPlan {
 /// `lanes`: the placement's lanes (by output) or 1 (by input).
 BackwardPlan plan_backward(const TilingPolicy& policy, const StreamHeader& header,
                            std::int32_t lanes, std::int64_t tokens);
-/// After the intake: the weight tiling may take shares, the schedule may take chunks in.
+/// The weight tiling may take shares, the schedule may take chunks in (counting the
+/// chunks as they arrive, up to the rule's count).
 void complete_backward_plan(BackwardPlan& plan, const TilingPolicy& policy, std::int32_t lanes,
-                            bool want_grad, const Intake& intake);
+                            bool want_grad, Intake& intake);
 
 }  // namespace sluice::detail

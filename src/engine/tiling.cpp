@@ -80,12 +80,13 @@ Geometry TilingPolicy::geometry_for(std::int64_t inputs, std::int64_t tokens, Pr
 // packet: no block sums to add and lay out after the pass. The stream is read as often
 // either way: each share reads its part once per tile instead of each block the whole
 // stream once per tile of its own.
-void TilingPolicy::prefer_shares(TokenTiling& tiling, std::int32_t lanes,
-                                 std::size_t chunks) const {
+// (The chunks are counted as they arrive: the decision waits for that many, not for the
+// whole stream.)
+void TilingPolicy::prefer_shares(TokenTiling& tiling, std::int32_t lanes, Intake& intake) const {
   constexpr std::size_t kChunksPerShare = 8;  // so shares differ by at most ~1/8
   const std::int32_t shares = tiling.blocks * tiling.shares;
   if (lanes != 1 || fixed_.blocks > 0 || fixed_.shares > 0 || tiling.blocks == 1 ||
-      chunks < kChunksPerShare * static_cast<std::size_t>(shares)) {
+      !intake.has_at_least(kChunksPerShare * static_cast<std::size_t>(shares))) {
     return;
   }
   tiling.blocks = 1;
@@ -96,16 +97,14 @@ void TilingPolicy::prefer_shares(TokenTiling& tiling, std::int32_t lanes,
 // would be read from memory twice, by the check and by the kernel, which now finds the
 // chunk in cache where the check left it. A stream that stays in cache gains nothing
 // (and loses the parallel check before the pass). With chunks enough for the tasks to
-// share evenly.
-bool TilingPolicy::takes_in_as_it_goes(const TokenTiling& tiling, const Intake& intake) const {
+// share evenly (counted as they arrive: the decision waits for that many at most).
+bool TilingPolicy::takes_in_as_it_goes(const TokenTiling& tiling, Intake& intake) const {
   constexpr std::size_t kChunksPerTask = 4;
-  return tiling.count == 1 && intake.bytes() > static_cast<std::uint64_t>(caches()) &&
-         intake.chunks() >= kChunksPerTask * static_cast<std::size_t>(tiling.tasks(1));
+  return tiling.count == 1 && intake.expected_bytes() > static_cast<std::uint64_t>(caches()) &&
+         intake.has_at_least(kChunksPerTask * static_cast<std::size_t>(tiling.tasks(1)));
 }
 
 std::vector<StreamPiece> stream_pieces(const std::vector<TakenChunk>& chunks) {
-  // About 1,000 packets at 99.9%, a whole 32K-packet chunk at 90%.
-  constexpr std::uint32_t kPieceOutputs = 256;
   std::vector<StreamPiece> pieces;
   for (std::size_t c = 0; c < chunks.size(); ++c) {
     const auto outputs = static_cast<std::uint32_t>(chunks[c].chunk->outputs);

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "engine/intake.hpp"
@@ -58,10 +59,10 @@ class TilingPolicy {
 
   /// The weight pass on one lane: its token blocks become stream shares (unless the
   /// geometry is fixed) where the stream has chunks enough to share evenly.
-  void prefer_shares(TokenTiling& tiling, std::int32_t lanes, std::size_t chunks) const;
+  void prefer_shares(TokenTiling& tiling, std::int32_t lanes, Intake& intake) const;
   /// Whether a one-lane pass takes each chunk in on the task about to compute it, rather
   /// than all before the pass.
-  bool takes_in_as_it_goes(const TokenTiling& tiling, const Intake& intake) const;
+  bool takes_in_as_it_goes(const TokenTiling& tiling, Intake& intake) const;
 
  private:
   Geometry fixed_;
@@ -76,33 +77,45 @@ struct StreamPiece {
   std::size_t chunk;
   std::uint32_t first, count;
 };
+/// A piece's outputs (the last of a chunk's may have fewer): about 1,000 packets at
+/// 99.9%, a whole 32K-packet chunk at 90%.
+inline constexpr std::uint32_t kPieceOutputs = 256;
 std::vector<StreamPiece> stream_pieces(const std::vector<TakenChunk>& chunks);
 
 /// The chunks one task of a pass takes, tile after tile: its share's, or (`claims` given:
 /// one lane and one block, the stream in shares) those it claims while the first tile
 /// goes, kept for the later tiles. A faster core then takes more of the stream, and each
-/// weight's sums still run tile after tile on one thread.
+/// weight's sums still run tile after tile on one thread. On the first tile a task may
+/// walk the stream as it arrives (live): claimed chunks, or every chunk with one share.
 class TaskChunks {
  public:
   /// Whether a pass on `lanes` lanes claims its chunks: one lane, one block, shares.
   static bool claimed(const TokenTiling& tiling, std::int32_t lanes) {
     return lanes == 1 && tiling.blocks == 1 && tiling.shares > 1;
   }
-  TaskChunks(const TokenTiling& tiling, std::int32_t share, std::size_t chunks,
+  /// Whether its tasks can start before the stream's chunks are counted.
+  static bool live(const TokenTiling& tiling, std::int32_t lanes) {
+    return claimed(tiling, lanes) || tiling.shares == 1;
+  }
+  /// `chunks`: the stream's, or, live, none (the first tile asks `arrive` for each).
+  TaskChunks(const TokenTiling& tiling, std::int32_t share, std::optional<std::size_t> chunks,
              std::atomic<std::size_t>* claims)
-      : chunks_(chunks), claims_(claims) {
-    if (claims != nullptr) return;
-    for (std::size_t c = tiling.first_chunk(share, chunks);
-         c < tiling.first_chunk(share + 1, chunks); ++c) {
+      : claims_(claims), live_(!chunks.has_value()) {
+    if (claims != nullptr || live_) return;
+    for (std::size_t c = tiling.first_chunk(share, *chunks);
+         c < tiling.first_chunk(share + 1, *chunks); ++c) {
       mine_.push_back(c);
     }
   }
-  /// fn(c, first_visit) for each of the task's chunks on a tile.
-  template <typename Fn>
-  void on_tile(bool first_tile, Fn&& fn) {
-    if (first_tile && claims_ != nullptr) {
-      for (std::size_t c = claims_->fetch_add(1, std::memory_order_relaxed); c < chunks_;
-           c = claims_->fetch_add(1, std::memory_order_relaxed)) {
+  /// fn(c, first_visit) for each of the task's chunks on a tile; arrive(c) says whether
+  /// the stream has a chunk c (waiting for it if it may).
+  template <typename Fn, typename Arrive>
+  void on_tile(bool first_tile, Fn&& fn, Arrive&& arrive) {
+    if (first_tile && (claims_ != nullptr || live_)) {
+      auto next = [&](std::size_t c) {
+        return claims_ != nullptr ? claims_->fetch_add(1, std::memory_order_relaxed) : c + 1;
+      };
+      for (std::size_t c = next(static_cast<std::size_t>(-1)); arrive(c); c = next(c)) {
         mine_.push_back(c);
         fn(c, true);
       }
@@ -112,8 +125,8 @@ class TaskChunks {
   }
 
  private:
-  std::size_t chunks_;
   std::atomic<std::size_t>* claims_;
+  bool live_;
   std::vector<std::size_t> mine_;
 };
 
