@@ -126,6 +126,28 @@ TEST_F(CliSpmm, DeclaredRowsAreBudgetedBeforeTheyAreAllocated) {
   EXPECT_NE(short_smtx.output.find("bytes follow"), std::string::npos) << short_smtx.output;
 }
 
+// A fixed geometry is bounded by the problem: lanes by the inputs and threads, blocks by
+// the tokens and threads, shares by the threads (4096 lanes and shares of a 64x40 layer
+// took seconds for microseconds of work). Within the bounds it runs.
+TEST_F(CliSpmm, AFixedGeometryIsBoundedByTheProblem) {
+  const std::string common = "spmm --shape 64x40 --sparsity 0.5 --tokens 8 --repeat 1 --threads 1 ";
+  for (const char* flags : {"--lanes 4096", "--lanes 2", "--blocks 2", "--shares 4096"}) {
+    const Outcome o = run(common + flags);
+    EXPECT_EQ(o.exit_code, 2) << flags << "\n" << o.output;
+    EXPECT_NE(o.output.find(std::string(flags) + ": at most 1 here"), std::string::npos)
+        << o.output;
+  }
+  const Outcome few = run("spmm --shape 64x3 --sparsity 0.5 --tokens 2 --repeat 1 --lanes 4");
+  EXPECT_EQ(few.exit_code, 2) << few.output;
+  EXPECT_NE(few.output.find("the 3 inputs"), std::string::npos) << few.output;
+  const fs::path file = dir_ / "w.smtx";
+  std::ofstream(file) << "2, 3, 2\n0 1 2\n0 2\n";
+  const Outcome matrix = run("spmm --tokens 1 --repeat 1 --blocks 2 --matrix " + file.string());
+  EXPECT_EQ(matrix.exit_code, 2) << matrix.output;
+  EXPECT_NE(matrix.output.find("the 1 tokens"), std::string::npos) << matrix.output;
+  EXPECT_EQ(run(common + "--lanes 1 --blocks 1 --shares 1 --check").exit_code, 0);
+}
+
 // Options that describe a random W mean nothing with a matrix file; silently ignoring one
 // would time another layer than the user asked for.
 TEST_F(CliSpmm, OptionsForARandomWAreRefusedWithAMatrixFile) {

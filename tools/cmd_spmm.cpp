@@ -328,6 +328,7 @@ Command add_spmm_command(CLI::App& app) {
         throw FormatError(o->matrix + " holds a " + std::to_string(w.rows()) + "x" +
                           std::to_string(w.cols()) + " matrix: nothing to time");
       }
+      check_geometry_bounds(o->geometry, w.cols(), o->tokens, o->threads);
       require_dense_baseline_memory(w.rows(), w.cols(), o->backward, o->tokens,
                                     static_cast<double>(w.nnz()));
       results.push_back(measure(w, *o));
@@ -337,6 +338,7 @@ Command add_spmm_command(CLI::App& app) {
           o->distribution == "powerlaw" ? RowDistribution::powerlaw : RowDistribution::uniform;
       const std::vector<double> sparsities = parse_sparsities(
           o->sparsity.empty() ? "0,0.5,0.75,0.9,0.95,0.98,0.99,0.999" : o->sparsity);
+      check_geometry_bounds(o->geometry, in, o->tokens, o->threads);
       // Every point is checked before the first W is generated, and each W is made, timed
       // and freed in turn: memory does not grow with the list.
       for (double s : sparsities) {

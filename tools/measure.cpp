@@ -88,4 +88,21 @@ void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bo
   }
 }
 
+void check_geometry_bounds(const Geometry& g, std::int64_t inputs, std::int64_t tokens,
+                           int threads) {
+  const std::int64_t t = threads > 0 ? threads : tbb::this_task_arena::max_concurrency();
+  auto bound = [](const char* flag, std::int32_t value, std::int64_t most, const std::string& why) {
+    if (value > most) {
+      throw UsageError(std::string(flag) + " " + std::to_string(value) + ": at most " +
+                       std::to_string(most) + " here (" + why + ")");
+    }
+  };
+  const std::string threads_text = std::to_string(t) + " threads";
+  bound("--lanes", g.lanes, std::min<std::int64_t>(inputs, t),
+        "lanes split the " + std::to_string(inputs) + " inputs among " + threads_text);
+  bound("--blocks", g.blocks, std::min<std::int64_t>(tokens, t),
+        "blocks split the " + std::to_string(tokens) + " tokens among " + threads_text);
+  bound("--shares", g.shares, t, "shares split the stream among " + threads_text);
+}
+
 }  // namespace sluice::cli

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "sluice/geometry.hpp"
 
 namespace sluice::cli {
 
@@ -72,5 +73,14 @@ int runnable_threads(int requested, const char* command);
 /// generated, with the count its sparsity implies.
 void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient,
                                    std::int64_t tokens, double nnz);
+
+/// UsageError unless a fixed geometry (--lanes, --blocks, --shares; 0 = chosen) fits the
+/// problem: lanes split the `inputs` features and each is a task, so at most
+/// min(inputs, threads); blocks split the `tokens` and shares the stream among threads, so
+/// at most min(tokens, threads) and threads. Beyond that a lane, block or share has nothing
+/// of its own to do, and the cost of their partial sums grows with the count squared.
+/// `threads` 0 means every thread this process may run.
+void check_geometry_bounds(const Geometry& g, std::int64_t inputs, std::int64_t tokens,
+                           int threads);
 
 }  // namespace sluice::cli
