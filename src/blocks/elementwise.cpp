@@ -21,7 +21,7 @@ void gelu_forward(ConstMatrixView z, MutableMatrixView y) {
   detail::for_each_block_row(z.rows, z.cols, [&](std::int64_t r) {
     const float* in = z.row(r);
     float* out = y.row(r);
-    for (std::int64_t t = 0; t < z.cols; ++t) out[t] = static_cast<float>(detail::gelu(in[t]));
+    for (std::int64_t t = 0; t < z.cols; ++t) out[t] = detail::gelu(in[t]);
   });
 }
 
@@ -33,9 +33,7 @@ void gelu_backward(ConstMatrixView z, ConstMatrixView dy, MutableMatrixView dz) 
     const float* in = z.row(r);
     const float* d_in = dy.row(r);
     float* out = dz.row(r);
-    for (std::int64_t t = 0; t < z.cols; ++t) {
-      out[t] = static_cast<float>(d_in[t] * detail::gelu_slope(in[t]));
-    }
+    for (std::int64_t t = 0; t < z.cols; ++t) out[t] = d_in[t] * detail::gelu_slope(in[t]);
   });
 }
 

@@ -28,7 +28,7 @@ void add_bias_and_activate(Activation a, float bias, float* z, float* out, std::
       for (std::int64_t t = 0; t < n; ++t) out[t] = z[t] <= 0 ? 0.0F : z[t];
       return;
     case Activation::gelu:
-      for (std::int64_t t = 0; t < n; ++t) out[t] = static_cast<float>(gelu(z[t]));
+      for (std::int64_t t = 0; t < n; ++t) out[t] = gelu(z[t]);
       return;
     case Activation::none:
       return;
@@ -45,7 +45,7 @@ void scale_by_slope(Activation a, const float* z, float* d, std::int64_t n) {
       }
       return;
     case Activation::gelu:
-      for (std::int64_t t = 0; t < n; ++t) d[t] *= static_cast<float>(gelu_slope(z[t]));
+      for (std::int64_t t = 0; t < n; ++t) d[t] *= gelu_slope(z[t]);
       return;
     case Activation::none:
       return;
