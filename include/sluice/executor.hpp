@@ -41,6 +41,10 @@ struct Batch {
 
 /// The most a layer's channel prefetches by default (prefetch_bytes 0).
 inline constexpr std::int64_t kMaxPrefetchBytes = std::int64_t{256} << 20;
+/// Over a ModelMemory in bounded RAM (ModelMemory::ram_budget_bytes), by default a
+/// layer's channel prefetches at most this fraction of that budget (two channels are open
+/// at a time: the layer the engines take and the next).
+inline constexpr std::int64_t kBoundedPrefetchShare = 32;
 
 struct ExecutorOptions {
   /// One per layer; empty = ReLU on every hidden layer, none on the last.
@@ -52,7 +56,8 @@ struct ExecutorOptions {
   std::vector<Precision> precisions;
   /// Bytes of a layer's weight stream that may wait ahead of the engines (each layer's
   /// channel holds that much: the next layer's stream is produced while the engines work
-  /// on this one). 0 = the whole layer, up to kMaxPrefetchBytes.
+  /// on this one). 0 = the whole layer, up to kMaxPrefetchBytes (and, over a ModelMemory
+  /// in bounded RAM, 1/kBoundedPrefetchShare of its budget).
   std::int64_t prefetch_bytes = 0;
   /// The budget in chunks instead (as before bytes): nonzero overrides prefetch_bytes.
   std::size_t prefetch_depth = 0;

@@ -117,6 +117,12 @@ class ModelMemory {
   const OptimizerConfig& optimizer() const;
   void set_non_finite_policy(NonFinitePolicy policy);
   std::int64_t step() const;
+  /// The bytes of RAM the model is kept in when they are bounded (TieredModelMemory's
+  /// budget), else 0 (HostModelMemory holds every layer). A trainer over a bounded
+  /// ModelMemory bounds what it holds beside it too — the gradients waiting for
+  /// submit_gradient, the streams' prefetch (see LayerStreamingExecutor) — so the
+  /// process, not only the model, stays near the budget.
+  std::int64_t ram_budget_bytes() const { return ram_budget_bytes_impl(); }
 
   /// Crash-safe checkpoint of everything: layers, masks, values, biases, optimizer
   /// config and state, step, seed. Written to a temporary file, flushed, then renamed
@@ -170,6 +176,8 @@ class ModelMemory {
   virtual std::int64_t step_impl() const = 0;
   virtual void save_impl(const std::filesystem::path& path) const = 0;
   virtual void load_impl(const std::filesystem::path& path) = 0;
+  /// Default: 0, not bounded.
+  virtual std::int64_t ram_budget_bytes_impl() const { return 0; }
 
   void check_layer(std::int32_t layer) const;
 

@@ -73,6 +73,8 @@ class TieredModelMemory final : public ModelMemory {
   /// The store is the checkpoint: save and load refuse (UnsupportedError) and say so.
   void save_impl(const std::filesystem::path& path) const override;
   void load_impl(const std::filesystem::path& path) override;
+  /// The budget: the executor bounds its gradients and prefetch beside it.
+  std::int64_t ram_budget_bytes_impl() const override;
 
  private:
   struct State;

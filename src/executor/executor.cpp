@@ -250,6 +250,11 @@ struct LayerStreamingExecutor::Impl {
     if (budget == 0) {  // every packet and a control packet per row and chunk, and one more
       const std::int64_t packets = w.nnz + 2 * (w.rows + w.cols) + 1;
       budget = std::min(kMaxPrefetchBytes, packets * packet_bytes + chunk_bytes);
+      // A ModelMemory in bounded RAM keeps the layer itself in its cache, which is the
+      // read-ahead; the channel needs only enough to keep the engines fed, and a whole
+      // layer's stream beside the cache would put the process far over the budget.
+      const std::int64_t ram = memory.ram_budget_bytes();
+      if (ram > 0) budget = std::min(budget, std::max(chunk_bytes, ram / kBoundedPrefetchShare));
     }
     return static_cast<std::size_t>(std::max<std::int64_t>(1, budget / chunk_bytes));
   }
@@ -402,20 +407,33 @@ struct LayerStreamingExecutor::Impl {
     forward();
     const LossSums loss = fabric.loss(true, tokens);
 
+    // A ModelMemory in bounded RAM: each layer's gradient stream (8 bytes per non-zero)
+    // waits for the one before it to be submitted, else a submit_gradient slower than the
+    // engines (an optimizer on disk) queues every layer's gradient. The wait comes after
+    // the layer's backward and before the next stream opens, when no stream of this loop
+    // holds a layer in the ModelMemory's cache: the submission can always get its room.
+    const bool bounded = memory.ram_budget_bytes() > 0;
     std::vector<std::future<void>> submits;
     try {
       std::unique_ptr<LayerStream> next = open_backward(layers() - 1);
       for (std::int32_t l = layers() - 1; l >= 0; --l) {
         std::unique_ptr<LayerStream> current = std::move(next);
-        if (l > 0) next = open_backward(l - 1);
+        if (l > 0 && !bounded) next = open_backward(l - 1);
         const bool with_bias = !memory.bias(l).empty();
         ReducedGradient g =
             fabric.backward_layer(current->metered, placements_of(l), l, l > 0, with_bias);
         account(*current);
+        current.reset();
         if (growth != nullptr) score_growth(l);
         if (!submitter) submitter = std::make_unique<detail::EngineWorker>();
-        submits.push_back(submitter->post(
-            [&sink, l, gradient = std::move(g)]() mutable { sink(l, std::move(gradient)); }));
+        if (bounded && !submits.empty()) submits.back().wait();
+        // The job's lambda lives in the future's shared state until `submits` goes: the
+        // gradient is moved out of it so that it is freed when its submission returns.
+        submits.push_back(submitter->post([&sink, l, gradient = std::move(g)]() mutable {
+          ReducedGradient taken = std::move(gradient);
+          sink(l, std::move(taken));
+        }));
+        if (l > 0 && bounded) next = open_backward(l - 1);
       }
     } catch (...) {
       for (auto& f : submits) {

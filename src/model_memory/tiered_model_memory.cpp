@@ -76,6 +76,10 @@ std::int64_t TieredModelMemory::budget_bytes() const {
   return state_->budget;
 }
 
+std::int64_t TieredModelMemory::ram_budget_bytes_impl() const {
+  return state_->budget;
+}
+
 std::int64_t TieredModelMemory::working_set_bytes(const LayerShape& shape) {
   return forward_bytes(shape) + transposed_bytes(shape) + update_bytes(shape);
 }
