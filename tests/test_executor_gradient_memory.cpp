@@ -5,6 +5,7 @@
 // Checked on the order of events a ModelMemory sees, never on timings or RSS.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -89,6 +90,10 @@ class LoggingMemory final : public ModelMemory {
   void save_impl(const std::filesystem::path& path) const override { inner_.save(path); }
   void load_impl(const std::filesystem::path& path) override { inner_.load(path); }
   std::int64_t ram_budget_bytes_impl() const override { return ram_budget_; }
+  void reserve_ram_bytes_impl(std::int64_t bytes) override { reserved = bytes; }
+
+ public:
+  std::int64_t reserved = -1;  ///< what the executor reserved, -1 if it did not
 
  private:
   void log(Event e) const {
@@ -165,6 +170,21 @@ TEST(ExecutorGradientMemory, BoundedRamOpensALayersBackwardOnlyOnceTheGradientTw
     ++checked;
   }
   EXPECT_EQ(checked, 3 * (layers - 2));  // every step, every layer below the top two
+}
+
+// The executor reserves what a step holds beside a bounded ModelMemory: at least the
+// largest layer's stream, its gradient and the gradient being submitted.
+TEST(ExecutorGradientMemory, ReservesItsStreamsOutOfABoundedBudgetOnly) {
+  LoggingMemory unbounded(0), bounded(std::int64_t{1} << 30);
+  train(unbounded, unbounded.inner());
+  train(bounded, bounded.inner());
+  EXPECT_EQ(unbounded.reserved, -1);
+  std::int64_t largest = 0;
+  for (std::int32_t l = 0; l < bounded.layer_count(); ++l) {
+    const LayerShape w = bounded.layer_shape(l);
+    largest = std::max(largest, (w.nnz + w.rows + w.cols + 1) * std::int64_t{8});
+  }
+  EXPECT_GE(bounded.reserved, 3 * largest);
 }
 
 TEST(ExecutorGradientMemory, BoundedRamTrainsBitForBitAsUnbounded) {

@@ -323,6 +323,38 @@ TEST_F(TieredStore, ABudgetSmallerThanALayerIsRefused) {
   EXPECT_THROW(TieredModelMemory(store(), 0), ArgumentError);
 }
 
+// The trainer's reserve (ModelMemory::reserve_ram_bytes) comes out of the cache: a layer
+// that fitted beside the others is evicted and read again. It never takes a layer's
+// working set: a reserve of everything still streams every layer.
+TEST_F(TieredStore, TheTrainersReserveComesOutOfTheCacheAsFarAsALayerFits) {
+  const CsrMatrix layer = CsrMatrix::random(64, 64, 0.5, 1);
+  const LayerShape shape{64, 64, layer.nnz(), 64};
+  const std::int64_t ws = TieredModelMemory::working_set_bytes(shape);
+  TieredModelMemory m(store(), 3 * ws);  // every layer's mask, values and transpose fit
+  for (int l = 0; l < 3; ++l) m.add_layer(layer, std::vector<float>(64));
+  auto reads = [&] { return m.counters().read_bytes; };
+  auto stream_all = [&] {
+    for (std::int32_t l = 0; l < 3; ++l) {
+      m.stream(l, StreamKind::weights, Precision::fp32, StreamOrder::by_input);
+    }
+  };
+  stream_all();
+  const std::uint64_t cached = reads();
+  stream_all();
+  EXPECT_EQ(reads(), cached);   // all three held
+  m.reserve_ram_bytes(2 * ws);  // room for two layers' pieces, not three
+  stream_all();
+  EXPECT_GT(reads(), cached);
+  m.reserve_ram_bytes(0);
+  stream_all();
+  const std::uint64_t again = reads();
+  stream_all();
+  EXPECT_EQ(reads(), again);
+  m.reserve_ram_bytes(std::int64_t{1} << 40);  // as much as leaves one working set
+  EXPECT_NO_THROW(stream_all());
+  EXPECT_EQ(m.ram_budget_bytes(), 3 * ws);
+}
+
 TEST_F(TieredStore, SaveAndLoadSayTheStoreIsTheCheckpoint) {
   TieredModelMemory m(store(), 1 << 20);
   EXPECT_CONTAINS(thrown_message<UnsupportedError>([&] { m.save(dir_ / "x.ckpt"); }),

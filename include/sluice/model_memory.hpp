@@ -123,6 +123,11 @@ class ModelMemory {
   /// submit_gradient, the streams' prefetch (see LayerStreamingExecutor) — so the
   /// process, not only the model, stays near the budget.
   std::int64_t ram_budget_bytes() const { return ram_budget_bytes_impl(); }
+  /// Bytes a trainer holds beside a bounded ModelMemory at most (the streams in flight,
+  /// the engines' gradients): the ModelMemory keeps that much of its budget free, as far
+  /// as each layer's working set still fits, so that the process, not only the model,
+  /// stays within the budget. The last call counts; ignored by an unbounded one.
+  void reserve_ram_bytes(std::int64_t bytes) { reserve_ram_bytes_impl(bytes); }
 
   /// Crash-safe checkpoint of everything: layers, masks, values, biases, optimizer
   /// config and state, step, seed. Written to a temporary file, flushed, then renamed
@@ -178,6 +183,7 @@ class ModelMemory {
   virtual void load_impl(const std::filesystem::path& path) = 0;
   /// Default: 0, not bounded.
   virtual std::int64_t ram_budget_bytes_impl() const { return 0; }
+  virtual void reserve_ram_bytes_impl(std::int64_t /*bytes*/) {}
 
   void check_layer(std::int32_t layer) const;
 

@@ -75,6 +75,9 @@ class TieredModelMemory final : public ModelMemory {
   void load_impl(const std::filesystem::path& path) override;
   /// The budget: the executor bounds its gradients and prefetch beside it.
   std::int64_t ram_budget_bytes_impl() const override;
+  /// The cache then holds at most the budget less the reserve; the reserve shrinks to what
+  /// leaves the largest layer's working set room.
+  void reserve_ram_bytes_impl(std::int64_t bytes) override;
 
  private:
   struct State;

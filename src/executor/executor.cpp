@@ -282,6 +282,23 @@ struct LayerStreamingExecutor::Impl {
                 by_input ? StreamOrder::by_input : StreamOrder::by_output);
   }
 
+  // What the step holds beside a bounded ModelMemory at most, for its largest layer: the
+  // layer's stream, which an engine keeps whole for the pass (chunks are shared between
+  // engines), each engine's gradient of it and the reduced one being submitted (one waits
+  // at most, see forward_backward_loaded), and two channels' prefetch.
+  std::int64_t ram_beside_memory() const {
+    std::int64_t most = 0;
+    for (std::int32_t l = 0; l < layers(); ++l) {
+      const LayerShape w = memory.layer_shape(l);
+      const std::int64_t stream =
+          (w.nnz + w.rows + w.cols + 1) * static_cast<std::int64_t>(sizeof(Packet));
+      const std::int64_t chunk = static_cast<std::int64_t>(options.chunk_packets * sizeof(Packet));
+      const auto prefetch = static_cast<std::int64_t>(channel_chunks(l)) * chunk;
+      most = std::max(most, (2 + engines) * stream + 2 * prefetch);
+    }
+    return most;
+  }
+
   void account(const LayerStream& s) {
     metrics.stream_wait_seconds += s.metered.wait_seconds;
     metrics.stream_packets += s.metered.packets;
@@ -499,6 +516,7 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   if (m.options.chunk_packets < 1) throw ArgumentError("executor: chunk_packets must be >= 1");
   if (m.options.memory_budget_bytes < 0) throw ArgumentError("executor: negative memory budget");
   m.engines = fabric.engine_count();
+  if (memory.ram_budget_bytes() > 0) memory.reserve_ram_bytes(m.ram_beside_memory());
 }
 
 LayerStreamingExecutor::~LayerStreamingExecutor() = default;

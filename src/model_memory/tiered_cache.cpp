@@ -21,9 +21,9 @@ using detail::transposed_bytes;
 }  // namespace
 
 // Frees unused pieces of other layers, least recently used first, until `need` more
-// bytes fit; false if they do not.
-bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep) {
-  while (used + need > budget) {
+// bytes fit under `limit`; false if they do not.
+bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep, std::int64_t limit) {
+  while (used + need > limit) {
     detail::TieredLayer* victim = nullptr;
     bool transposed = false;
     for (std::size_t i = 0; i < layers.size(); ++i) {
@@ -54,7 +54,8 @@ bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep) {
 
 TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
                                                                 bool want_transposed,
-                                                                std::int64_t extra) {
+                                                                std::int64_t extra,
+                                                                bool between_steps) {
   const auto start = Clock::now();
   bool waited = false;
   std::unique_lock lock(mutex);
@@ -79,12 +80,14 @@ TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
         (need_mask ? forward_bytes(s) : 0) + (need_t ? transposed_bytes(s) : 0) + extra;
     const std::int64_t held =
         (c.forward ? forward_bytes(s) : 0) + (c.transposed ? transposed_bytes(s) : 0);
-    if (held + need > budget) {
+    const std::int64_t limit = between_steps ? budget : capacity();
+    if (held + need > limit) {
       throw ResourceError("model store: " + layer_name(l) + " needs " +
-                          std::to_string(held + need) + " bytes at once, over the budget of " +
-                          std::to_string(budget));
+                          std::to_string(held + need) + " bytes at once, over the " +
+                          std::to_string(limit) + " of the budget of " + std::to_string(budget) +
+                          " it may take (the rest is the trainer's, see reserve_ram_bytes)");
     }
-    if (!make_room(need, l)) {
+    if (!make_room(need, l, limit)) {
       waited = true;
       changed.wait(lock);
       continue;
@@ -184,7 +187,7 @@ void TieredModelMemory::State::verify_layer(std::int32_t l) {
   in.drop_cache();
   std::lock_guard lock(mutex);
   const std::int64_t bytes = forward_bytes(s) + transposed_bytes(s);
-  if (used + bytes <= budget) {
+  if (used + bytes <= capacity()) {
     c.forward = std::move(w);
     c.transposed = std::move(t);
     c.values_generation = manifest.layers[l].generation;

@@ -80,6 +80,17 @@ std::int64_t TieredModelMemory::ram_budget_bytes_impl() const {
   return state_->budget;
 }
 
+void TieredModelMemory::reserve_ram_bytes_impl(std::int64_t bytes) {
+  State& st = *state_;
+  std::int64_t largest = 0;
+  for (const detail::ManifestLayer& m : st.manifest.layers) {
+    largest = std::max(largest, working_set_bytes(m.shape));
+  }
+  std::lock_guard lock(st.mutex);
+  st.reserved = std::clamp<std::int64_t>(bytes, 0, st.budget - largest);
+  st.make_room(0, -1, st.capacity());  // what is cached beyond the new capacity goes now
+}
+
 std::int64_t TieredModelMemory::working_set_bytes(const LayerShape& shape) {
   return forward_bytes(shape) + transposed_bytes(shape) + update_bytes(shape);
 }
@@ -113,6 +124,10 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
         " bytes of RAM at once; the model store's budget is " + std::to_string(st.budget));
   }
   detail::refuse_if_pending(st.layers, "add_layer");
+  {
+    std::lock_guard lock(st.mutex);  // the trainer's reserve gives way to the layer
+    st.reserved = std::clamp<std::int64_t>(st.budget - working_set_bytes(s), 0, st.reserved);
+  }
   const auto l = static_cast<std::int32_t>(st.layers.size());
   auto t = std::make_shared<TransposedPattern>(transposed_pattern(weights));
   detail::write_pattern(detail::pattern_path(st.dir, l, 0), weights, *t);
@@ -139,7 +154,7 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
   std::lock_guard lock(st.mutex);
   st.manifest = std::move(next);
   const std::int64_t bytes = forward_bytes(s) + transposed_bytes(s);
-  if (st.used + bytes <= st.budget) {  // just written: keep it while there is room
+  if (st.used + bytes <= st.capacity()) {  // just written: keep it while there is room
     layer->forward = std::make_shared<CsrMatrix>(std::move(weights));
     layer->transposed = std::move(t);
     layer->values_generation = generation;
@@ -342,9 +357,10 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
   }
   const LayerShape& s = st.shape(layer);
   st.drop_transposed(layer);  // rebuilt for the new mask: its room goes to the new pieces
-  // Room for the new mask and its transpose and for where each new weight was.
+  // Room for the new mask and its transpose and for where each new weight was; between
+  // steps, so the trainer's reserve too.
   const State::Pin pin =
-      st.acquire(layer, false, forward_bytes(s) + transposed_bytes(s) + 8 * s.nnz);
+      st.acquire(layer, false, forward_bytes(s) + transposed_bytes(s) + 8 * s.nnz, true);
   const auto drop = detail::smallest_magnitudes(*pin.w, static_cast<std::int64_t>(grow.size()));
   detail::MaskChange change = detail::prune_and_regrow(*pin.w, drop, grow);
   const std::int64_t generation = st.manifest.next_generation;

@@ -3,6 +3,7 @@
 // tiered_model_memory.cpp (the interface, a step's commit), tiered_cache.cpp (the RAM
 // cache, its reads in the executor's order, opening a store) and tiered_update.cpp (the
 // optimizer's and a mask change's work per chunk, writing a layer's next state file).
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -91,6 +92,9 @@ struct TieredLayer {
 struct TieredModelMemory::State {
   std::filesystem::path dir;
   std::int64_t budget = 0;
+  /// Of the budget, what a trainer holds beside the cache (ModelMemory::reserve_ram_bytes).
+  std::int64_t reserved = 0;
+  std::int64_t capacity() const { return budget - reserved; }
   detail::Manifest manifest;
   OptimizerConfig config;  ///< the manifest's, with the schedule
   std::vector<std::unique_ptr<detail::TieredLayer>> layers;
@@ -141,16 +145,17 @@ struct TieredModelMemory::State {
   };
 
   /// Frees unused pieces of other layers, least recently used first, until `need` more
-  /// bytes fit; false if they do not.
-  bool make_room(std::int64_t need, std::int32_t keep);
-  Pin acquire(std::int32_t l, bool want_transposed, std::int64_t extra);
+  /// bytes fit under `limit`; false if they do not.
+  bool make_room(std::int64_t need, std::int32_t keep, std::int64_t limit);
+  /// `between_steps`: no trainer's stream is in flight (a mask change), so the pin may
+  /// take the trainer's reserve too.
+  Pin acquire(std::int32_t l, bool want_transposed, std::int64_t extra, bool between_steps = false);
   void load(std::int32_t l, bool mask, bool values, bool transposed);
   void write_update(std::int32_t l, std::span<const float> values, const float* gradient,
                     double learning_rate, double scale);
   /// Writes the state file of `generation` for the layer's new mask: its new values, its
   /// bias, and its committed optimizer state carried over (zero where grown).
-  void write_mask_change(std::int32_t l, const detail::MaskChange& change,
-                         std::int64_t generation);
+  void write_mask_change(std::int32_t l, const detail::MaskChange& change, std::int64_t generation);
   /// Drops the layer's cached transposed pattern unless a stream holds it.
   void drop_transposed(std::int32_t l);
   void verify_layer(std::int32_t l);
