@@ -32,44 +32,13 @@
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
 #include "train_gpt.hpp"
+#include "train_options.hpp"
 #ifdef SLUICE_HAVE_MPI
 #include "sluice/mpi_fabric.hpp"
 #endif
 
 namespace sluice::cli {
 namespace {
-
-struct TrainOptions {
-  std::string dataset = "auto";
-  std::string data;
-  std::string layers;
-  double sparsity = 0.9;
-  int engines = 1;
-  int epochs = 30;
-  std::int64_t batch = 32;
-  std::string optimizer = "adam";
-  double lr = 2e-3;
-  std::uint64_t seed = 1;
-  std::string checkpoint, resume;
-  bool json = false;
-  int threads = 0;
-  std::string path = "auto";
-  std::int64_t memory_budget = 0;
-  std::size_t prefetch = 0;
-  std::int64_t prefetch_bytes = 0;
-  std::string fabric = "local";
-  double peer_timeout = 60;
-  std::string precision = "fp32";
-  std::string dynamic = "none";
-  std::int64_t update_every = 100;
-  double drop = 0.3;
-  double update_until = 0.75;
-  ModelStoreOptions store;
-  std::string model = "mlp";
-  std::int64_t steps = 0;  ///< 0: the epochs decide
-  double max_seconds = 0;  ///< 0: no time limit
-  GptTrainOptions gpt;     ///< --model gpt's own options
-};
 
 #ifdef SLUICE_HAVE_MPI
 /// MPI for `--fabric mpi`: initialised for the command's lifetime.
@@ -86,64 +55,6 @@ struct MpiSession {
   int rank = 0, size = 1;
 };
 #endif
-
-std::vector<std::int64_t> parse_layers(const std::string& text) {
-  std::vector<std::int64_t> sizes;
-  for (const std::string& item : split_list(text)) {
-    try {
-      std::size_t used = 0;
-      const long long v = std::stoll(item, &used);
-      if (used != item.size() || v < 1) throw std::invalid_argument(item);
-      sizes.push_back(v);
-    } catch (const std::exception&) {
-      throw UsageError("--layers: " + detail::excerpt(item) + " is not a positive integer");
-    }
-  }
-  if (sizes.size() < 2) throw UsageError("--layers needs at least two sizes, e.g. 64,512,10");
-  return sizes;
-}
-
-/// "fp32", "bf16", or one of them per layer, comma-separated.
-std::vector<Precision> parse_precisions(const std::string& text, std::int32_t layers) {
-  std::vector<Precision> out;
-  for (const std::string& item : split_list(text)) {
-    if (item != "fp32" && item != "bf16") {
-      throw UsageError("--precision: " + detail::excerpt(item) + " is neither fp32 nor bf16");
-    }
-    out.push_back(parse_precision(item));
-  }
-  if (out.size() == 1) out.assign(static_cast<std::size_t>(layers), out.front());
-  if (static_cast<std::int32_t>(out.size()) != layers) {
-    throw UsageError("--precision: " + std::to_string(out.size()) + " values for " +
-                     std::to_string(layers) + " layers (give one, or one per layer)");
-  }
-  return out;
-}
-
-std::string join_sizes(const std::vector<std::int64_t>& sizes) {
-  std::string out;
-  for (const std::int64_t s : sizes) out += (out.empty() ? "" : ",") + std::to_string(s);
-  return out;
-}
-
-/// Refuses a --checkpoint the end of the run could not write, before any training: the
-/// save writes a temporary file beside it and renames it over the path.
-void check_checkpoint_path(const std::filesystem::path& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    throw UsageError("--checkpoint " + path.string() + " is a directory; name a file");
-  }
-  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
-  if (!fs::is_directory(dir, ec)) {
-    throw UsageError("--checkpoint " + path.string() + ": the directory " + dir.string() +
-                     " does not exist");
-  }
-  if (::access(dir.c_str(), W_OK) != 0) {
-    throw UsageError("--checkpoint " + path.string() + ": cannot write in " + dir.string() + ": " +
-                     std::strerror(errno));
-  }
-}
 
 /// The sparsity of the model trained: as asked for a new one; a resumed one's masks fix
 /// it, so it is read off them.
@@ -363,14 +274,8 @@ void refuse_failed_training(const TrainTotals& t, const TrainOptions& o) {
   throw NumericError(why + " (try a smaller --lr)");
 }
 
-/// `--model gpt`: the options it takes over, and those it would ignore refused.
+/// `--model gpt`: the options it takes over (check_train_options refused the others).
 int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
-  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--precision",
-                           "--dynamic", "--memory-budget", "--prefetch", "--prefetch-bytes",
-                           "--model-store", "--model-memory-budget"}) {
-    if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
-  }
-  if (o.fabric != "local") throw UsageError("--model gpt runs on --fabric local only");
   GptTrainOptions g = o.gpt;
   g.sparsity = o.sparsity;
   if (cmd.count("--batch") > 0) g.batch = o.batch;
@@ -396,333 +301,239 @@ int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
   return run_gpt_training(g);
 }
 
+/// What a run reports: one JSON object, or lines of text.
+void report(const TrainOptions* o, const std::string& dataset_name, const Evaluation& e,
+            const TrainTotals& t, const StepMetrics& total, const ModelMemory& memory,
+            bool resuming) {
+  if (o->json) {
+    JsonWriter j(2);
+    j.begin_object();
+    j.field("dataset", dataset_name).field("test_accuracy", e.accuracy).field("test_loss", e.loss);
+    j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", t.epochs);
+    j.field("skipped_steps", t.skipped);
+    j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o, resuming));
+    j.field("precision", o->precision);
+    j.field("optimizer", to_string(memory.optimizer().kind));
+    j.field("learning_rate", memory.optimizer().learning_rate);
+    j.field("seed", memory.seed).field("epochs_total", memory.epochs);
+    j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
+    j.field("train_seconds", total.wall_seconds);
+    j.field("stream_packets_per_s", total.packets_per_second());
+    j.field("stream_bytes_per_s", total.bytes_per_second());
+    j.field("stream_wait_seconds", total.stream_wait_seconds);
+    j.field("optimizer_seconds", total.optimizer_seconds);
+    j.field("dynamic", o->dynamic).field("mask_updates", total.mask_updates);
+    j.field("mask_update_seconds", total.mask_update_seconds);
+    j.field("mask_score_seconds", total.mask_score_seconds);
+    j.field("driver_bytes_sent_per_step", total.driver_bytes_sent_per_step());
+    j.field("driver_bytes_received_per_step", total.driver_bytes_received_per_step());
+    j.field("overlap", total.overlap());
+    j.field("peak_rss_bytes", peak_resident_bytes());
+    add_model_store_fields(j, memory);
+    j.end_object();
+    std::cout << j.str() << "\n";
+  } else {
+    std::printf(
+        "test accuracy %.4f (loss %.4f) on %lld samples; %lld steps in %.2f s, "
+        "%.0f tokens/s, engine busy %.1f%%, optimizer %.2f s, stream wait %.2f s\n",
+        e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(t.steps),
+        total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy(),
+        total.optimizer_seconds, total.stream_wait_seconds);
+    if (total.mask_updates > 0) {
+      std::printf("masks updated %lld times (%s) in %.3f s\n",
+                  static_cast<long long>(total.mask_updates), o->dynamic.c_str(),
+                  total.mask_update_seconds);
+    }
+    if (t.skipped > 0) {
+      std::printf("%lld of %lld steps skipped for non-finite gradients\n",
+                  static_cast<long long>(t.skipped), static_cast<long long>(t.steps));
+    }
+  }
+}
+
+/// Every engine takes a share of each batch's tokens: a split with fewer samples than
+/// engines gives no training step or no evaluation.
+void check_split(const TrainOptions& options, const PreparedData& data,
+                 const std::string& dataset_name) {
+  const TrainOptions* o = &options;
+  const Dataset& all = data.all;
+  const Dataset& train = data.train;
+  const Dataset& test = data.test;
+  const std::int64_t fewest = std::min(train.samples(), test.samples());
+  if (fewest < o->engines) {
+    const std::string what = dataset_name + ": " + std::to_string(all.samples()) +
+                             " samples, split into " + std::to_string(train.samples()) +
+                             " to train and " + std::to_string(test.samples()) + " to test";
+    if (fewest < 1) throw FormatError(what + "; too few to train and test on");
+    throw UsageError(what + "; " + std::to_string(o->engines) +
+                     " engines need at least as many samples in each");
+  }
+}
+
+/// The layer sizes of the run: --layers, the resumed model's, or the data's default; each
+/// checked against the data and the resumed model.
+std::vector<std::int64_t> model_sizes(const TrainOptions& options, const Dataset& all,
+                                      bool resuming, const std::vector<std::int64_t>& saved) {
+  const TrainOptions* o = &options;
+  const std::vector<std::int64_t> sizes =
+      !o->layers.empty() ? parse_layers(o->layers)
+      : resuming         ? saved
+                         : std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes};
+  if (resuming && sizes != saved) {
+    throw UsageError("--layers " + join_sizes(sizes) + " differs from the layers " +
+                     join_sizes(saved) + " of " + model_source(*o) +
+                     " (leave --layers out to resume)");
+  }
+  if (sizes.front() != all.features.rows() || sizes.back() < all.classes) {
+    const std::string what = "that does not fit the data: " + std::to_string(all.features.rows()) +
+                             " features, " + std::to_string(all.classes) + " classes";
+    if (resuming) {
+      throw FormatError(model_source(*o) + " holds a model with layers " + join_sizes(saved) + " " +
+                        what);
+    }
+    throw UsageError("--layers " + o->layers + " " + what);
+  }
+  return sizes;
+}
+
+/// `--model mlp`: the fabric, the data, the model (new or resumed), the epochs, the report.
+int run_mlp(TrainOptions* o, const TrainFlags& flags) {
+  CLI::Option *sparsity = flags.sparsity, *seed = flags.seed, *optimizer = flags.optimizer,
+              *lr = flags.lr;
+#ifdef SLUICE_HAVE_MPI
+  // The fabric comes first: with MPI, the engine ranks serve it until rank 0 is done,
+  // and rank 0's fabric stops them even when rank 0 fails (its destructor says stop).
+  std::unique_ptr<MpiSession> mpi;  // declared first: MPI_Finalize comes last
+  std::unique_ptr<Fabric> fabric_owner;
+  if (o->fabric == "mpi") {
+    mpi = std::make_unique<MpiSession>();
+    if (mpi->size < 2) {
+      throw UsageError(
+          "--fabric mpi needs at least 2 ranks (rank 0 drives, the others are "
+          "engines): run it as mpirun -np N sluice train --fabric mpi ...");
+    }
+    MpiFabricOptions mo;
+    mo.engine.threads = o->threads;
+    mo.peer_timeout_seconds = o->peer_timeout;
+    mo.engine.path = parse_product_path(o->path);
+    auto mpi_fabric = std::make_unique<MpiFabric>(mo);
+    if (!mpi_fabric->is_driver()) {
+      // Engine ranks build the training set as rank 0 does and take each batch's samples
+      // from it: rank 0 sends their indices, never features. A resumed run's seed (which
+      // fixes the split) is in its checkpoint, which engine ranks do not read: rank 0
+      // then sends each batch's features once a step.
+      std::optional<PreparedData> own;
+      if (o->resume.empty()) {
+        try {
+          std::string name;
+          own = prepare_data(*o, name);
+          standardize(own->train, own->test);
+        } catch (const std::exception&) {  // rank 0 fails alike and says why
+          own.reset();
+        }
+      }
+      if (own) mpi_fabric->attach_dataset(&own->train);
+      mpi_fabric->serve();
+      return 0;
+    }
+    o->engines = mpi_fabric->engine_count();
+    fabric_owner = std::move(mpi_fabric);
+  }
+#else
+  std::unique_ptr<Fabric> fabric_owner;
+  if (o->fabric == "mpi") {
+    throw UsageError(
+        "--fabric mpi: sluice was built without MPI (configure with "
+        "-DSLUICE_WITH_MPI=ON and an MPI such as Open MPI installed)");
+  }
+#endif
+  // Fail before minutes of training when the model could not be saved at the end.
+  if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
+  std::ostream& progress = o->json ? std::cerr : std::cout;
+  // A resumed model comes first: its seed fixes the data, the split and the order.
+  const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o->store);
+  ModelMemory& memory = *memory_owner;
+  const bool resuming = !o->resume.empty() || memory.layer_count() > 0;
+  if (resuming && o->resume.empty() && sparsity->count() > 0) {
+    throw UsageError("--sparsity cannot be given when --model-store " + o->store.directory +
+                     " holds a model: its masks fix it");
+  }
+  const std::vector<std::int64_t> saved =
+      resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
+  std::string dataset_name;
+  PreparedData data = prepare_data(*o, dataset_name);
+  const Dataset& all = data.all;
+  Dataset& train = data.train;
+  Dataset& test = data.test;
+  check_split(*o, data, dataset_name);
+  standardize(train, test);
+  const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
+  if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
+
+  if (resuming) {
+    resume_optimizer(memory, *o, optimizer->count() > 0, lr->count() > 0, progress);
+  } else {
+    memory.seed = o->seed;
+    const bool classes_from_file = o->layers.empty() && dataset_name == o->dataset;
+    require_mlp_memory(sizes, o->sparsity, o->batch,
+                       classes_from_file ? largest_label_source(o->dataset, all) : "",
+                       o->layers.empty() ? "the default layers" : "--layers " + o->layers);
+    check_model_store_budget(o->store, sizes, o->sparsity);
+    build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
+    memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
+  }
+
+  if (!fabric_owner) {
+    o->threads = o->threads > 0 ? runnable_threads(o->threads, "train") : 0;
+    LocalFabricOptions fo;
+    fo.engines = o->engines;
+    fo.engine.threads = o->threads;
+    fo.engine.path = parse_product_path(o->path);
+    fabric_owner = std::make_unique<LocalFabric>(fo);
+  }
+  Fabric& fabric = *fabric_owner;
+  ExecutorOptions eo;
+  eo.prefetch_depth = o->prefetch;
+  eo.prefetch_bytes = o->prefetch_bytes;
+  eo.memory_budget_bytes = o->memory_budget;
+  eo.precisions = parse_precisions(o->precision, memory.layer_count());
+  const std::int64_t n = train.samples();
+  eo.dynamic.rule = parse_mask_update_rule(o->dynamic);
+  eo.dynamic.update_every = o->update_every;
+  eo.dynamic.drop = o->drop;
+  eo.dynamic.update_until = o->update_until;
+  eo.dynamic.seed = o->seed;
+  // The schedule's horizon: this run's last step (a resumed run's steps count on).
+  const std::int64_t steps_per_epoch = n >= o->engines ? (n - o->engines) / o->batch + 1 : 0;
+  eo.dynamic.total_steps = memory.step() + steps_per_epoch * o->epochs;
+  LayerStreamingExecutor executor(memory, fabric, eo);
+
+  // The engines take batches by sample index from the training set (over MPI each engine
+  // rank from its own copy, which it has unless the run resumed).
+  const bool by_index = o->fabric == "local" || !resuming;
+  if (by_index) fabric.attach_dataset(&train);
+  const TrainTotals t = train_epochs(executor, memory, train, *o, progress, by_index);
+  refuse_failed_training(t, *o);
+  // Saved before evaluating, so a failing evaluation does not cost the trained model.
+  if (!o->checkpoint.empty()) memory.save(o->checkpoint);
+  // In batches of --batch tokens, so --memory-budget holds here too.
+  const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}}, o->batch);
+  const StepMetrics& total = executor.totals();
+
+  report(o, dataset_name, e, t, total, memory, resuming);
+
+  return 0;
+}
+
 }  // namespace
 
 Command add_train_command(CLI::App& app) {
   auto o = std::make_shared<TrainOptions>();
-  CLI::App* cmd =
-      app.add_subcommand("train", "Train a sparse MLP or a byte-level GPT by weight streaming");
-  cmd->add_option("--model", o->model, "mlp (on --dataset) or gpt (on --text)")
-      ->check(CLI::IsMember({"mlp", "gpt"}));
-  cmd->add_option("--text", o->gpt.text,
-                  "GPT: a text file or a directory of them (default: $SLUICE_TEXT, else the "
-                  "fortunes scripts/sluice-setup fetches); the last 5% is held out")
-      ->check(path_argument());
-  cmd->add_option("--context", o->gpt.context, "GPT: bytes per sequence")
-      ->check(number_range(1, 4096));
-  cmd->add_option("--d-model", o->gpt.d_model, "GPT: width of the residual stream")
-      ->check(number_range(1, 16384));
-  cmd->add_option("--heads", o->gpt.heads, "GPT: attention heads (divide --d-model)")
-      ->check(number_range(1, 1024));
-  cmd->add_option("--blocks", o->gpt.blocks, "GPT: transformer blocks")
-      ->check(number_range(1, 256));
-  cmd->add_option("--steps", o->steps, "Stop after this many steps")
-      ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
-  cmd->add_option("--max-seconds", o->max_seconds, "Stop after this much training time")
-      ->check(positive_number());
-  cmd->add_option("--dataset", o->dataset,
-                  "digits, synthetic or a CSV file (last column the label); default: digits if "
-                  "its file is found, else synthetic");
-  cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
-  cmd->add_option("--layers", o->layers,
-                  "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");
-  auto* sparsity = cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")
-                       ->check(number_range(0.0, 0.999));
-  auto* engines =
-      cmd->add_option("--engines", o->engines, "Engines in the fabric (--fabric local only)")
-          ->check(number_range(1, 256));
-  cmd->add_option("--epochs", o->epochs, "Epochs")->check(number_range(1, 100000));
-  cmd->add_option("--batch", o->batch, "Per step: tokens (MLP) or sequences (GPT; default 32)")
-      ->check(number_range(1, 1 << 24));
-  auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
-                        ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
-  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(positive_number());
-  auto* seed = cmd->add_option("--seed", o->seed,
-                               "Seed for weights, data split and shuffles (a resumed run "
-                               "keeps its checkpoint's)")
-                   ->check(non_negative_number());
-  cmd->add_option("--checkpoint", o->checkpoint, "Save the model here at the end")
-      ->check(path_argument());
-  cmd->add_option("--resume", o->resume,
-                  "Continue from this checkpoint: its optimizer (unless --optimizer or --lr "
-                  "change it), seed and data order")
-      ->check(path_argument());
-  cmd->add_option("--threads", o->threads, "Threads per engine (default: cores / engines)")
-      ->check(number_range(1, 4096));
-  cmd->add_option("--path", o->path,
-                  "How the engines multiply each layer: auto (the cost model's choice), sparse "
-                  "(streamed) or dense (packets densified into tiles, oneDNN's matmul)")
-      ->check(CLI::IsMember({"auto", "sparse", "dense"}));
-  cmd->add_option("--memory-budget", o->memory_budget,
-                  "Bytes the activations may take (0: no limit)")
-      ->check(non_negative_number())
-      ->check(within_available_memory());
-  cmd->add_option("--prefetch", o->prefetch,
-                  "Stream chunks prefetched ahead of the engines (overrides --prefetch-bytes)")
-      ->check(number_range(1, 1024));
-  cmd->add_option("--prefetch-bytes", o->prefetch_bytes,
-                  "Stream bytes prefetched ahead of the engines (0: the whole next layer)")
-      ->check(non_negative_number());
-  cmd->add_option("--precision", o->precision,
-                  "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
-                  "and master weights), or one per layer: bf16,bf16,fp32");
-  cmd->add_option("--fabric", o->fabric,
-                  "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
-                  "drives and every other rank is one engine")
-      ->check(CLI::IsMember({"local", "mpi"}));
-  auto* peer_timeout =
-      cmd->add_option("--peer-timeout", o->peer_timeout,
-                      "--fabric mpi: seconds a rank waits on a silent peer before every rank "
-                      "exits (exit code 1) naming it (0: wait forever)")
-          ->check(number_range(0.0, 1e6));
-  cmd->add_option("--dynamic", o->dynamic,
-                  "Masks that change while training: none, set (grow random positions) or "
-                  "rigl (grow where |dense gradient| is largest)")
-      ->check(CLI::IsMember({"none", "set", "rigl"}));
-  auto* update_every =
-      cmd->add_option("--update-every", o->update_every, "Steps between mask updates (--dynamic)")
-          ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
-  auto* drop =
-      cmd->add_option("--drop", o->drop,
-                      "Fraction of each layer's weights swapped per update, decayed by a cosine "
-                      "(--dynamic)")
-          ->check(number_range(0.0, 1.0));
-  auto* update_until =
-      cmd->add_option("--update-until", o->update_until,
-                      "Fraction of the run after which the masks stay fixed (--dynamic)")
-          ->check(number_range(0.0, 1.0));
-  cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
-  add_model_store_options(*cmd, o->store);
-
-  const std::vector<CLI::Option*> dynamic_options{update_every, drop, update_until};
-  return [o, cmd, optimizer, lr, sparsity, engines, dynamic_options, seed, peer_timeout] {
-    if (o->model == "gpt") return run_gpt(*o, *cmd);
-    for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
-      if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
-    }
-    // A run limited by steps or time goes on over as many epochs as that takes.
-    if ((o->steps > 0 || o->max_seconds > 0) && cmd->count("--epochs") == 0) o->epochs = 100000;
-    // Options the run would silently ignore: refused before anything starts.
-    if (o->fabric == "mpi" && engines->count() > 0) {
-      throw UsageError(
-          "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
-          "(choose their number with mpirun -np)");
-    }
-    if (!(o->peer_timeout >= 0))
-      throw UsageError("--peer-timeout must be a number of seconds >= 0");
-    if (o->fabric != "mpi" && peer_timeout->count() > 0) {
-      throw UsageError("--peer-timeout needs --fabric mpi: a local fabric has no peers");
-    }
-    for (const CLI::Option* given : dynamic_options) {
-      if (o->dynamic == "none" && given->count() > 0) {
-        throw UsageError(given->get_name() + " needs --dynamic set or rigl");
-      }
-    }
-    if (!(o->drop > 0)) throw UsageError("--drop must be in (0, 1]: a fraction of the weights");
-    if (!o->resume.empty() && sparsity->count() > 0) {
-      throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
-    }
-    check_model_store_options(o->store, !o->resume.empty(), !o->checkpoint.empty());
-    if (!o->data.empty() && o->dataset != "auto" && o->dataset != "digits") {
-      throw UsageError("--data names the digits file; with --dataset " + o->dataset +
-                       " it would be ignored");
-    }
-#ifdef SLUICE_HAVE_MPI
-    // The fabric comes first: with MPI, the engine ranks serve it until rank 0 is done,
-    // and rank 0's fabric stops them even when rank 0 fails (its destructor says stop).
-    std::unique_ptr<MpiSession> mpi;  // declared first: MPI_Finalize comes last
-    std::unique_ptr<Fabric> fabric_owner;
-    if (o->fabric == "mpi") {
-      mpi = std::make_unique<MpiSession>();
-      if (mpi->size < 2) {
-        throw UsageError(
-            "--fabric mpi needs at least 2 ranks (rank 0 drives, the others are "
-            "engines): run it as mpirun -np N sluice train --fabric mpi ...");
-      }
-      MpiFabricOptions mo;
-      mo.engine.threads = o->threads;
-      mo.peer_timeout_seconds = o->peer_timeout;
-      mo.engine.path = parse_product_path(o->path);
-      auto mpi_fabric = std::make_unique<MpiFabric>(mo);
-      if (!mpi_fabric->is_driver()) {
-        // Engine ranks build the training set as rank 0 does and take each batch's samples
-        // from it: rank 0 sends their indices, never features. A resumed run's seed (which
-        // fixes the split) is in its checkpoint, which engine ranks do not read: rank 0
-        // then sends each batch's features once a step.
-        std::optional<PreparedData> own;
-        if (o->resume.empty()) {
-          try {
-            std::string name;
-            own = prepare_data(*o, name);
-            standardize(own->train, own->test);
-          } catch (const std::exception&) {  // rank 0 fails alike and says why
-            own.reset();
-          }
-        }
-        if (own) mpi_fabric->attach_dataset(&own->train);
-        mpi_fabric->serve();
-        return 0;
-      }
-      o->engines = mpi_fabric->engine_count();
-      fabric_owner = std::move(mpi_fabric);
-    }
-#else
-    std::unique_ptr<Fabric> fabric_owner;
-    if (o->fabric == "mpi") {
-      throw UsageError(
-          "--fabric mpi: sluice was built without MPI (configure with "
-          "-DSLUICE_WITH_MPI=ON and an MPI such as Open MPI installed)");
-    }
-#endif
-    // Fail before minutes of training when the model could not be saved at the end.
-    if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
-    std::ostream& progress = o->json ? std::cerr : std::cout;
-    // A resumed model comes first: its seed fixes the data, the split and the order.
-    const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o->store);
-    ModelMemory& memory = *memory_owner;
-    const bool resuming = !o->resume.empty() || memory.layer_count() > 0;
-    if (resuming && o->resume.empty() && sparsity->count() > 0) {
-      throw UsageError("--sparsity cannot be given when --model-store " + o->store.directory +
-                       " holds a model: its masks fix it");
-    }
-    const std::vector<std::int64_t> saved =
-        resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
-    std::string dataset_name;
-    PreparedData data = prepare_data(*o, dataset_name);
-    const Dataset& all = data.all;
-    Dataset& train = data.train;
-    Dataset& test = data.test;
-    // Every engine takes a share of each batch's tokens: a split with fewer samples than
-    // engines gives no training step or no evaluation.
-    const std::int64_t fewest = std::min(train.samples(), test.samples());
-    if (fewest < o->engines) {
-      const std::string what = dataset_name + ": " + std::to_string(all.samples()) +
-                               " samples, split into " + std::to_string(train.samples()) +
-                               " to train and " + std::to_string(test.samples()) + " to test";
-      if (fewest < 1) throw FormatError(what + "; too few to train and test on");
-      throw UsageError(what + "; " + std::to_string(o->engines) +
-                       " engines need at least as many samples in each");
-    }
-    standardize(train, test);
-    const std::vector<std::int64_t> sizes =
-        !o->layers.empty() ? parse_layers(o->layers)
-        : resuming         ? saved
-                           : std::vector<std::int64_t>{all.features.rows(), 512, 512, all.classes};
-    if (resuming && sizes != saved) {
-      throw UsageError("--layers " + join_sizes(sizes) + " differs from the layers " +
-                       join_sizes(saved) + " of " + model_source(*o) +
-                       " (leave --layers out to resume)");
-    }
-    if (sizes.front() != all.features.rows() || sizes.back() < all.classes) {
-      const std::string what =
-          "that does not fit the data: " + std::to_string(all.features.rows()) + " features, " +
-          std::to_string(all.classes) + " classes";
-      if (resuming) {
-        throw FormatError(model_source(*o) + " holds a model with layers " + join_sizes(saved) +
-                          " " + what);
-      }
-      throw UsageError("--layers " + o->layers + " " + what);
-    }
-    if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
-
-    if (resuming) {
-      resume_optimizer(memory, *o, optimizer->count() > 0, lr->count() > 0, progress);
-    } else {
-      memory.seed = o->seed;
-      const bool classes_from_file = o->layers.empty() && dataset_name == o->dataset;
-      require_mlp_memory(sizes, o->sparsity, o->batch,
-                         classes_from_file ? largest_label_source(o->dataset, all) : "",
-                         o->layers.empty() ? "the default layers" : "--layers " + o->layers);
-      check_model_store_budget(o->store, sizes, o->sparsity);
-      build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
-      memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
-    }
-
-    if (!fabric_owner) {
-      o->threads = o->threads > 0 ? runnable_threads(o->threads, "train") : 0;
-      LocalFabricOptions fo;
-      fo.engines = o->engines;
-      fo.engine.threads = o->threads;
-      fo.engine.path = parse_product_path(o->path);
-      fabric_owner = std::make_unique<LocalFabric>(fo);
-    }
-    Fabric& fabric = *fabric_owner;
-    ExecutorOptions eo;
-    eo.prefetch_depth = o->prefetch;
-    eo.prefetch_bytes = o->prefetch_bytes;
-    eo.memory_budget_bytes = o->memory_budget;
-    eo.precisions = parse_precisions(o->precision, memory.layer_count());
-    const std::int64_t n = train.samples();
-    eo.dynamic.rule = parse_mask_update_rule(o->dynamic);
-    eo.dynamic.update_every = o->update_every;
-    eo.dynamic.drop = o->drop;
-    eo.dynamic.update_until = o->update_until;
-    eo.dynamic.seed = o->seed;
-    // The schedule's horizon: this run's last step (a resumed run's steps count on).
-    const std::int64_t steps_per_epoch = n >= o->engines ? (n - o->engines) / o->batch + 1 : 0;
-    eo.dynamic.total_steps = memory.step() + steps_per_epoch * o->epochs;
-    LayerStreamingExecutor executor(memory, fabric, eo);
-
-    // The engines take batches by sample index from the training set (over MPI each engine
-    // rank from its own copy, which it has unless the run resumed).
-    const bool by_index = o->fabric == "local" || !resuming;
-    if (by_index) fabric.attach_dataset(&train);
-    const TrainTotals t = train_epochs(executor, memory, train, *o, progress, by_index);
-    refuse_failed_training(t, *o);
-    // Saved before evaluating, so a failing evaluation does not cost the trained model.
-    if (!o->checkpoint.empty()) memory.save(o->checkpoint);
-    // In batches of --batch tokens, so --memory-budget holds here too.
-    const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}}, o->batch);
-    const StepMetrics& total = executor.totals();
-
-    if (o->json) {
-      JsonWriter j(2);
-      j.begin_object();
-      j.field("dataset", dataset_name)
-          .field("test_accuracy", e.accuracy)
-          .field("test_loss", e.loss);
-      j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", t.epochs);
-      j.field("skipped_steps", t.skipped);
-      j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o, resuming));
-      j.field("precision", o->precision);
-      j.field("optimizer", to_string(memory.optimizer().kind));
-      j.field("learning_rate", memory.optimizer().learning_rate);
-      j.field("seed", memory.seed).field("epochs_total", memory.epochs);
-      j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
-      j.field("train_seconds", total.wall_seconds);
-      j.field("stream_packets_per_s", total.packets_per_second());
-      j.field("stream_bytes_per_s", total.bytes_per_second());
-      j.field("stream_wait_seconds", total.stream_wait_seconds);
-      j.field("optimizer_seconds", total.optimizer_seconds);
-      j.field("dynamic", o->dynamic).field("mask_updates", total.mask_updates);
-      j.field("mask_update_seconds", total.mask_update_seconds);
-      j.field("mask_score_seconds", total.mask_score_seconds);
-      j.field("driver_bytes_sent_per_step", total.driver_bytes_sent_per_step());
-      j.field("driver_bytes_received_per_step", total.driver_bytes_received_per_step());
-      j.field("overlap", total.overlap());
-      j.field("peak_rss_bytes", peak_resident_bytes());
-      add_model_store_fields(j, memory);
-      j.end_object();
-      std::cout << j.str() << "\n";
-    } else {
-      std::printf(
-          "test accuracy %.4f (loss %.4f) on %lld samples; %lld steps in %.2f s, "
-          "%.0f tokens/s, engine busy %.1f%%, optimizer %.2f s, stream wait %.2f s\n",
-          e.accuracy, e.loss, static_cast<long long>(e.tokens), static_cast<long long>(t.steps),
-          total.wall_seconds, total.tokens_per_second(), 100 * total.engine_busy(),
-          total.optimizer_seconds, total.stream_wait_seconds);
-      if (total.mask_updates > 0) {
-        std::printf("masks updated %lld times (%s) in %.3f s\n",
-                    static_cast<long long>(total.mask_updates), o->dynamic.c_str(),
-                    total.mask_update_seconds);
-      }
-      if (t.skipped > 0) {
-        std::printf("%lld of %lld steps skipped for non-finite gradients\n",
-                    static_cast<long long>(t.skipped), static_cast<long long>(t.steps));
-      }
-    }
-    return 0;
-  };
+  const TrainFlags flags = add_train_options(app, *o);
+  return Command([o, flags] { check_train_options(*o, flags); },
+                 [o, flags] {
+                   if (o->model == "gpt") return run_gpt(*o, *flags.cmd);
+                   return run_mlp(o.get(), flags);
+                 });
 }
-
 }  // namespace sluice::cli

@@ -6,6 +6,8 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace sluice::cli {
 
@@ -14,7 +16,21 @@ class UsageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-using Command = std::function<int()>;
+/// What runs a subcommand once its arguments are parsed: `check` (may be empty) refuses
+/// arguments that do not go together, touching no file and doing no work, then `run` does
+/// the work and returns the exit code. The fuzz target of the command line calls only
+/// `check`.
+struct Command {
+  std::function<int()> run;
+  std::function<void()> check;
+
+  Command() = default;
+  template <typename Run>
+  requires std::is_invocable_r_v<int, Run> Command(Run r)
+      : run(std::move(r)) {}  // NOLINT: a command without checks of its own
+  Command(std::function<void()> c, std::function<int()> r)
+      : run(std::move(r)), check(std::move(c)) {}
+};
 
 /// Each adds its subcommand to `app` and returns what runs it.
 Command add_spmm_command(CLI::App& app);

@@ -1,0 +1,87 @@
+// The `sluice` command line as a function (tools/cli.hpp).
+#include "cli.hpp"
+
+#include <exception>
+#include <iostream>
+#include <new>
+#include <utility>
+#include <vector>
+
+#include "commands.hpp"
+#include "core/excerpt.hpp"
+#include "number_options.hpp"
+#include "sluice/error.hpp"
+
+namespace {
+// A message that echoes an argument or a cell whole (CLI11's do) is cut to a line.
+std::string shorten(const char* message) {
+  return sluice::detail::shorten_words(message);
+}
+}  // namespace
+
+namespace sluice::cli {
+
+int run_cli(int argc, const char* const* argv, CliMode mode) {
+  CLI::App app{"sluice: sparse neural-network layers by weight streaming"};
+  app.require_subcommand(1);
+  std::vector<std::pair<CLI::App*, Command>> commands;
+  auto add = [&](Command (*adder)(CLI::App&)) {
+    const auto before = app.get_subcommands({}).size();
+    Command run = adder(app);
+    commands.emplace_back(app.get_subcommands({}).at(before), std::move(run));
+  };
+  add(add_spmm_command);
+  add(add_predict_command);
+  add(add_train_command);
+  add(add_sweep_command);
+  add(add_generate_command);
+  strict_integer_options(app);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // CLI11 calls a mistyped command a missing one; name it and what there is instead.
+    if (argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty()) {
+      std::cerr << "sluice: unknown command " << sluice::detail::excerpt(argv[1])
+                << "; the commands are";
+      for (const auto& [sub, run] : commands) std::cerr << " " << sub->get_name();
+      std::cerr << " (sluice --help)\n";
+      return 2;
+    }
+    std::cerr << "sluice: " << shorten(e.what()) << "\n\n" << app.help();
+    return 2;
+  }
+  try {
+    for (auto& [sub, run] : commands) {
+      if (!sub->parsed()) continue;
+      if (run.check) run.check();
+      return mode == CliMode::run ? run.run() : 0;
+    }
+    return 2;
+  } catch (const UsageError& e) {
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
+    return 2;
+  } catch (const sluice::ArgumentError& e) {  // shapes too
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
+    return 2;
+  } catch (const sluice::UnsupportedError& e) {  // asked of this machine or build
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
+    return 2;
+  } catch (const sluice::Error& e) {
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "sluice: out of memory (the sizes asked for need more than this machine "
+                 "can give)\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "sluice: internal error: " << shorten(e.what()) << "\n";
+    return 1;
+  }
+}
+
+}  // namespace sluice::cli

@@ -1,0 +1,232 @@
+#include "train_options.hpp"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/excerpt.hpp"
+#include "measure.hpp"
+#include "number_options.hpp"
+#include "output_files.hpp"
+
+namespace sluice::cli {
+namespace {
+
+/// `--model gpt`: the options it would ignore refused.
+void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
+  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--precision",
+                           "--dynamic", "--memory-budget", "--prefetch", "--prefetch-bytes",
+                           "--model-store", "--model-memory-budget"}) {
+    if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
+  }
+  if (o.fabric != "local") throw UsageError("--model gpt runs on --fabric local only");
+}
+
+}  // namespace
+
+std::vector<std::int64_t> parse_layers(const std::string& text) {
+  std::vector<std::int64_t> sizes;
+  for (const std::string& item : split_list(text)) {
+    try {
+      std::size_t used = 0;
+      const long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      sizes.push_back(v);
+    } catch (const std::exception&) {
+      throw UsageError("--layers: " + detail::excerpt(item) + " is not a positive integer");
+    }
+  }
+  if (sizes.size() < 2) throw UsageError("--layers needs at least two sizes, e.g. 64,512,10");
+  return sizes;
+}
+
+std::vector<Precision> parse_precisions(const std::string& text, std::int32_t layers) {
+  std::vector<Precision> out;
+  for (const std::string& item : split_list(text)) {
+    if (item != "fp32" && item != "bf16") {
+      throw UsageError("--precision: " + detail::excerpt(item) + " is neither fp32 nor bf16");
+    }
+    out.push_back(parse_precision(item));
+  }
+  if (out.size() == 1) out.assign(static_cast<std::size_t>(layers), out.front());
+  if (static_cast<std::int32_t>(out.size()) != layers) {
+    throw UsageError("--precision: " + std::to_string(out.size()) + " values for " +
+                     std::to_string(layers) + " layers (give one, or one per layer)");
+  }
+  return out;
+}
+
+std::string join_sizes(const std::vector<std::int64_t>& sizes) {
+  std::string out;
+  for (const std::int64_t s : sizes) out += (out.empty() ? "" : ",") + std::to_string(s);
+  return out;
+}
+
+void check_checkpoint_path(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    throw UsageError("--checkpoint " + path.string() + " is a directory; name a file");
+  }
+  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) {
+    throw UsageError("--checkpoint " + path.string() + ": the directory " + dir.string() +
+                     " does not exist");
+  }
+  if (::access(dir.c_str(), W_OK) != 0) {
+    throw UsageError("--checkpoint " + path.string() + ": cannot write in " + dir.string() + ": " +
+                     std::strerror(errno));
+  }
+}
+
+TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
+  TrainOptions* o = &options;  // as the options are registered elsewhere: o->name
+  CLI::App* cmd =
+      app.add_subcommand("train", "Train a sparse MLP or a byte-level GPT by weight streaming");
+  cmd->add_option("--model", o->model, "mlp (on --dataset) or gpt (on --text)")
+      ->check(CLI::IsMember({"mlp", "gpt"}));
+  cmd->add_option("--text", o->gpt.text,
+                  "GPT: a text file or a directory of them (default: $SLUICE_TEXT, else the "
+                  "fortunes scripts/sluice-setup fetches); the last 5% is held out")
+      ->check(path_argument());
+  cmd->add_option("--context", o->gpt.context, "GPT: bytes per sequence")
+      ->check(number_range(1, 4096));
+  cmd->add_option("--d-model", o->gpt.d_model, "GPT: width of the residual stream")
+      ->check(number_range(1, 16384));
+  cmd->add_option("--heads", o->gpt.heads, "GPT: attention heads (divide --d-model)")
+      ->check(number_range(1, 1024));
+  cmd->add_option("--blocks", o->gpt.blocks, "GPT: transformer blocks")
+      ->check(number_range(1, 256));
+  cmd->add_option("--steps", o->steps, "Stop after this many steps")
+      ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
+  cmd->add_option("--max-seconds", o->max_seconds, "Stop after this much training time")
+      ->check(positive_number());
+  cmd->add_option("--dataset", o->dataset,
+                  "digits, synthetic or a CSV file (last column the label); default: digits if "
+                  "its file is found, else synthetic");
+  cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
+  cmd->add_option("--layers", o->layers,
+                  "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");
+  auto* sparsity = cmd->add_option("--sparsity", o->sparsity, "Weight sparsity")
+                       ->check(number_range(0.0, 0.999));
+  auto* engines =
+      cmd->add_option("--engines", o->engines, "Engines in the fabric (--fabric local only)")
+          ->check(number_range(1, 256));
+  cmd->add_option("--epochs", o->epochs, "Epochs")->check(number_range(1, 100000));
+  cmd->add_option("--batch", o->batch, "Per step: tokens (MLP) or sequences (GPT; default 32)")
+      ->check(number_range(1, 1 << 24));
+  auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
+                        ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(positive_number());
+  auto* seed = cmd->add_option("--seed", o->seed,
+                               "Seed for weights, data split and shuffles (a resumed run "
+                               "keeps its checkpoint's)")
+                   ->check(non_negative_number());
+  cmd->add_option("--checkpoint", o->checkpoint, "Save the model here at the end")
+      ->check(path_argument());
+  cmd->add_option("--resume", o->resume,
+                  "Continue from this checkpoint: its optimizer (unless --optimizer or --lr "
+                  "change it), seed and data order")
+      ->check(path_argument());
+  cmd->add_option("--threads", o->threads, "Threads per engine (default: cores / engines)")
+      ->check(number_range(1, 4096));
+  cmd->add_option("--path", o->path,
+                  "How the engines multiply each layer: auto (the cost model's choice), sparse "
+                  "(streamed) or dense (packets densified into tiles, oneDNN's matmul)")
+      ->check(CLI::IsMember({"auto", "sparse", "dense"}));
+  cmd->add_option("--memory-budget", o->memory_budget,
+                  "Bytes the activations may take (0: no limit)")
+      ->check(non_negative_number())
+      ->check(within_available_memory());
+  cmd->add_option("--prefetch", o->prefetch,
+                  "Stream chunks prefetched ahead of the engines (overrides --prefetch-bytes)")
+      ->check(number_range(1, 1024));
+  cmd->add_option("--prefetch-bytes", o->prefetch_bytes,
+                  "Stream bytes prefetched ahead of the engines (0: the whole next layer)")
+      ->check(non_negative_number());
+  cmd->add_option("--precision", o->precision,
+                  "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
+                  "and master weights), or one per layer: bf16,bf16,fp32");
+  cmd->add_option("--fabric", o->fabric,
+                  "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
+                  "drives and every other rank is one engine")
+      ->check(CLI::IsMember({"local", "mpi"}));
+  auto* peer_timeout =
+      cmd->add_option("--peer-timeout", o->peer_timeout,
+                      "--fabric mpi: seconds a rank waits on a silent peer before every rank "
+                      "exits (exit code 1) naming it (0: wait forever)")
+          ->check(number_range(0.0, 1e6));
+  cmd->add_option("--dynamic", o->dynamic,
+                  "Masks that change while training: none, set (grow random positions) or "
+                  "rigl (grow where |dense gradient| is largest)")
+      ->check(CLI::IsMember({"none", "set", "rigl"}));
+  auto* update_every =
+      cmd->add_option("--update-every", o->update_every, "Steps between mask updates (--dynamic)")
+          ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
+  auto* drop =
+      cmd->add_option("--drop", o->drop,
+                      "Fraction of each layer's weights swapped per update, decayed by a cosine "
+                      "(--dynamic)")
+          ->check(number_range(0.0, 1.0));
+  auto* update_until =
+      cmd->add_option("--update-until", o->update_until,
+                      "Fraction of the run after which the masks stay fixed (--dynamic)")
+          ->check(number_range(0.0, 1.0));
+  cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
+  add_model_store_options(*cmd, o->store);
+
+  TrainFlags flags;
+  flags.cmd = cmd;
+  flags.optimizer = optimizer;
+  flags.lr = lr;
+  flags.sparsity = sparsity;
+  flags.engines = engines;
+  flags.seed = seed;
+  flags.peer_timeout = peer_timeout;
+  flags.dynamic = {update_every, drop, update_until};
+  return flags;
+}
+
+void check_train_options(TrainOptions& options, const TrainFlags& flags) {
+  TrainOptions* o = &options;
+  const CLI::App* cmd = flags.cmd;
+  if (o->model == "gpt") {
+    check_gpt_options(*o, *cmd);
+    return;
+  }
+  const CLI::Option *engines = flags.engines, *peer_timeout = flags.peer_timeout,
+                    *sparsity = flags.sparsity;
+  const std::vector<CLI::Option*>& dynamic_options = flags.dynamic;
+  for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
+    if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
+  }
+  // A run limited by steps or time goes on over as many epochs as that takes.
+  if ((o->steps > 0 || o->max_seconds > 0) && cmd->count("--epochs") == 0) o->epochs = 100000;
+  // Options the run would silently ignore: refused before anything starts.
+  if (o->fabric == "mpi" && engines->count() > 0) {
+    throw UsageError(
+        "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
+        "(choose their number with mpirun -np)");
+  }
+  if (!(o->peer_timeout >= 0)) throw UsageError("--peer-timeout must be a number of seconds >= 0");
+  if (o->fabric != "mpi" && peer_timeout->count() > 0) {
+    throw UsageError("--peer-timeout needs --fabric mpi: a local fabric has no peers");
+  }
+  for (const CLI::Option* given : dynamic_options) {
+    if (o->dynamic == "none" && given->count() > 0) {
+      throw UsageError(given->get_name() + " needs --dynamic set or rigl");
+    }
+  }
+  if (!(o->drop > 0)) throw UsageError("--drop must be in (0, 1]: a fraction of the weights");
+  if (!o->resume.empty() && sparsity->count() > 0) {
+    throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
+  }
+  check_model_store_options(o->store, !o->resume.empty(), !o->checkpoint.empty());
+  if (!o->data.empty() && o->dataset != "auto" && o->dataset != "digits") {
+    throw UsageError("--data names the digits file; with --dataset " + o->dataset +
+                     " it would be ignored");
+  }
+}
+
+}  // namespace sluice::cli
