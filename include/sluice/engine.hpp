@@ -20,6 +20,7 @@
 // each weight. On a CPU that is one pass of reads instead of a read-modify-write of a dX
 // row per weight plus a second pass.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -142,6 +143,10 @@ class Engine {
                                       std::vector<float>* bias_gradient);
 
  protected:
+  /// Runs `fn` on the engine's own threads, so the parallel loops in it (the layer
+  /// operations' per-element passes: bias, activation, its slope) use as many threads as
+  /// the engine has, not every core of the process. The base class runs it on the caller's.
+  virtual void on_engine_threads(const std::function<void()>& fn) { fn(); }
   virtual void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                             MutableMatrixView y, const Placement* next_placement) = 0;
   /// `x` null: no weight gradient wanted (returns an empty stream); `dx` null: no dX.
@@ -178,6 +183,7 @@ class CpuEngine final : public Engine {
   ProductPath path_for(const StreamHeader& header, std::int64_t tokens) const;
 
  protected:
+  void on_engine_threads(const std::function<void()>& fn) override;
   void forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                     MutableMatrixView y, const Placement* next_placement) override;
   WeightStream backward_impl(StreamSource& weights, const Placement& placement,

@@ -136,6 +136,10 @@ ProductPath CpuEngine::path_for(const StreamHeader& header, std::int64_t tokens)
                                           impl_->threads);
 }
 
+void CpuEngine::on_engine_threads(const std::function<void()>& fn) {
+  impl_->state.arena.execute(fn);
+}
+
 void CpuEngine::forward_impl(StreamSource& weights, const Placement& placement, ConstMatrixView x,
                              MutableMatrixView y, const Placement* next_placement) {
   detail::EngineState& engine = impl_->state;

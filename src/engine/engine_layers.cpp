@@ -1,6 +1,7 @@
 // The Engine's layer operations: a step's forward, loss and backward on the activations
 // the engine keeps in its own store, on top of the engine's product calls.
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include "core/parallel.hpp"
@@ -52,15 +53,16 @@ void scale_by_slope(Activation a, const float* z, float* d, std::int64_t n) {
   }
 }
 
-/// fn(row) for every row of a rows x cols pass, on every core when it is large enough to
-/// pay for waking them (a small layer's whole pass is over in microseconds).
-template <typename Fn>
-void for_each_row(std::int64_t rows, std::int64_t cols, Fn&& fn) {
+/// fn(row) for every row of a rows x cols pass, on every thread `on_threads` gives it
+/// when it is large enough to pay for waking them (a small layer's whole pass is over in
+/// microseconds).
+template <typename OnThreads, typename Fn>
+void for_each_row(std::int64_t rows, std::int64_t cols, OnThreads&& on_threads, Fn&& fn) {
   constexpr std::int64_t kParallelElements = std::int64_t{1} << 16;
   if (rows * cols < kParallelElements) {
     for (std::int64_t r = 0; r < rows; ++r) fn(r);
   } else {
-    detail::parallel_for(std::int64_t{0}, rows, fn);
+    on_threads([&] { detail::parallel_for(std::int64_t{0}, rows, fn); });
   }
 }
 
@@ -134,10 +136,13 @@ void Engine::forward_layer(StreamSource& weights, const Placement& placement, st
   forward(weights, placement, store_.in(layer), z);
   const Activation act = store_.spec().activations[static_cast<std::size_t>(layer)];
   MutableMatrixView a = store_.a(layer);
-  for_each_row(z.rows, z.cols, [&](std::int64_t o) {
-    const float b = bias.empty() ? 0.0F : bias[static_cast<std::size_t>(o)];
-    add_bias_and_activate(act, b, z.row(o), act != Activation::none ? a.row(o) : nullptr, z.cols);
-  });
+  for_each_row(
+      z.rows, z.cols, [this](const std::function<void()>& f) { on_engine_threads(f); },
+      [&](std::int64_t o) {
+        const float b = bias.empty() ? 0.0F : bias[static_cast<std::size_t>(o)];
+        add_bias_and_activate(act, b, z.row(o), act != Activation::none ? a.row(o) : nullptr,
+                              z.cols);
+      });
 }
 
 LossSums Engine::loss(bool want_delta, std::int64_t total_tokens) {
@@ -189,8 +194,9 @@ WeightStream Engine::backward_layer(StreamSource& weights, const Placement& plac
   const Activation act = store_.spec().activations[li];
   if (act != Activation::none) {  // dZ = dA * act'(Z), in place
     const ConstMatrixView z = store_.z(layer);
-    for_each_row(d.rows, d.cols,
-                 [&](std::int64_t o) { scale_by_slope(act, z.row(o), d.row(o), d.cols); });
+    for_each_row(
+        d.rows, d.cols, [this](const std::function<void()>& f) { on_engine_threads(f); },
+        [&](std::int64_t o) { scale_by_slope(act, z.row(o), d.row(o), d.cols); });
   }
   MutableMatrixView dx{};
   if (want_dx) {
