@@ -94,6 +94,42 @@ TEST(ChunkMemory, ThreadsAllocatingAtOnceGetTheirOwnBlocks) {
   for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[static_cast<std::size_t>(t)], 0) << t;
 }
 
+// Freed buffers of many sizes (as different streams' chunks are) keep their pages up to
+// kChunkMemoryKeptBytes; the rest give theirs back, and their addresses are reused.
+TEST(ChunkMemory, FreedBuffersKeepAtMostTheBoundInPages) {
+  if (!detail::chunk_memory_in_huge_pages()) GTEST_SKIP() << "operator new serves all sizes";
+  release_chunk_memory();
+  const ChunkMemoryUsage before = chunk_memory_usage();
+  std::vector<Block> blocks;
+  std::size_t total = 0;
+  for (int i = 0; total < 2 * kChunkMemoryKeptBytes; ++i) {  // every size different
+    const std::size_t bytes = (std::size_t{1} << 20) + static_cast<std::size_t>(i) * (16 << 10);
+    blocks.push_back({static_cast<unsigned char*>(detail::allocate_chunk_memory(bytes)), bytes});
+    fill(blocks.back(), 0x11);
+    total += bytes;
+  }
+  const ChunkMemoryUsage busy = chunk_memory_usage();
+  for (const Block& b : blocks) detail::free_chunk_memory(b.data, b.bytes);
+  const ChunkMemoryUsage idle = chunk_memory_usage();
+  EXPECT_LE(idle.kept_bytes, kChunkMemoryKeptBytes);
+  EXPECT_GE(idle.kept_bytes + (std::size_t{2} << 20), kChunkMemoryKeptBytes);  // up to it
+  EXPECT_EQ(idle.live_bytes, before.live_bytes);
+  EXPECT_EQ(idle.reserved_bytes, busy.reserved_bytes);  // addresses stay for reuse
+  // The same sizes again come from the lists, kept or given back: no arena is added.
+  for (Block& b : blocks) {
+    b.data = static_cast<unsigned char*>(detail::allocate_chunk_memory(b.bytes));
+    fill(b, 0x22);
+  }
+  EXPECT_EQ(chunk_memory_usage().reserved_bytes, busy.reserved_bytes);
+  EXPECT_EQ(chunk_memory_usage().kept_bytes, 0U);
+  for (const Block& b : blocks) {
+    EXPECT_TRUE(intact(b, 0x22));
+    detail::free_chunk_memory(b.data, b.bytes);
+  }
+  release_chunk_memory();
+  EXPECT_EQ(chunk_memory_usage().live_bytes, before.live_bytes);
+}
+
 TEST(ChunkMemory, ReleaseReturnsIdleArenasAndKeepsLiveBlocks) {
   if (!detail::chunk_memory_in_huge_pages()) {
     EXPECT_EQ(chunk_memory_usage().reserved_bytes, 0U);  // operator new: nothing held

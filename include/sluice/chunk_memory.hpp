@@ -13,14 +13,22 @@ void free_chunk_memory(void* block, std::size_t bytes) noexcept;
 bool chunk_memory_in_huge_pages();
 }  // namespace detail
 
+/// Freed chunk buffers whose pages are kept, at most, for the next buffer of their size;
+/// beyond it a freed buffer's pages go back to the OS (its address stays reserved for
+/// reuse). Chunks of different streams differ in size, so without a bound the buffers kept
+/// would grow to the peak of every size at once (on the issue #28 model, 768 MiB of arenas
+/// for 430 MiB ever live).
+inline constexpr std::size_t kChunkMemoryKeptBytes = std::size_t{64} << 20;
+
 /// Memory held for stream chunks' buffers of 16 KiB and more where they come from huge
-/// pages (both zero otherwise: operator new then serves them and takes them back):
-/// reserved from the OS, and of that, in buffers now in use. A freed buffer stays
-/// reserved for the next of its size, so a process keeps the peak of what it streamed at
-/// once until release_chunk_memory.
+/// pages (all zero otherwise: operator new then serves them and takes them back):
+/// reserved from the OS, of that in buffers now in use, and in freed buffers whose pages
+/// are kept for reuse (at most kChunkMemoryKeptBytes). A freed buffer's address stays
+/// reserved for the next of its size until release_chunk_memory.
 struct ChunkMemoryUsage {
   std::size_t reserved_bytes = 0;
   std::size_t live_bytes = 0;
+  std::size_t kept_bytes = 0;
 };
 ChunkMemoryUsage chunk_memory_usage();
 /// Returns to the OS every 64 MiB arena none of whose buffers is in use, and the bytes it

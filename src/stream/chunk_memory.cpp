@@ -1,7 +1,10 @@
 // The memory of stream chunks' packet buffers (ChunkAllocator in sluice/stream.hpp).
 // Large buffers come from arenas of transparent huge pages: a block is carved once and,
 // once freed, kept on a list for its size (sizes rounded to 16 KiB; chunks cluster around
-// the chunk size, so few sizes occur) and handed out again. Arenas with no live block go
+// the chunk size, so few sizes occur) and handed out again; freed blocks keep their pages
+// up to kChunkMemoryKeptBytes, beyond which a freed block's pages go back to the OS (its
+// address stays listed: streams of other orders and gradients differ in size, and kept
+// whole every size's peak adds up far beyond what is ever live). Arenas with no live block go
 // back to the OS only when asked (release_chunk_memory): training streams the same sizes
 // every step, and fresh pages would have to be faulted in again. Neither oneTBB's scalable
 // allocator (its huge pages need THP "always") nor the standard pool resources (they
@@ -16,6 +19,10 @@
 #include <new>
 #include <unordered_map>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "core/huge_pages.hpp"
 #include "sluice/chunk_memory.hpp"
@@ -75,6 +82,14 @@ class HugeBlocks {
     if (!kept.empty()) {
       void* block = kept.back();
       kept.pop_back();
+      kept_bytes_ -= size;
+      arena_of(block).live += size;
+      return block;
+    }
+    std::vector<void*>& dropped = dropped_[size];
+    if (!dropped.empty()) {  // its pages fault in afresh
+      void* block = dropped.back();
+      dropped.pop_back();
       arena_of(block).live += size;
       return block;
     }
@@ -105,18 +120,28 @@ class HugeBlocks {
       own_bytes_ -= size;
       return;
     }
+    bool keep = false;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      keep = kept_bytes_ + size <= kChunkMemoryKeptBytes;
+      if (keep) kept_bytes_ += size;  // claimed now, so that threads freeing at once agree
+    }
+    // Beyond the bound the pages go back to the OS before the block is listed (no other
+    // thread can have it yet); the address stays for the next block of its size.
+    if (!keep) drop_pages(block, size);
     const std::lock_guard<std::mutex> lock(mutex_);
     arena_of(block).live -= size;
     try {
-      free_[size].push_back(block);
+      (keep ? free_ : dropped_)[size].push_back(block);
     } catch (...) {
-      // No room to keep it: the block is lost to reuse until its arena is released.
+      // No room to list it: the block is lost to reuse until its arena is released.
+      if (keep) kept_bytes_ -= size;
     }
   }
 
   ChunkMemoryUsage usage() {
     const std::lock_guard<std::mutex> lock(mutex_);
-    ChunkMemoryUsage u{own_bytes_ + arenas_.size() * kArena, own_bytes_};
+    ChunkMemoryUsage u{own_bytes_ + arenas_.size() * kArena, own_bytes_, kept_bytes_};
     for (const auto& [base, arena] : arenas_) u.live_bytes += arena.live;
     return u;
   }
@@ -134,7 +159,10 @@ class HugeBlocks {
       const auto after = std::upper_bound(idle.begin(), idle.end(), p);  // idle is sorted
       return after != idle.begin() && p < *(after - 1) + kArena;
     };
-    for (auto& [size, kept] : free_) std::erase_if(kept, in_idle);
+    for (auto& [size, kept] : free_) {
+      kept_bytes_ -= size * static_cast<std::size_t>(std::erase_if(kept, in_idle));
+    }
+    for (auto& [size, dropped] : dropped_) std::erase_if(dropped, in_idle);
     for (char* base : idle) {
       if (next_ != nullptr && base <= next_ && next_ < base + kArena) {
         next_ = nullptr;  // the arena being carved: the next block starts a new one
@@ -153,6 +181,15 @@ class HugeBlocks {
   HugeBlocks() = default;
 #endif
 
+  static void drop_pages(void* block, std::size_t size) noexcept {
+#if defined(__linux__)
+    (void)madvise(block, size, MADV_DONTNEED);  // on failure the pages merely stay
+#else
+    (void)block;
+    (void)size;
+#endif
+  }
+
   struct Arena {
     std::size_t live = 0;  // bytes of its blocks handed out and not freed
   };
@@ -163,9 +200,11 @@ class HugeBlocks {
 
   bool enabled_ = false;
   std::mutex mutex_;
-  std::unordered_map<std::size_t, std::vector<void*>> free_;
-  std::map<char*, Arena> arenas_;  // by start address
-  std::size_t own_bytes_ = 0;      // blocks allocated alone, all live
+  std::unordered_map<std::size_t, std::vector<void*>> free_;     // pages kept
+  std::unordered_map<std::size_t, std::vector<void*>> dropped_;  // pages given back
+  std::size_t kept_bytes_ = 0;                                   // in free_
+  std::map<char*, Arena> arenas_;                                // by start address
+  std::size_t own_bytes_ = 0;                                    // blocks allocated alone, all live
   char* next_ = nullptr;
   std::size_t left_ = 0;
 };
