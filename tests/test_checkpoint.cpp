@@ -287,6 +287,15 @@ class CorruptCheckpoint : public ::testing::Test {
     const std::uint32_t crc = crc32(payload);
     std::memcpy(bytes.data() + offset + 12, &crc, 4);
   }
+  // The good file as `version` (below 4) writes it: without the schedule section.
+  std::vector<char> without_schedule(std::uint32_t version) {
+    std::vector<char> old = good;
+    std::memcpy(old.data() + 8, &version, 4);
+    const std::size_t schedule = section(old, "DYNS");
+    old.erase(old.begin() + static_cast<long>(schedule),
+              old.begin() + static_cast<long>(schedule + 16 + 44));
+    return old;
+  }
   // Offset of the first section with this tag.
   std::size_t section(const std::vector<char>& bytes, const char* tag) {
     std::size_t at = 12;
@@ -340,10 +349,10 @@ TEST_F(CorruptCheckpoint, WrongMagic) {
 
 TEST_F(CorruptCheckpoint, WrongVersion) {
   std::vector<char> bad = good;
-  const std::uint32_t version = 4;
+  const std::uint32_t version = 5;
   std::memcpy(bad.data() + 8, &version, 4);
   const std::string message = expect_refused(bad);
-  EXPECT_NE(message.find("version 4, expected 1 to 3"), std::string::npos) << message;
+  EXPECT_NE(message.find("version 5, expected 1 to 4"), std::string::npos) << message;
 }
 
 TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
@@ -376,10 +385,9 @@ TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
 }
 
 TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
-  // Version 1: the same, less the model section and the header's last 8 bytes (the epochs).
-  std::vector<char> old = good;
-  const std::uint32_t version = 1;
-  std::memcpy(old.data() + 8, &version, 4);
+  // Version 1: the same, less the model and schedule sections and the header's last 8
+  // bytes (the epochs).
+  std::vector<char> old = without_schedule(1);
   const std::size_t model = section(old, "MODL");
   old.erase(old.begin() + static_cast<long>(model), old.begin() + static_cast<long>(model + 16));
   const std::size_t head = section(old, "HEAD");
@@ -397,6 +405,66 @@ TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
   m.load(p);
   EXPECT_EQ(m.epochs, 0);
   EXPECT_EQ(m.step(), 2);
+}
+
+TEST_F(CorruptCheckpoint, ScheduleFieldsOutOfRangeAreRefused) {
+  const std::size_t at = section(good, "DYNS") + 16;  // its payload
+  auto refused_with = [&](std::size_t field, auto value) {
+    std::vector<char> bad = good;
+    std::memcpy(bad.data() + at + field, &value, sizeof value);
+    fix_crc(bad, at - 16);
+    return expect_refused(bad);
+  };
+  EXPECT_NE(refused_with(0, std::uint32_t{3}).find("unknown dynamic sparsity rule 3"),
+            std::string::npos);
+  EXPECT_NE(refused_with(4, std::int64_t{0}).find("update_every"), std::string::npos);
+  EXPECT_NE(refused_with(4, std::int64_t{1} << 41).find("update_every"), std::string::npos);
+  EXPECT_NE(refused_with(12, 1.5).find("drop"), std::string::npos);
+  EXPECT_NE(refused_with(12, std::numeric_limits<double>::quiet_NaN()).find("drop"),
+            std::string::npos);
+  EXPECT_NE(refused_with(20, -0.25).find("update_until"), std::string::npos);
+  EXPECT_NE(refused_with(28, std::int64_t{-1}).find("total_steps"), std::string::npos);
+  EXPECT_NE(refused_with(28, std::numeric_limits<std::int64_t>::max()).find("total_steps"),
+            std::string::npos);
+  // A rule other than none needs a horizon.
+  std::vector<char> bad = good;
+  const std::uint32_t rigl = 2;
+  const std::int64_t no_horizon = 0;
+  std::memcpy(bad.data() + at, &rigl, 4);
+  std::memcpy(bad.data() + at + 28, &no_horizon, 8);
+  fix_crc(bad, at - 16);
+  EXPECT_NE(expect_refused(bad).find("total_steps"), std::string::npos);
+}
+
+TEST_F(CorruptCheckpoint, VersionThreeFilesStillLoadWithNoSchedule) {
+  const fs::path p = temp_dir() / "v3.ck";
+  write_bytes(p, without_schedule(3));
+  HostModelMemory m;
+  m.dynamic.rule = MaskUpdateRule::set;
+  m.load(p);
+  EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::none);
+  EXPECT_EQ(m.step(), 2);
+}
+
+TEST(Checkpoint, TheMaskUpdateScheduleRoundTrips) {
+  HostModelMemory a;
+  build(a, 3, OptimizerConfig{});
+  a.dynamic.rule = MaskUpdateRule::rigl;
+  a.dynamic.update_every = 7;
+  a.dynamic.drop = 0.125;
+  a.dynamic.update_until = 0.5;
+  a.dynamic.total_steps = 1234;
+  a.dynamic.seed = 99;
+  const fs::path path = temp_dir() / "schedule.ck";
+  a.save(path);
+  HostModelMemory b;
+  b.load(path);
+  EXPECT_EQ(b.dynamic.rule, MaskUpdateRule::rigl);
+  EXPECT_EQ(b.dynamic.update_every, 7);
+  EXPECT_EQ(b.dynamic.drop, 0.125);
+  EXPECT_EQ(b.dynamic.update_until, 0.5);
+  EXPECT_EQ(b.dynamic.total_steps, 1234);
+  EXPECT_EQ(b.dynamic.seed, 99U);
 }
 
 TEST(Checkpoint, ModelDescriptionRoundTrips) {

@@ -82,6 +82,23 @@ TEST_F(CliModelStore, ACreatedThenResumedStoreTrainsAsOneRunAndAsTheModelInRam) 
   EXPECT_GT(second["peak_rss_bytes"].get<double>(), 0);
 }
 
+TEST_F(CliModelStore, AResumedStoreKeepsItsMaskUpdateSchedule) {
+  const std::string rigl = kTrain + "--dynamic rigl --update-every 2 --drop 0.5 ";
+  const json whole = run_json(rigl + "--epochs 2 --model-store " + path("whole"));
+  run_json(rigl + "--epochs 1 --horizon-epochs 2 --model-store " + path("split"));
+  const Outcome resumed = run(kTrain + "--epochs 1 --json --model-store " + path("split"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("dynamic sparsity rigl: every 2 steps"), std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("(the store's)"), std::string::npos) << resumed.output;
+  const json second = json::parse(resumed.output.substr(resumed.output.find('{')));
+  EXPECT_GT(second["mask_updates"].get<int>(), 0);
+  for (const char* key : {"test_loss", "test_accuracy", "final_loss", "dynamic"}) {
+    EXPECT_EQ(second[key], whole[key]) << key;
+  }
+  EXPECT_EQ(files(path("whole")), files(path("split")));  // masks and manifest alike
+}
+
 TEST_F(CliModelStore, ABudgetTooSmallIsAUsageErrorThatLeavesNoModel) {
   const std::string store = path("small");
   expect_exit(run(kTrain + "--epochs 1 --model-store " + store + " --model-memory-budget 4096"), 2,

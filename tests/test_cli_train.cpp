@@ -8,13 +8,16 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
 
+#include "core/crc32.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/model_memory.hpp"
 #include "test_support.hpp"
@@ -108,6 +111,97 @@ TEST_F(CliTrain, ResumedTwoPlusTwoEpochsEqualFourOnACsvSplit) {
   std::ofstream(dir_ / "d.csv") << text;
   expect_resume_equals_uninterrupted(
       "train --dataset " + path("d.csv") + " --layers 3,16,3 --engines 2 --batch 16", dir_);
+}
+
+/// The JSON object at the end of a run's merged output.
+json json_of(const Outcome& o) {
+  const std::size_t at = o.output.find('{');
+  if (at == std::string::npos) return json::object();
+  return json::parse(o.output.substr(at));
+}
+
+const std::string kBatch64 = kTrain + "--batch 64 ";
+const std::string kDynamic =
+    kBatch64 + "--optimizer sgd --lr 0.02 --sparsity 0.8 --update-every 2 --drop 0.5 ";
+
+// 2 epochs planned as the first half of 4 (--horizon-epochs 4), then 2 more from the
+// checkpoint with no schedule flags: the checkpoint's schedule, so the same masks and
+// weights, bit for bit, as 4 epochs in one run.
+void expect_dynamic_resume_equals_uninterrupted(const std::string& rule, const fs::path& dir) {
+  const std::string train = kDynamic + "--dynamic " + rule;
+  const std::string whole = (dir / (rule + "-whole.ckpt")).string(),
+                    half = (dir / (rule + "-half.ckpt")).string(),
+                    resumed = (dir / (rule + "-resumed.ckpt")).string();
+  const json four = run_json(train + " --epochs 4 --checkpoint " + whole);
+  const json two = run_json(train + " --epochs 2 --horizon-epochs 4 --checkpoint " + half);
+  const Outcome o =
+      run(kBatch64 + "--epochs 2 --json --resume " + half + " --checkpoint " + resumed);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_CONTAINS(o.output, "dynamic sparsity " + rule + ": every 2 steps, drop 0.5 until 0.75");
+  EXPECT_CONTAINS(o.output, "(the checkpoint's)");
+  const json two_more = json_of(o);
+  EXPECT_EQ(two_more["dynamic"], rule);
+  EXPECT_GT(two["mask_updates"].get<int>(), 0);
+  EXPECT_GT(two_more["mask_updates"].get<int>(), 0);
+  EXPECT_EQ(two["mask_updates"].get<int>() + two_more["mask_updates"].get<int>(),
+            four["mask_updates"].get<int>());
+  EXPECT_EQ(four["final_loss"], two_more["final_loss"]);
+  EXPECT_EQ(four["test_loss"], two_more["test_loss"]);
+  EXPECT_TRUE(read_file(whole) == read_file(resumed))
+      << "the resumed checkpoint (masks, weights, schedule) differs from the uninterrupted one";
+}
+
+TEST_F(CliTrain, ResumedTwoPlusTwoEpochsOfRiglEqualFour) {
+  expect_dynamic_resume_equals_uninterrupted("rigl", dir_);
+}
+
+TEST_F(CliTrain, ResumedTwoPlusTwoEpochsOfSetEqualFour) {
+  expect_dynamic_resume_equals_uninterrupted("set", dir_);
+}
+
+TEST_F(CliTrain, AResumedRunKeepsTheStoredHorizonUnlessAFlagMovesIt) {
+  const std::string ckpt = path("short.ckpt");
+  run_json(kDynamic + "--dynamic rigl --epochs 2 --checkpoint " + ckpt);  // horizon: 2 epochs
+  Outcome o = run(kBatch64 + "--epochs 2 --json --resume " + ckpt);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_CONTAINS(o.output,
+                  "the horizon ends before this run does: the masks stay fixed after step 75");
+  EXPECT_EQ(json_of(o)["mask_updates"], 0);
+
+  o = run(kBatch64 + "--epochs 2 --json --horizon-epochs 4 --drop 0.25 --resume " + ckpt);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_CONTAINS(o.output,
+                  "--drop replaces its 0.5, --horizon-epochs replaces its horizon of 100 steps");
+  EXPECT_GT(json_of(o)["mask_updates"].get<int>(), 0);
+
+  o = run(kTrain + "--epochs 1 --json --dynamic none --resume " + ckpt);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_EQ(json_of(o)["dynamic"], "none");
+  EXPECT_EQ(json_of(o)["mask_updates"], 0);
+
+  const std::string fixed = path("fixed.ckpt");
+  run_json(kTrain + "--epochs 1 --checkpoint " + fixed);
+  expect_exit(run(kTrain + "--epochs 1 --drop 0.2 --resume " + fixed), 2,
+              "--drop needs --dynamic set or rigl");
+  expect_exit(run(kTrain + "--epochs 1 --horizon-epochs 3"), 2,
+              "--horizon-epochs needs --dynamic set or rigl");
+}
+
+TEST_F(CliTrain, AScheduleOutOfRangeInACheckpointIsBadDataNamed) {
+  const std::string ckpt = path("schedule.ckpt");
+  run_json(kDynamic + "--dynamic set --epochs 1 --checkpoint " + ckpt);
+  std::string bytes = read_file(ckpt);
+  const std::size_t section = bytes.find("DYNS");
+  ASSERT_NE(section, std::string::npos);
+  const double drop = 2;  // the payload: u32 rule, i64 update_every, f64 drop, ...
+  std::memcpy(bytes.data() + section + 16 + 12, &drop, 8);
+  const std::uint32_t crc =
+      sluice::crc32(std::as_bytes(std::span(bytes.data() + section + 16, 44)));
+  std::memcpy(bytes.data() + section + 12, &crc, 4);
+  std::ofstream(ckpt, std::ios::binary | std::ios::trunc) << bytes;
+  const Outcome o = run(kTrain + "--epochs 1 --resume " + ckpt);
+  expect_exit(o, 1, ckpt);
+  EXPECT_CONTAINS(o.output, "drop must be in (0, 1]");
 }
 
 TEST_F(CliTrain, ResumeRefusesASeedThatIsNotTheCheckpoints) {

@@ -322,7 +322,7 @@ void report(const TrainOptions* o, const std::string& dataset_name, const Evalua
     j.field("stream_bytes_per_s", total.bytes_per_second());
     j.field("stream_wait_seconds", total.stream_wait_seconds);
     j.field("optimizer_seconds", total.optimizer_seconds);
-    j.field("dynamic", o->dynamic).field("mask_updates", total.mask_updates);
+    j.field("dynamic", o->schedule.dynamic).field("mask_updates", total.mask_updates);
     j.field("mask_update_seconds", total.mask_update_seconds);
     j.field("mask_score_seconds", total.mask_score_seconds);
     j.field("driver_bytes_sent_per_step", total.driver_bytes_sent_per_step());
@@ -341,7 +341,7 @@ void report(const TrainOptions* o, const std::string& dataset_name, const Evalua
         total.optimizer_seconds, total.stream_wait_seconds);
     if (total.mask_updates > 0) {
       std::printf("masks updated %lld times (%s) in %.3f s\n",
-                  static_cast<long long>(total.mask_updates), o->dynamic.c_str(),
+                  static_cast<long long>(total.mask_updates), o->schedule.dynamic.c_str(),
                   total.mask_update_seconds);
     }
     if (t.skipped > 0) {
@@ -498,14 +498,12 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   eo.memory_budget_bytes = o->memory_budget;
   eo.precisions = parse_precisions(o->precision, memory.layer_count());
   const std::int64_t n = train.samples();
-  eo.dynamic.rule = parse_mask_update_rule(o->dynamic);
-  eo.dynamic.update_every = o->update_every;
-  eo.dynamic.drop = o->drop;
-  eo.dynamic.update_until = o->update_until;
-  eo.dynamic.seed = o->seed;
-  // The schedule's horizon: this run's last step (a resumed run's steps count on).
   const std::int64_t steps_per_epoch = n >= o->engines ? (n - o->engines) / o->batch + 1 : 0;
-  eo.dynamic.total_steps = memory.step() + steps_per_epoch * o->epochs;
+  const std::int64_t run_steps =
+      o->steps > 0 ? std::min(o->steps, steps_per_epoch * o->epochs) : steps_per_epoch * o->epochs;
+  eo.dynamic = resolve_schedule(memory, o->schedule, resuming, steps_per_epoch, run_steps,
+                                o->resume.empty() ? "the store's" : "the checkpoint's", progress);
+  o->schedule.dynamic = to_string(eo.dynamic.rule);  // what the report says
   LayerStreamingExecutor executor(memory, fabric, eo);
 
   // The engines take batches by sample index from the training set (over MPI each engine

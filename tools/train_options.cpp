@@ -157,22 +157,7 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
                       "--fabric mpi: seconds a rank waits on a silent peer before every rank "
                       "exits (exit code 1) naming it (0: wait forever)")
           ->check(number_range(0.0, 1e6));
-  cmd->add_option("--dynamic", o->dynamic,
-                  "Masks that change while training: none, set (grow random positions) or "
-                  "rigl (grow where |dense gradient| is largest)")
-      ->check(CLI::IsMember({"none", "set", "rigl"}));
-  auto* update_every =
-      cmd->add_option("--update-every", o->update_every, "Steps between mask updates (--dynamic)")
-          ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
-  auto* drop =
-      cmd->add_option("--drop", o->drop,
-                      "Fraction of each layer's weights swapped per update, decayed by a cosine "
-                      "(--dynamic)")
-          ->check(number_range(0.0, 1.0));
-  auto* update_until =
-      cmd->add_option("--update-until", o->update_until,
-                      "Fraction of the run after which the masks stay fixed (--dynamic)")
-          ->check(number_range(0.0, 1.0));
+  add_schedule_options(*cmd, o->schedule);
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
   add_model_store_options(*cmd, o->store);
 
@@ -184,7 +169,6 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
   flags.engines = engines;
   flags.seed = seed;
   flags.peer_timeout = peer_timeout;
-  flags.dynamic = {update_every, drop, update_until};
   return flags;
 }
 
@@ -197,7 +181,6 @@ void check_train_options(TrainOptions& options, const TrainFlags& flags) {
   }
   const CLI::Option *engines = flags.engines, *peer_timeout = flags.peer_timeout,
                     *sparsity = flags.sparsity;
-  const std::vector<CLI::Option*>& dynamic_options = flags.dynamic;
   for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
     if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
   }
@@ -213,12 +196,7 @@ void check_train_options(TrainOptions& options, const TrainFlags& flags) {
   if (o->fabric != "mpi" && peer_timeout->count() > 0) {
     throw UsageError("--peer-timeout needs --fabric mpi: a local fabric has no peers");
   }
-  for (const CLI::Option* given : dynamic_options) {
-    if (o->dynamic == "none" && given->count() > 0) {
-      throw UsageError(given->get_name() + " needs --dynamic set or rigl");
-    }
-  }
-  if (!(o->drop > 0)) throw UsageError("--drop must be in (0, 1]: a fraction of the weights");
+  check_schedule_options(o->schedule, !o->resume.empty() || !o->store.directory.empty());
   if (!o->resume.empty() && sparsity->count() > 0) {
     throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "dynamic_schedule.hpp"
 #include "model_store_option.hpp"
 #include "sluice/engine.hpp"
 #include "train_gpt.hpp"
@@ -35,10 +36,7 @@ struct TrainOptions {
   std::string fabric = "local";
   double peer_timeout = 60;
   std::string precision = "fp32";
-  std::string dynamic = "none";
-  std::int64_t update_every = 100;
-  double drop = 0.3;
-  double update_until = 0.75;
+  ScheduleOptions schedule;  ///< --dynamic and its options
   ModelStoreOptions store;
   std::string model = "mlp";
   std::int64_t steps = 0;  ///< 0: the epochs decide
@@ -51,7 +49,6 @@ struct TrainFlags {
   CLI::App* cmd = nullptr;
   CLI::Option *optimizer = nullptr, *lr = nullptr, *sparsity = nullptr, *engines = nullptr,
               *seed = nullptr, *peer_timeout = nullptr;
-  std::vector<CLI::Option*> dynamic;  ///< --update-every, --drop, --update-until
 };
 
 /// Adds `train` and its options (into `options`) to `app`.

@@ -19,9 +19,10 @@
 namespace sluice {
 
 enum class MaskUpdateRule {
-  none,  ///< the mask fixed at initialisation
-  set,   ///< SET: grow uniformly random inactive positions
-  rigl,  ///< RigL: grow the inactive positions with the largest |dense gradient|
+  // The values are kept in checkpoints: never renumber.
+  none = 0,  ///< the mask fixed at initialisation
+  set = 1,   ///< SET: grow uniformly random inactive positions
+  rigl = 2,  ///< RigL: grow the inactive positions with the largest |dense gradient|
 };
 const char* to_string(MaskUpdateRule rule);
 /// "none", "set" or "rigl"; ArgumentError otherwise.

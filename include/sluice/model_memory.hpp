@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "sluice/csr_matrix.hpp"
+#include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/optimizer.hpp"
 #include "sluice/planner.hpp"
@@ -148,6 +149,11 @@ class ModelMemory {
   /// Printable ASCII, at most kMaxModelDescription characters, for a checkpoint to hold it.
   std::string model;
   static constexpr std::size_t kMaxModelDescription = 4096;
+  /// The mask-update schedule the model trains under (rule none: masks fixed), kept in
+  /// checkpoints and model stores so that a resumed run goes on with the same schedule,
+  /// its horizon (total_steps, counted from the model's first step) included. The trainer
+  /// sets it; ModelMemory only keeps it.
+  DynamicSparsity dynamic;
 
  protected:
   virtual std::int32_t add_layer_impl(CsrMatrix weights, std::vector<float> bias) = 0;

@@ -1,10 +1,11 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 3; also in docs/checkpoint_format.md). Little-endian throughout.
+// File format (version 4; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
-//   version    u32      3 (versions 1 and 2 are still read: version 1 lacks the epoch count,
-//                       read as 0, and both lack the model section, read as empty)
+//   version    u32      4 (versions 1 to 3 are still read: version 1 lacks the epoch count,
+//                       read as 0; versions 1 and 2 lack the model section, read as empty;
+//                       versions 1 to 3 lack the schedule section, read as rule none)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -21,6 +22,8 @@
 //       i64 epochs (version 2 on: passes over the training data completed)
 //   "MODL"  once (version 3 on): ModelMemory::model, its characters (printable ASCII, at
 //       most ModelMemory::kMaxModelDescription; empty for a stack of layers)
+//   "DYNS"  once (version 4 on): ModelMemory::dynamic, the mask-update schedule
+//       (model_memory/schedule_section.hpp)
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -54,6 +57,7 @@
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/host_model_memory_state.hpp"
 #include "model_memory/optimizer_kernels.hpp"
+#include "model_memory/schedule_section.hpp"
 
 namespace sluice {
 namespace {
@@ -75,7 +79,7 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
 
 constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
-constexpr std::uint32_t kFormatVersion = 3;
+constexpr std::uint32_t kFormatVersion = 4;
 constexpr std::uint32_t kOldestReadableVersion = 1;
 /// Counters (steps, updates, epochs) above this are refused: they count up by one and
 /// reach the optimizer as doubles, which count exactly only this far, and a file that
@@ -108,6 +112,7 @@ struct Counters {
   std::uint64_t seed = 0;
   std::int64_t epochs = 0;
   std::string model;
+  DynamicSparsity dynamic;
 };
 
 /// Whether `model` can be kept in a checkpoint: printable ASCII, not too long.
@@ -140,6 +145,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   model.tag = kModelTag;
   model.arrays.push_back(std::as_bytes(std::span(counters.model)));
   write_section(out, model);
+  write_section(out, detail::schedule_section(counters.dynamic));
 
   const int slots = detail::optimizer_slot_count(c.kind);
   for (std::size_t i = 0; i < st.layers.size(); ++i) {
@@ -318,6 +324,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
     counters.model.assign(text.begin(), text.end());
     if (!storable_model(counters.model)) model.fail("not printable ASCII");
   }
+  if (version >= 4) counters.dynamic = detail::read_schedule_section(in);
   // Every layer section takes at least its header and fixed fields: a huge count in a
   // small file is refused before reserving anything.
   if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {
@@ -369,8 +376,13 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
                          ": the model description is not printable ASCII of at most " +
                          std::to_string(kMaxModelDescription) + " characters");
       }
+      try {  // what load would refuse is not written
+        dynamic.validate();
+      } catch (const ArgumentError& e) {
+        throw ArgumentError("save checkpoint " + path.string() + ": " + e.what());
+      }
       FileWriter out(tmp);
-      write_checkpoint(out, *state_, {seed, epochs, model});
+      write_checkpoint(out, *state_, {seed, epochs, model, dynamic});
       out.commit();
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -397,6 +409,7 @@ void HostModelMemory::load_impl(const std::filesystem::path& path) {
   seed = counters.seed;
   epochs = counters.epochs;
   model = std::move(counters.model);
+  dynamic = counters.dynamic;
 }
 
 }  // namespace sluice

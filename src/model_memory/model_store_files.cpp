@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "model_memory/checkpoint_io.hpp"
+#include "model_memory/schedule_section.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -18,9 +19,10 @@ constexpr char kManifestMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'M', 'F'};
 constexpr char kPatternMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'P', 'T'};
 constexpr char kStateMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'S', 'T'};
 constexpr std::uint32_t kVersion = 1;
-/// The manifest's version 2 adds the epoch count and each layer's pattern generation;
-/// version 1 (0 epochs, the first pattern files) is still read.
-constexpr std::uint32_t kManifestVersion = 2;
+/// The manifest's version 2 adds the epoch count and each layer's pattern generation,
+/// version 3 the mask-update schedule (a "DYNS" section after "HEAD"); versions 1 (0
+/// epochs, the first pattern files) and 2 (rule none) are still read.
+constexpr std::uint32_t kManifestVersion = 3;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
 
@@ -125,6 +127,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
     head.fields.put(static_cast<std::uint32_t>(m.policy == NonFinitePolicy::error ? 1 : 0));
     head.fields.put(m.epochs);
     write_section(out, head);
+    write_section(out, schedule_section(m.dynamic));
     for (std::size_t i = 0; i < m.layers.size(); ++i) {
       const ManifestLayer& l = m.layers[i];
       Section s;
@@ -180,6 +183,7 @@ Manifest read_manifest(const std::filesystem::path& dir) {
   } catch (const Error& e) {
     head.fail(e.what());
   }
+  if (version >= 3) m.dynamic = read_schedule_section(in);
   if (count > in.remaining() / kSectionHeaderBytes) head.fail("more layers than the file holds");
   for (std::uint32_t i = 0; i < count; ++i) {
     SectionReader s(in, kLayerTag, "LAYR section of layer " + std::to_string(i));

@@ -2,7 +2,8 @@
 // Internal: the files of a TieredModelMemory store (docs/model_store.md), in the
 // checkpoint format's sections (tag, length, CRC-32, payload; checkpoint_io.hpp):
 //
-//   MANIFEST                     what is committed: step, epochs, seed, optimizer, every
+//   MANIFEST                     what is committed: step, epochs, seed, optimizer, the
+//                                mask-update schedule (schedule_section.hpp), every
 //                                layer's shape, update count and its state file's generation
 //   layer-LLLLLL.pattern         the mask and its transpose as the layer was added
 //   layer-LLLLLL.gGGGGGGGG.pattern  ... after a mask change (regrow) of that generation
@@ -41,7 +42,8 @@ struct Manifest {
   std::int64_t epochs = 0;           ///< passes over the training data (ModelMemory::epochs)
   std::int64_t next_generation = 1;  ///< of the next state files written
   std::uint64_t seed = 0;
-  OptimizerConfig config;  ///< without the schedule (code, not data)
+  DynamicSparsity dynamic;  ///< ModelMemory::dynamic (manifest version 3 on)
+  OptimizerConfig config;   ///< without the schedule (code, not data)
   NonFinitePolicy policy = NonFinitePolicy::skip_step;
   std::vector<ManifestLayer> layers;
 };

@@ -46,6 +46,7 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   st.config = st.manifest.config;
   seed = st.manifest.seed;
   epochs = st.manifest.epochs;
+  dynamic = st.manifest.dynamic;
   for (std::size_t l = 0; l < st.manifest.layers.size(); ++l) {
     const LayerShape& s = st.manifest.layers[l].shape;
     if (working_set_bytes(s) > budget_bytes) {
@@ -145,6 +146,7 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
   next.next_generation = generation + 1;
   next.seed = seed;
   next.epochs = epochs;
+  next.dynamic = dynamic;
   detail::write_manifest(st.dir, next);
 
   auto layer = std::make_unique<detail::TieredLayer>();
@@ -318,6 +320,7 @@ StepReport TieredModelMemory::commit_step_impl() {
   next.next_generation += 1;
   next.seed = seed;
   next.epochs = epochs;
+  next.dynamic = dynamic;
   try {
     detail::fsync_directory(st.dir, "model store");
     detail::write_manifest(st.dir, next);
@@ -376,6 +379,7 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
     next.next_generation = generation + 1;
     next.seed = seed;
     next.epochs = epochs;
+    next.dynamic = dynamic;
     detail::write_manifest(st.dir, next);
   } catch (...) {
     remove_quietly(pattern);
@@ -404,6 +408,7 @@ void TieredModelMemory::commit_counters() {
   detail::Manifest next = st.manifest;
   next.seed = seed;
   next.epochs = epochs;
+  next.dynamic = dynamic;
   detail::write_manifest(st.dir, next);
   std::lock_guard lock(st.mutex);
   st.manifest = std::move(next);

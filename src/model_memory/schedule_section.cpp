@@ -1,0 +1,57 @@
+#include "model_memory/schedule_section.hpp"
+
+#include <string>
+
+namespace sluice::detail {
+namespace {
+
+constexpr std::uint64_t kScheduleBytes = 4 + 8 + 8 + 8 + 8 + 8;
+/// As the CLI's --update-every bound: more steps than any run takes.
+constexpr std::int64_t kMaxUpdateEvery = std::int64_t{1} << 40;
+/// As the checkpoint's counters: steps count exactly as doubles only this far.
+constexpr std::int64_t kMaxTotalSteps = std::int64_t{1} << 53;
+
+}  // namespace
+
+Section schedule_section(const DynamicSparsity& schedule) {
+  Section s;
+  s.tag = kScheduleTag;
+  s.fields.put(static_cast<std::uint32_t>(schedule.rule));
+  s.fields.put(schedule.update_every);
+  s.fields.put(schedule.drop);
+  s.fields.put(schedule.update_until);
+  s.fields.put(schedule.total_steps);
+  s.fields.put(schedule.seed);
+  return s;
+}
+
+DynamicSparsity read_schedule_section(FileReader& in) {
+  SectionReader s(in, kScheduleTag, "dynamic sparsity section");
+  if (s.length() != kScheduleBytes) {
+    s.fail("length " + std::to_string(s.length()) + ", expected " + std::to_string(kScheduleBytes));
+  }
+  DynamicSparsity d;
+  const auto rule = s.get<std::uint32_t>("rule");
+  d.update_every = s.get<std::int64_t>("update_every");
+  d.drop = s.get<double>("drop");
+  d.update_until = s.get<double>("update_until");
+  d.total_steps = s.get<std::int64_t>("total_steps");
+  d.seed = s.get<std::uint64_t>("seed");
+  s.finish();
+  if (rule > 2) s.fail("unknown dynamic sparsity rule " + std::to_string(rule));
+  d.rule = static_cast<MaskUpdateRule>(rule);
+  if (d.update_every > kMaxUpdateEvery) {
+    s.fail("update_every " + std::to_string(d.update_every) + " out of range [1, 2^40]");
+  }
+  if (d.total_steps > kMaxTotalSteps) {
+    s.fail("total_steps " + std::to_string(d.total_steps) + " out of range [0, 2^53]");
+  }
+  try {
+    d.validate();
+  } catch (const ArgumentError& e) {
+    s.fail(e.what());
+  }
+  return d;
+}
+
+}  // namespace sluice::detail
