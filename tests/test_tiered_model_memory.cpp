@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <random>
@@ -388,6 +389,37 @@ TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
   EXPECT_EQ(m.optimizer().learning_rate, 0.003);
   EXPECT_EQ(m.optimizer().weight_decay, 0.01);
 }
+TEST_F(TieredStore, TheScheduleIsCommittedAndAVersionTwoManifestHasNone) {
+  make_store(1);
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::none);
+    m.dynamic.rule = MaskUpdateRule::set;
+    m.dynamic.drop = 0.25;
+    m.dynamic.total_steps = 40;
+    m.dynamic.seed = 8;
+    m.commit_counters();
+  }
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::set);
+    EXPECT_EQ(m.dynamic.drop, 0.25);
+    EXPECT_EQ(m.dynamic.total_steps, 40);
+    EXPECT_EQ(m.dynamic.seed, 8U);
+  }
+  // Version 2 wrote no schedule section: it opens with none.
+  std::string bytes = files()["MANIFEST"];
+  const std::size_t at = bytes.find("DYNS");
+  ASSERT_NE(at, std::string::npos);
+  bytes.erase(at, 16 + 44);
+  const std::uint32_t version = 2;
+  std::memcpy(bytes.data() + 8, &version, 4);
+  write("MANIFEST", bytes);
+  TieredModelMemory m(store(), std::int64_t{1} << 30);
+  EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::none);
+  EXPECT_EQ(m.step(), 1);
+}
+
 // A child trains on the store and is killed with SIGKILL at a random moment; the store
 // must open at a committed step whose weights are exactly the reference's after as many
 // steps, with nothing left over from the step that was cut short.
