@@ -13,86 +13,18 @@
 #include <span>
 #include <string>
 
-#include "engine/engine_worker.hpp"
+#include "engine/clock.hpp"
 #include "engine/gradient_top_k.hpp"
+#include "executor/layer_stream.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-/// Counts what the engines pull from ModelMemory and how long they wait for it.
-class MeteredSource final : public StreamSource {
- public:
-  explicit MeteredSource(StreamSource& inner) : inner_(&inner) {}
-  const StreamHeader& header() const override { return inner_->header(); }
-  ChunkPtr next() override {
-    const auto t0 = Clock::now();
-    ChunkPtr chunk = inner_->next();
-    wait_seconds += since(t0);
-    if (chunk) {
-      packets += chunk->size();
-      bytes += chunk->byte_size();
-    }
-    return chunk;
-  }
-  double wait_seconds = 0;
-  std::uint64_t packets = 0, bytes = 0;
-
- private:
-  StreamSource* inner_;
-};
-
-/// Persistent threads for the layers' stream producers, lent to one stream at a time: a
-/// thread started and joined per layer, twice per layer and step, costs more than a small
-/// layer's product.
-using Producers = std::vector<std::unique_ptr<detail::EngineWorker>>;
-
-/// One layer's stream on its way out of ModelMemory: a producer thread fills a bounded
-/// channel. The destructor drains what the consumer left (after an error), waits for the
-/// producer and gives its thread back.
-struct LayerStream {
-  LayerStream(const ModelMemory& memory, std::int32_t layer, StreamKind kind, std::size_t depth,
-              std::size_t chunk_packets, Precision precision, StreamOrder order, Producers& idle)
-      : channel(depth),
-        source(memory.stream_header(layer, kind, precision, order), channel),
-        metered(source),
-        idle_(idle) {
-    if (idle_.empty()) {
-      idle_.reserve(idle_.capacity() + 1);  // room to give it back: the destructor cannot throw
-      producer_ = std::make_unique<detail::EngineWorker>();
-    } else {
-      producer_ = std::move(idle_.back());
-      idle_.pop_back();
-    }
-    produced_ = producer_->post([&memory, this, layer, kind, chunk_packets, precision, order] {
-      memory.stream_to(layer, kind, channel, chunk_packets, precision, order);
-    });
-  }
-  LayerStream(const LayerStream&) = delete;
-  LayerStream& operator=(const LayerStream&) = delete;
-  ~LayerStream() {
-    try {
-      while (channel.pop() != nullptr) {
-      }
-    } catch (...) {  // the producer's error was seen (or not needed) by the consumer
-    }
-    produced_.wait();
-    idle_.push_back(std::move(producer_));
-  }
-  StreamChannel channel;
-  ChannelStreamSource source;
-  MeteredSource metered;
-
- private:
-  Producers& idle_;
-  std::unique_ptr<detail::EngineWorker> producer_;
-  std::future<void> produced_;
-};
+using detail::Clock;
+using detail::LayerStream;
+using detail::Producers;
+using detail::seconds_since;
 
 }  // namespace
 
@@ -356,7 +288,7 @@ struct LayerStreamingExecutor::Impl {
         l, [&](std::span<const ConstMatrixView> xs, std::span<const ConstMatrixView> dys) {
           (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
         });
-    const double seconds = since(t0);
+    const double seconds = seconds_since(t0);
     metrics.mask_update_seconds += seconds;
     metrics.mask_score_seconds += seconds;
   }
@@ -377,7 +309,7 @@ struct LayerStreamingExecutor::Impl {
       }
     }
     metrics.mask_updates += 1;
-    metrics.mask_update_seconds += since(t0);
+    metrics.mask_update_seconds += seconds_since(t0);
   }
 
   using Sink = std::function<void(std::int32_t layer, ReducedGradient&& gradient)>;
@@ -607,7 +539,7 @@ StepResult LayerStreamingExecutor::train(std::int64_t tokens, const StepRunner& 
   r.report = m.memory.commit_step();
   if (mask_step && r.report.applied && r.report.step == step) m.update_masks(step, growth);
   StepMetrics& mt = m.metrics;
-  mt.wall_seconds = since(t0);
+  mt.wall_seconds = seconds_since(t0);
   before.since(m.fabric, mt);
   mt.engine_thread_seconds = mt.wall_seconds * before.threads;
   mt.optimizer_seconds = r.report.seconds;
@@ -684,40 +616,6 @@ Evaluation LayerStreamingExecutor::evaluate(const Batch& data, std::int64_t batc
   e.loss = total > 0 ? sums.loss / static_cast<double>(total) : 0;
   e.accuracy = total > 0 ? static_cast<double>(sums.correct) / static_cast<double>(total) : 0;
   return e;
-}
-
-std::vector<std::int64_t> mlp_sizes(const ModelMemory& memory) {
-  const std::int32_t layers = memory.layer_count();
-  if (layers < 1) throw ArgumentError("the ModelMemory holds no layers");
-  std::vector<std::int64_t> sizes{memory.layer_shape(0).cols};
-  for (std::int32_t l = 0; l < layers; ++l) {
-    const LayerShape w = memory.layer_shape(l);
-    if (w.cols != sizes.back()) {
-      throw ShapeError("layer " + std::to_string(l) + " takes " + std::to_string(w.cols) +
-                       " inputs but the layer below gives " + std::to_string(sizes.back()));
-    }
-    sizes.push_back(w.rows);
-  }
-  return sizes;
-}
-
-void build_sparse_mlp(ModelMemory& memory, const std::vector<std::int64_t>& sizes, double sparsity,
-                      std::uint64_t seed) {
-  if (sizes.size() < 2) throw ShapeError("build_sparse_mlp: needs at least two sizes");
-  for (std::size_t l = 0; l < sizes.size(); ++l) {
-    // A layer of width 0 would pass nothing on: the net's output would not depend on X.
-    if (sizes[l] < 1) {
-      throw ShapeError("build_sparse_mlp: size " + std::to_string(l) + " is " +
-                       std::to_string(sizes[l]) + "; every layer needs at least one feature");
-    }
-  }
-  for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
-    CsrMatrix w = CsrMatrix::random(sizes[l + 1], sizes[l], sparsity, seed + 7919 * (l + 1));
-    const double fan_in = std::max(1.0, (1.0 - sparsity) * static_cast<double>(sizes[l]));
-    w.fill_values(seed + 104729 * (l + 1), static_cast<float>(std::sqrt(6.0 / fan_in)));
-    memory.add_layer(std::move(w),
-                     std::vector<float>(static_cast<std::size_t>(sizes[l + 1]), 0.0F));
-  }
 }
 
 }  // namespace sluice
