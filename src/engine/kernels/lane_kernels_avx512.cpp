@@ -91,9 +91,9 @@ inline void store(float* p, int v, __m512 value, __mmask16 tail) {
 // PacketT: an fp32 stream's packets, or a bf16 one's read as they are (X in fp32).
 // kSets packets are in flight, each adding into its own accumulators, so enough FMA
 // chains hide the FMA latency: two sets of four vectors, but four sets of a group of one
-// or two whole vectors (16 or 32 tokens), where two chains left the FMA units waiting
-// (4096 x 4096 x 16 at 90%: 1.07 -> 0.96 ms). Not with a masked last vector: 12-token
-// tiles at 99% took 0.32 against 0.22 ms with four sets.
+// or two whole vectors (16 or 32 tokens), where two chains left the FMA units waiting.
+// Not with a masked last vector, where four sets measured slower (performance_notes.md,
+// "FMA chains per token group").
 template <int NV, bool kTail, typename PacketT>
 void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, float* y,
                    std::int64_t ys, __mmask16 tail) {
@@ -353,9 +353,9 @@ void for_each_group(std::int64_t tokens, Kernel&& kernel) {
 template <typename PacketT>
 void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
   if (tokens == 1) {
-    // An fp32 packet's scalar dot (two loads, an FMA) beat taking 16 apart for a gather:
-    // 4096 x 4096 at 50% 2.95 -> 2.76 ms, 90% 0.51 -> 0.49, 99% 0.100 -> 0.093. A bf16
-    // packet is one load, and its gathers stay (90%: 0.49 against 0.52 ms).
+    // An fp32 packet's scalar dot (two loads, an FMA) beats taking 16 apart for a gather
+    // at every sparsity measured; a bf16 packet is one load, and its gathers stay
+    // (performance_notes.md, "One token: scalar dots or gathers").
     if constexpr (std::is_same_v<PacketT, Packet>) {
       return forward_one_token(L, x, y);
     } else {

@@ -83,9 +83,9 @@ void forward_one_token_gather(const Runs<PacketT>& L, Tile x, MutableTile y) {
   for (std::int64_t r = 0; r < L.runs; ++r) {
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
-    // A short run pays a reduction, and masked steps, for few packets: scalar is faster
-    // below ~100 (4096 x 4096, fp32, gathers from 16 packets on: at 99.9%, ~4 a run, 57
-    // against 25 us; at 99%, ~40, 0.16 against 0.13 ms; at 90%, ~400, 0.79 against 0.95).
+    // A short run pays a reduction, and masked steps, for few packets: below about a
+    // hundred packets the scalar dot measured faster (performance_notes.md, "One token:
+    // scalar dots or gathers").
     if (e - k < kShortRun) {
       y.data[r * y.stride] = dot_one_token(p, k, e, x);
       continue;
