@@ -95,6 +95,7 @@ TEST_F(CliSpmm, ChecksMemoryBeforeGeneratingW) {
 // A list of sparsities is timed one W at a time: six dense 2000x2000 layers (32 MB of
 // non-zeros each, more again in the engine's stream) peak where one does.
 TEST_F(CliSpmm, MemoryDoesNotGrowWithTheSparsityList) {
+  if (sluice::testing::kUnderSanitizer) GTEST_SKIP() << "a sanitizer's quarantine keeps freed W";
   const std::string common = "spmm --shape 2000x2000 --tokens 1 --repeat 1 --json --sparsity ";
   const Outcome one = run(common + "0", false);
   const Outcome six = run(common + "0,0,0,0,0,0", false);
@@ -110,6 +111,7 @@ TEST_F(CliSpmm, MemoryDoesNotGrowWithTheSparsityList) {
 // message says what they would need and which limit binds. (A .smtx lists its offsets, so
 // its size bounds them: a short one is refused for the bytes that do not follow.)
 TEST_F(CliSpmm, DeclaredRowsAreBudgetedBeforeTheyAreAllocated) {
+  if (sluice::testing::kUnderSanitizer) GTEST_SKIP() << "a sanitizer cannot start under RLIMIT_AS";
   const fs::path mtx = dir_ / "big.mtx";
   std::ofstream(mtx) << "%%MatrixMarket matrix coordinate real general\n2147483647 1 0\n";
   const Outcome o =

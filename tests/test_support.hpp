@@ -25,6 +25,22 @@ inline void PrintTo(Isa isa, std::ostream* os) {
 
 namespace sluice::testing {
 
+/// Whether this build runs under AddressSanitizer or ThreadSanitizer (the test binaries and
+/// the `sluice` they run are built alike). Their shadow memory reserves terabytes of address
+/// space, so no process of theirs starts under an RLIMIT_AS, and ASan's quarantine keeps
+/// freed memory resident, so peak RSS says nothing of what the code frees.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kUnderSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kUnderSanitizer = true;
+#else
+inline constexpr bool kUnderSanitizer = false;
+#endif
+#else
+inline constexpr bool kUnderSanitizer = false;
+#endif
+
 /// Runs `body`, expects it to throw exactly `E`, returns the message.
 template <typename E, typename F>
 std::string thrown_message(F&& body) {
