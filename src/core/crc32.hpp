@@ -20,6 +20,11 @@ std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t seed = 0);
 
 namespace detail {
 
+/// crc32 computed as `isa` would: carry-less multiplication where the CPU has it and
+/// `isa` is not scalar, else tables. Both compute the same values; crc32 uses
+/// default_isa()'s.
+std::uint32_t crc32_with(Isa isa, std::span<const std::byte> bytes, std::uint32_t seed = 0);
+
 /// One CRC-32C step over the 8 bytes of `word` (little-endian), without pre- or
 /// post-inversion: what the crc32q instruction computes.
 std::uint32_t crc32c_word(std::uint32_t crc, std::uint64_t word);
