@@ -114,7 +114,7 @@ TEST(DensePath, BackwardMatchesFloat64EitherOrder) {
 
 // The packet kernels of this CPU against the scalar ones, on runs of every density and
 // widths that end inside a vector: the row written whole (zeros between, and past the
-// run up to the width), the gradient read at the run's tags.
+// run up to the width) and nothing past the width, the gradient read at the run's tags.
 TEST(DensePath, DensifyKernelsMatchScalar) {
   const detail::DensifyKernels& fast = detail::densify_kernels();
   const detail::DensifyKernels& slow = detail::kScalarDensify;
@@ -132,15 +132,17 @@ TEST(DensePath, DensifyKernelsMatchScalar) {
       }
     }
     const auto n = static_cast<std::uint32_t>(run.size());
-    const std::size_t room = width + detail::kDenseRowPad;
+    const std::size_t room = width + 64;  // past a vector of either width
     std::vector<float> a(room, 7.0F), b(room, 7.0F);
     fast.fp32(run.data(), n, a.data(), width);
     slow.fp32(run.data(), n, b.data(), width);
-    ASSERT_TRUE(std::equal(a.begin(), a.begin() + width, b.begin())) << "trial " << trial;
+    ASSERT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << "trial " << trial;
+    ASSERT_EQ(a[width], 7.0F) << "trial " << trial;
     std::vector<std::uint16_t> c(room, 7), d(room, 7);
     fast.bf16(run_bf16.data(), n, c.data(), width);
     slow.bf16(run_bf16.data(), n, d.data(), width);
-    ASSERT_TRUE(std::equal(c.begin(), c.begin() + width, d.begin())) << "trial " << trial;
+    ASSERT_TRUE(std::equal(c.begin(), c.end(), d.begin())) << "trial " << trial;
+    ASSERT_EQ(c[width], 7) << "trial " << trial;
     std::vector<Packet> g1(n), g2(n), g3(n);
     fast.gradient_fp32(run.data(), n, a.data(), g1.data());
     slow.gradient_fp32(run.data(), n, a.data(), g2.data());

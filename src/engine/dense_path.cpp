@@ -88,16 +88,6 @@ constexpr DenseType dense_type() {
   return std::is_same_v<T, float> ? DenseType::f32 : DenseType::bf16;
 }
 
-/// A tile row's stride: the layer's width with the room the densify kernels write
-/// (whole cache lines), off multiples of 4 KiB (rows that far apart share the L1's sets).
-template <typename T>
-std::int64_t tile_ld(std::int64_t width) {
-  constexpr std::int64_t pad = kDenseRowPad;
-  std::int64_t ld = (width + pad - 1) / pad * pad;
-  if ((ld * static_cast<std::int64_t>(sizeof(T))) % 4096 == 0) ld += pad;
-  return ld;
-}
-
 /// The matmuls of one product, for a tile of each multiple of kRowStep rows: all read B
 /// packed once per call (where oneDNN packs B for a short tile as for a full one; else a
 /// short tile is multiplied as a full one).
@@ -163,10 +153,7 @@ struct TileProducts {
   std::atomic<std::uint64_t> weights{0};
 
   TileProducts(const DenseStream& stream, std::int64_t tokens_)
-      : s(stream),
-        inputs(stream.header.inputs),
-        tokens(tokens_),
-        ld(tile_ld<T>(stream.header.inputs)) {}
+      : s(stream), inputs(stream.header.inputs), tokens(tokens_), ld(stream.header.inputs) {}
 
   void run(tbb::task_arena& arena) {
     if (gradient != nullptr) gradient->resize(s.chunks.size());
@@ -260,7 +247,7 @@ void transposed_product(const DenseStream& s, ConstMatrixView dy, MutableMatrixV
                         tbb::task_arena& arena) {
   const std::int64_t rows = s.header.outputs, inputs = s.header.inputs, tokens = dx.cols;
   const std::int64_t slices = (inputs + kTileRows - 1) / kTileRows;
-  const std::int64_t ld = tile_ld<T>(slices * kTileRows);
+  const std::int64_t ld = slices * kTileRows;
   T* m = scratch<T>(kWhole, static_cast<std::size_t>(rows * ld));
   const auto mm =
       matmul_for(dense_type<T>(), kTileRows, tokens, rows, true, ld, false, dy.stride, tokens);

@@ -44,8 +44,8 @@ class RunWalker {
   RunWalker(const DenseStream& stream, std::size_t group);
 
   /// Up to `rows` more runs, from run first_row() on: written whole into tile rows `ld`
-  /// apart (ld >= inputs rounded up to kDenseRowPad) where `tile` is given; their places
-  /// into `runs`. Returns how many, 0 at the group's end.
+  /// apart (ld >= inputs; nothing past a row's inputs is written) where `tile` is given; their
+  /// places into `runs`. Returns how many, 0 at the group's end.
   std::int64_t next(std::int64_t rows, T* tile, std::int64_t ld, RowRun* runs);
   /// The stream row the next call starts at.
   std::int64_t first_row() const { return row_; }

@@ -10,13 +10,10 @@
 
 namespace sluice::detail {
 
-/// Slots a dense row must have room for past `width`: kernels write whole vectors.
-inline constexpr std::uint32_t kDenseRowPad = 32;
-
 struct DensifyKernels {
-  /// row[0, width) = the run's weights at their indices, zeros elsewhere (slots up to
-  /// width rounded up to kDenseRowPad may be written). The run is checked: indices
-  /// strictly increasing and < width, no control packets.
+  /// row[0, width) = the run's weights at their indices, zeros elsewhere; nothing past
+  /// width is written. The run is checked: indices strictly increasing and < width, no
+  /// control packets.
   void (*fp32)(const Packet* run, std::uint32_t n, float* row, std::uint32_t width);
   void (*bf16)(const Bf16Packet* run, std::uint32_t n, std::uint16_t* row, std::uint32_t width);
   /// out[k] = {tag, row[tag]} for the run's packets.

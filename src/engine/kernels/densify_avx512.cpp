@@ -3,6 +3,8 @@
 // indices with its bounds, their slots as a bit mask, their values expanded into those
 // slots (zeros elsewhere) and stored as one vector. A full window holds consecutive
 // indices (the run is checked: strictly increasing), so its values are stored as they are.
+// The row's last window is stored masked at `width`: nothing past the row is written, so
+// tiles can be as wide as the layer (oneDNN's brgemm matmul takes only a dense A).
 #include <immintrin.h>
 
 #if defined(__GNUC__) && !defined(__clang__)            // clang has no such warnings
@@ -23,6 +25,15 @@ __mmask16 first(std::uint32_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1U << n) - 1U);
 }
 
+/// The slots of a window at `base` that lie in a row of `width` (the last may be short).
+__mmask16 inside16(std::uint32_t base, std::uint32_t width) {
+  return first(width - base);
+}
+__mmask32 inside32(std::uint32_t base, std::uint32_t width) {
+  const std::uint32_t n = width - base;
+  return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1U << n) - 1U);
+}
+
 /// The slots of a window's packets: 1 << (index - base) over the lanes in `in`.
 std::uint32_t slots_of(__mmask16 in, __m512i relative) {
   return static_cast<std::uint32_t>(
@@ -35,8 +46,9 @@ void densify_fp32(const Packet* run, std::uint32_t n, float* row, std::uint32_t 
   const __m512i span = _mm512_set1_epi32(16);
   std::uint32_t k = 0, base = 0;
   for (; base < width && k < n; base += 16) {
+    const __mmask16 inside = inside16(base, width);
     if (run[k].tag >= base + 16) {  // no weight in this window
-      _mm512_storeu_ps(row + base, _mm512_setzero_ps());
+      _mm512_mask_storeu_ps(row + base, inside, _mm512_setzero_ps());
       continue;
     }
     const std::uint32_t avail = std::min(16U, n - k);
@@ -51,8 +63,9 @@ void densify_fp32(const Packet* run, std::uint32_t n, float* row, std::uint32_t 
     if (count == 16) {
       _mm512_storeu_si512(row + base, values);
     } else {
-      _mm512_storeu_si512(row + base, _mm512_maskz_expand_epi32(
-                                          static_cast<__mmask16>(slots_of(in, relative)), values));
+      _mm512_mask_storeu_epi32(
+          row + base, inside,
+          _mm512_maskz_expand_epi32(static_cast<__mmask16>(slots_of(in, relative)), values));
     }
     k += count;
   }
@@ -65,8 +78,9 @@ __attribute__((target("avx512vbmi2"))) void densify_bf16(const Bf16Packet* run, 
   const __m512i span = _mm512_set1_epi32(32);
   std::uint32_t k = 0, base = 0;
   for (; base < width && k < n; base += 32) {
+    const __mmask32 inside = inside32(base, width);
     if (run[k].index >= base + 32) {  // no weight in this window
-      _mm512_storeu_si512(row + base, _mm512_setzero_si512());
+      _mm512_mask_storeu_epi16(row + base, inside, _mm512_setzero_si512());
       continue;
     }
     const std::uint32_t avail = std::min(32U, n - k);
@@ -88,7 +102,7 @@ __attribute__((target("avx512vbmi2"))) void densify_bf16(const Bf16Packet* run, 
       _mm512_storeu_si512(row + base, values);
     } else {
       const std::uint32_t slots = slots_of(in0, r0) | (in1 != 0 ? slots_of(in1, r1) : 0U);
-      _mm512_storeu_si512(row + base, _mm512_maskz_expand_epi16(slots, values));
+      _mm512_mask_storeu_epi16(row + base, inside, _mm512_maskz_expand_epi16(slots, values));
     }
     k += count;
   }
