@@ -16,6 +16,15 @@
 namespace sluice::detail {
 namespace {
 
+// Bytes ahead of the scan that are asked for: a chunk usually comes cold from memory, and
+// the hardware's prefetchers stop at every 4 KiB page, so the scan, with a dozen vector
+// steps between loads, waited on them most of the time (perf: the load took most samples).
+constexpr std::size_t kPrefetchAhead = 2048;
+
+void prefetch(const void* p, std::size_t k_bytes) {
+  _mm_prefetch(static_cast<const char*>(p) + k_bytes + kPrefetchAhead, _MM_HINT_T0);
+}
+
 /// The rules on sixteen packets, given their tags and their values' exponent bits, kept as
 /// VectorRules says; only carriage returns (their positions) and ends-of-layer (their
 /// count) take a mask a step.
@@ -97,6 +106,8 @@ bool scan_fp32(const Packet* p, std::size_t n, std::uint32_t inputs, std::uint32
   const __m512i exponent = _mm512_set1_epi32(VectorRules::kExponent);
   std::size_t k = 0;
   for (; k + 16 <= n; k += 16) {
+    prefetch(p, k * sizeof(Packet));
+    prefetch(p, k * sizeof(Packet) + 64);
     // Sixteen 8-byte packets: tags at even 32-bit positions, values at odd ones.
     const __m512i a = _mm512_loadu_si512(p + k);
     const __m512i b = _mm512_loadu_si512(p + k + 8);
@@ -119,6 +130,7 @@ bool scan_bf16(const Bf16Packet* p, std::size_t n, std::uint32_t inputs, std::ui
   const __m512i exponent = _mm512_set1_epi32(VectorRules::kExponent);
   std::size_t k = 0;
   for (; k + 16 <= n; k += 16) {
+    prefetch(p, k * sizeof(Bf16Packet));
     // Sixteen words value << 16 | index; a control's tag is 0xFFFF << 16 | value.
     const __m512i words = _mm512_loadu_si512(p + k);
     const __m512i index = _mm512_and_si512(words, low);
