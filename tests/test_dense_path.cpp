@@ -7,6 +7,7 @@
 
 #include <random>
 
+#include "engine/dense_matmul.hpp"
 #include "engine/kernels/densify.hpp"
 #include "reference.hpp"
 #include "sluice/engine.hpp"
@@ -153,6 +154,38 @@ TEST(DensePath, DensifyKernelsMatchScalar) {
       ASSERT_EQ(g2[k].value, run[k].value);
       ASSERT_EQ(g3[k].tag, run[k].tag);
       ASSERT_EQ(g3[k].value, run[k].value);
+    }
+  }
+}
+
+// B packed in parts (each task its rows, as the dense path packs it) is byte for byte B
+// packed whole, padding included, in both precisions, either orientation, ragged k and n.
+TEST(DensePath, PacksBInPartsAsWhole) {
+  struct Shape {
+    std::int64_t k, n;
+    bool transposed;
+  };
+  for (const auto type : {detail::DenseType::f32, detail::DenseType::bf16}) {
+    for (const Shape sh : {Shape{1500, 77, false}, Shape{77, 1500, true}, Shape{200, 5, false},
+                           Shape{130, 33, true}}) {
+      SCOPED_TRACE(std::to_string(sh.k) + "x" + std::to_string(sh.n));
+      const std::int64_t ldb = sh.transposed ? sh.k : sh.n;
+      const detail::DenseMatmul mm(type, 256, sh.n, sh.k, false, sh.k, sh.transposed, ldb, sh.n,
+                                   true);
+      const DenseMatrix b = random_dense(sh.transposed ? sh.n : sh.k, ldb, 31);
+      const std::size_t bytes = mm.packed_b_bytes();
+      auto* whole = static_cast<std::uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+      auto* parts = static_cast<std::uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+      std::fill_n(whole, bytes, 0xAB);
+      std::fill_n(parts, bytes, 0xCD);
+      mm.pack_b(b.data(), true, whole, 0, sh.k);
+      constexpr std::int64_t step = detail::DenseMatmul::kPackRows;
+      for (std::int64_t first = 0; first < sh.k; first += step) {
+        mm.pack_b(b.data(), true, parts, first, std::min(sh.k, first + step));
+      }
+      EXPECT_TRUE(std::equal(whole, whole + bytes, parts));
+      std::free(whole);
+      std::free(parts);
     }
   }
 }

@@ -51,7 +51,7 @@ struct DenseMatmul::Impl {
   dnnl::memory::desc a, b, c;
   dnnl::memory::desc b_f32;    ///< B stored as the caller says, in fp32 (pack_b's source)
   dnnl::memory::desc b_plain;  ///< B stored as the caller says, in the matmul's type
-  std::int64_t m = 0;
+  std::int64_t m = 0, k = 0, n = 0;
 };
 
 DenseMatmul::DenseMatmul(DenseType type, std::int64_t m, std::int64_t n, std::int64_t k,
@@ -65,6 +65,8 @@ DenseMatmul::DenseMatmul(DenseType type, std::int64_t m, std::int64_t n, std::in
   }
   try {
     impl_->m = m;
+    impl_->k = k;
+    impl_->n = n;
     impl_->a = plain(type, m, k, transpose_a, lda);
     impl_->b_plain = plain(type, k, n, transpose_b, ldb);
     impl_->b_f32 = plain(DenseType::f32, k, n, transpose_b, ldb);
@@ -124,12 +126,19 @@ std::size_t DenseMatmul::packed_b_bytes() const {
   return impl_->b.get_size();
 }
 
-void DenseMatmul::pack_b(const void* b, bool b_f32, void* packed, int threads) const {
-  const OmpThreads scope(threads);
+std::int64_t DenseMatmul::inner() const {
+  return impl_->k;
+}
+
+void DenseMatmul::pack_b(const void* b, bool b_f32, void* packed, std::int64_t first,
+                         std::int64_t last) const {
+  const OmpThreads scope(1);
   try {
     dnnl::stream stream(cpu_engine());
-    dnnl::memory from(b_f32 ? impl_->b_f32 : impl_->b_plain, cpu_engine(), const_cast<void*>(b));
-    dnnl::memory to(impl_->b, cpu_engine(), packed);
+    const dnnl::memory::desc& whole = b_f32 ? impl_->b_f32 : impl_->b_plain;
+    const dnnl::memory::dims dims{last - first, impl_->n}, offsets{first, 0};
+    dnnl::memory from(whole.submemory_desc(dims, offsets), cpu_engine(), const_cast<void*>(b));
+    dnnl::memory to(impl_->b.submemory_desc(dims, offsets), cpu_engine(), packed);
     dnnl::reorder(from, to).execute(stream, from, to);
     stream.wait();
   } catch (const dnnl::error& e) {

@@ -36,10 +36,16 @@ class DenseMatmul {
   std::int64_t rows() const;
   /// Bytes of B in the packed layout (packed_b only).
   std::size_t packed_b_bytes() const;
-  /// B, stored as the constructor says but in fp32 where `b_f32` (rounded as it is
-  /// packed), into `packed` (packed_b_bytes(), 64-byte aligned), on `threads` OpenMP
-  /// threads as run().
-  void pack_b(const void* b, bool b_f32, void* packed, int threads = 0) const;
+  /// Rows [first, last) of B (of its k), stored as the constructor says but in fp32 where
+  /// `b_f32` (rounded as they are packed), into `packed` (packed_b_bytes(), 64-byte
+  /// aligned), on the calling thread. `first` is a multiple of kPackRows; rows apart go
+  /// to disjoint bytes, so tasks can pack a B in parts at once (without an OpenMP team).
+  void pack_b(const void* b, bool b_f32, void* packed, std::int64_t first, std::int64_t last) const;
+  /// k, the rows of B.
+  std::int64_t inner() const;
+  /// Parts of B packed apart start at multiples of this many rows (every blocking oneDNN
+  /// picks for B divides it).
+  static constexpr std::int64_t kPackRows = 64;
   /// The kernel oneDNN chose (e.g. "brg:avx512_core_amx"), for reports.
   std::string implementation() const;
 

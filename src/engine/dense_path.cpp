@@ -88,20 +88,35 @@ constexpr DenseType dense_type() {
   return std::is_same_v<T, float> ? DenseType::f32 : DenseType::bf16;
 }
 
+/// B packed for `mm` into `packed`, its rows in parts on the arena's threads (one oneDNN
+/// thread each): an OpenMP team packing it would spin after the reorder, on the cores the
+/// engine's tasks then need.
+void pack_in_parts(const DenseMatmul& mm, const void* b, bool b_f32, void* packed,
+                   tbb::task_arena& arena) {
+  constexpr std::int64_t step = DenseMatmul::kPackRows;
+  const std::int64_t k = mm.inner();
+  const std::int64_t parts = std::min<std::int64_t>(arena.max_concurrency(), (k + step - 1) / step);
+  const std::int64_t per = ((k + parts - 1) / parts + step - 1) / step * step;
+  arena.execute([&] {
+    parallel_for(std::int64_t{0}, (k + per - 1) / per, [&](std::int64_t i) {
+      mm.pack_b(b, b_f32, packed, i * per, std::min(k, (i + 1) * per));
+    });
+  });
+}
+
 /// The matmuls of one product, for a tile of each multiple of kRowStep rows: all read B
 /// packed once per call (where oneDNN packs B for a short tile as for a full one; else a
 /// short tile is multiplied as a full one).
 struct TileMatmuls {
   std::shared_ptr<const DenseMatmul> by_rows[kTileRows / kRowStep];
-  int threads = 1;
   void* packed_b = nullptr;
 
   template <typename Make>
-  TileMatmuls(Make make, const void* b, bool b_f32, Slot slot, int pack_threads) {
+  TileMatmuls(Make make, const void* b, bool b_f32, Slot slot, tbb::task_arena& arena) {
     auto& full = by_rows[kTileRows / kRowStep - 1];
     full = make(kTileRows);
     packed_b = scratch<std::byte>(slot, full->packed_b_bytes());
-    full->pack_b(b, b_f32, packed_b, pack_threads);
+    pack_in_parts(*full, b, b_f32, packed_b, arena);
     for (std::int64_t i = 0; i + 1 < kTileRows / kRowStep; ++i) {
       by_rows[i] = make((i + 1) * kRowStep);
       if (!by_rows[i]->packs_b_as(*full)) by_rows[i] = full;
@@ -252,7 +267,7 @@ void transposed_product(const DenseStream& s, ConstMatrixView dy, MutableMatrixV
   const auto mm =
       matmul_for(dense_type<T>(), kTileRows, tokens, rows, true, ld, false, dy.stride, tokens);
   void* packed = scratch<std::byte>(kPackedRow, mm->packed_b_bytes());
-  mm->pack_b(dy.data, true, packed, arena.max_concurrency());
+  pack_in_parts(*mm, dy.data, true, packed, arena);
   std::atomic<std::uint64_t> weights{0};
   arena.execute([&] {
     parallel_for(
@@ -292,20 +307,21 @@ void count(const DenseStream& s, EngineCounters& counters, Clock::time_point sta
 /// Tiles multiplying M by `b` (inputs x tokens): packed once for every tile.
 template <typename T>
 std::unique_ptr<TileMatmuls> row_matmuls(std::int64_t ld, ConstMatrixView b, Slot slot,
-                                         int threads) {
+                                         tbb::task_arena& arena) {
   auto make = [&](std::int64_t m) {
     return matmul_for(dense_type<T>(), m, b.cols, b.rows, false, ld, false, b.stride, b.cols);
   };
-  return std::make_unique<TileMatmuls>(make, b.data, true, slot, threads);
+  return std::make_unique<TileMatmuls>(make, b.data, true, slot, arena);
 }
 
 /// Tiles of the gradient A B^T, A (rows x tokens) held as `a`, B (inputs x tokens).
 template <typename T>
-std::unique_ptr<TileMatmuls> gradient_matmuls(const Rows<T>& a, ConstMatrixView b, int threads) {
+std::unique_ptr<TileMatmuls> gradient_matmuls(const Rows<T>& a, ConstMatrixView b,
+                                              tbb::task_arena& arena) {
   auto make = [&](std::int64_t m) {
     return matmul_for(dense_type<T>(), m, b.rows, b.cols, false, a.ld, true, b.stride, b.rows);
   };
-  return std::make_unique<TileMatmuls>(make, b.data, true, kPackedGradient, threads);
+  return std::make_unique<TileMatmuls>(make, b.data, true, kPackedGradient, arena);
 }
 
 /// What one call computes; any of it may be absent (an empty batch): the stream is
@@ -322,17 +338,16 @@ struct Wanted {
 
 template <typename T>
 void run_as(const DenseStream& s, const Wanted& w, tbb::task_arena& arena) {
-  const int threads = arena.max_concurrency();
   TileProducts<T> p(s, w.row_b != nullptr ? w.row_b->cols : 0);
   std::unique_ptr<Rows<T>> a;
   if (w.row_b != nullptr) {
-    p.row = row_matmuls<T>(p.ld, *w.row_b, kPackedRow, threads);
+    p.row = row_matmuls<T>(p.ld, *w.row_b, kPackedRow, arena);
     p.out = w.out;
   }
   if (w.grad_a != nullptr) {
     a = std::make_unique<Rows<T>>(*w.grad_a, arena);
     p.tokens = w.grad_a->cols;
-    p.grad = gradient_matmuls<T>(*a, *w.grad_b, threads);
+    p.grad = gradient_matmuls<T>(*a, *w.grad_b, arena);
     p.a = a.get();
   }
   p.gradient = w.gradient;
