@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "sluice/activation_store.hpp"
+#include "sluice/block_store.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dense.hpp"
 #include "sluice/geometry.hpp"
@@ -142,6 +143,23 @@ class Engine {
                                       std::int32_t layer, bool want_dx,
                                       std::vector<float>* bias_gradient);
 
+  // --- Block operations on the engine's own block store (a GPT's step) --------------------
+  // The same idea for a model of transformer blocks (sluice/block_store.hpp): the engine
+  // loads its whole sequences once, then runs the step's BlockCalls on what it holds. The
+  // base class implements them on the product calls and the blocks of sluice/blocks.hpp.
+
+  const BlockStore& block_store() const { return blocks_; }
+  /// Takes this engine's shard of a GPT batch (whole sequences; targets may be empty for
+  /// generation) into its block store.
+  virtual void load_tokens(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                           std::span<const std::int32_t> targets);
+  /// Runs one operation on the block store. `weights` is the operation's stream (null for
+  /// one that takes none, see takes_stream), `placement` the engine's placement of a
+  /// projection's inputs, `bias` a projection's or a LayerNorm's bias. ArgumentError for a
+  /// call out of order (no shard, a parameter not set) or with the wrong arguments.
+  virtual BlockReply run_block(const BlockCall& call, StreamSource* weights,
+                               const Placement* placement, std::span<const float> bias);
+
  protected:
   /// Runs `fn` on the engine's own threads, so the parallel loops in it (the layer
   /// operations' per-element passes: bias, activation, its slope) use as many threads as
@@ -155,6 +173,14 @@ class Engine {
                                      MutableMatrixView* dx) = 0;
   EngineCounters counters_;
   ActivationStore store_;
+  BlockStore blocks_;
+
+ private:
+  // run_block's three kinds of operation that are not projections.
+  void set_parameter(const BlockCall& call, const WeightStream& stream,
+                     std::span<const float> bias);
+  BlockReply parameter_backward(const BlockCall& call, const WeightStream& parameter);
+  BlockReply weightless_block(const BlockCall& call);
 };
 
 /// The engine on this machine's cores: lanes are oneTBB tasks in the engine's own arena,

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "sluice/activation_store.hpp"
+#include "sluice/block_store.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/dense.hpp"
 #include "sluice/engine.hpp"
@@ -43,6 +44,12 @@ struct ReducedGradient {
 /// same tags in the same order (FormatError otherwise); bias vectors must agree in size.
 ReducedGradient reduce_gradients(std::vector<WeightStream> streams,
                                  std::vector<std::vector<float>> biases);
+
+/// A block operation's result over every engine (see Fabric::run_block).
+struct BlockResult {
+  ReducedGradient gradient;  ///< summed by the tree, when the operation returns one
+  LossSums loss;             ///< summed in engine order (the loss operation)
+};
 
 /// One engine's bias gradient: the row sums of its dY, accumulated in double.
 std::vector<float> bias_gradient(ConstMatrixView dy);
@@ -164,6 +171,24 @@ class Fabric {
                                            std::span<const ConstMatrixView> dzs)>;
   void with_layer_activations(std::int32_t layer, const ActivationsFn& fn);
 
+  // --- Block operations over the engines' block stores (a GPT's step) --------------------
+
+  /// Every engine takes its whole sequences (shard_of over the batch's sequences) of
+  /// `inputs` and `targets`, shape.context tokens a sequence, sequence after sequence
+  /// (targets may be empty: no loss). Only the token ids cross the fabric.
+  void load_tokens(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                   std::span<const std::int32_t> targets);
+  /// One operation on every engine's block store (Engine::run_block): `weights` broadcast
+  /// to them all (null for an operation that takes no stream), `placements` each engine's
+  /// placement of a projection's inputs (empty otherwise), `bias` a projection's or a
+  /// LayerNorm's bias. The engines' gradient streams and bias gradients come back summed
+  /// by the tree, their loss sums in engine order.
+  BlockResult run_block(const BlockCall& call, StreamSource* weights,
+                        std::span<const Placement* const> placements, std::span<const float> bias);
+  /// Engine 0's logits of its token `token` (vocab of them): the one column generation
+  /// needs.
+  std::vector<float> block_logits(std::int64_t token);
+
   const FabricCounters& counters() const { return counters_; }
 
  protected:
@@ -192,6 +217,13 @@ class Fabric {
   /// The views of with_layer_activations, valid until the next operation.
   virtual void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                                       std::vector<ConstMatrixView>& dzs) = 0;
+  virtual void load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                                std::span<const std::int32_t> targets) = 0;
+  /// The engines' replies summed: gradients by the tree, loss sums in engine order.
+  virtual BlockResult run_block_impl(const BlockCall& call, StreamSource* weights,
+                                     std::span<const Placement* const> placements,
+                                     std::span<const float> bias) = 0;
+  virtual std::vector<float> block_logits_impl(std::int64_t token) = 0;
 
   /// Implementations add what their own protocol moves (the base counts weight streams,
   /// biases, batch shards, gradients, scalars and outputs).
@@ -242,6 +274,12 @@ class LocalFabric final : public Fabric {
   DenseMatrix gather_output_impl() override;
   void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                               std::vector<ConstMatrixView>& dzs) override;
+  void load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                        std::span<const std::int32_t> targets) override;
+  BlockResult run_block_impl(const BlockCall& call, StreamSource* weights,
+                             std::span<const Placement* const> placements,
+                             std::span<const float> bias) override;
+  std::vector<float> block_logits_impl(std::int64_t token) override;
 
  private:
   /// One engine's backward from its copy of the stream; its bias gradient into the third

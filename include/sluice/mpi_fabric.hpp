@@ -122,6 +122,12 @@ class MpiFabric final : public Fabric {
   DenseMatrix gather_output_impl() override;
   void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                               std::vector<ConstMatrixView>& dzs) override;
+  void load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                        std::span<const std::int32_t> targets) override;
+  BlockResult run_block_impl(const BlockCall& call, StreamSource* weights,
+                             std::span<const Placement* const> placements,
+                             std::span<const float> bias) override;
+  std::vector<float> block_logits_impl(std::int64_t token) override;
 
  private:
   struct Impl;

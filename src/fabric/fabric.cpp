@@ -295,6 +295,60 @@ DenseMatrix Fabric::gather_output() {
   return y;
 }
 
+void Fabric::load_tokens(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                         std::span<const std::int32_t> targets) {
+  const std::int32_t n = engine_count();
+  const auto tokens = static_cast<std::int64_t>(inputs.size());
+  if (shape.context < 1 || tokens % shape.context != 0 || tokens / shape.context < n) {
+    throw ShapeError("fabric load_tokens: " + std::to_string(tokens) + " tokens are not " +
+                     "whole sequences of " + std::to_string(shape.context) + " for " +
+                     engines_text(static_cast<std::size_t>(n)) + " (each takes whole sequences)");
+  }
+  if (!targets.empty() && targets.size() != inputs.size()) {
+    throw ShapeError("fabric load_tokens: " + std::to_string(targets.size()) + " targets for " +
+                     std::to_string(tokens) + " inputs");
+  }
+  load_tokens_impl(shape, inputs, targets);
+  counters_.driver_bytes_sent += (inputs.size() + targets.size()) * sizeof(std::int32_t);
+}
+
+BlockResult Fabric::run_block(const BlockCall& call, StreamSource* weights,
+                              std::span<const Placement* const> placements,
+                              std::span<const float> bias) {
+  const auto op = static_cast<std::int32_t>(call.op);
+  if (op < kFirstBlockOp || op > kLastBlockOp) {
+    throw ArgumentError("fabric run_block: unknown operation " + std::to_string(op));
+  }
+  if (takes_stream(call.op) != (weights != nullptr)) {
+    throw ArgumentError(std::string("fabric run_block: ") + to_string(call.op) +
+                        (weights != nullptr ? " takes no stream" : " needs a stream"));
+  }
+  if (is_projection(call.op)) {
+    check_placements(placements, engine_count());
+  } else if (!placements.empty()) {
+    throw ArgumentError(std::string("fabric run_block: ") + to_string(call.op) +
+                        " is no projection and takes no placements");
+  }
+  BlockResult r;
+  if (weights != nullptr) {
+    CountingSource counted(*weights, counters_.driver_bytes_sent);
+    r = run_block_impl(call, &counted, placements, bias);
+  } else {
+    r = run_block_impl(call, nullptr, placements, bias);
+  }
+  counters_.driver_bytes_sent += bias.size() * sizeof(float);
+  counters_.driver_bytes_received +=
+      r.gradient.weights.byte_size() + r.gradient.bias.size() * sizeof(float);
+  if (call.op == BlockOp::loss) counters_.driver_bytes_received += sizeof(LossSums);
+  return r;
+}
+
+std::vector<float> Fabric::block_logits(std::int64_t token) {
+  std::vector<float> logits = block_logits_impl(token);
+  counters_.driver_bytes_received += logits.size() * sizeof(float);
+  return logits;
+}
+
 void Fabric::with_layer_activations(std::int32_t layer, const ActivationsFn& fn) {
   std::vector<ConstMatrixView> xs, dzs;
   layer_activations_impl(layer, xs, dzs);  // counts what it moves, if anything

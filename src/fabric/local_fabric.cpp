@@ -243,4 +243,61 @@ void LocalFabric::layer_activations_impl(std::int32_t layer, std::vector<ConstMa
   }
 }
 
+void LocalFabric::load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                                   std::span<const std::int32_t> targets) {
+  const std::int32_t n = engine_count();
+  const auto sequences = static_cast<std::int64_t>(inputs.size()) / shape.context;
+  for_each_engine([&](std::int32_t k) {
+    const TokenRange r = shard_of(k, n, sequences);
+    const auto first = static_cast<std::size_t>(r.first * shape.context);
+    const auto count = static_cast<std::size_t>(r.count * shape.context);
+    engines_[static_cast<std::size_t>(k)]->load_tokens(
+        shape, inputs.subspan(first, count),
+        targets.empty() ? targets : targets.subspan(first, count));
+  });
+}
+
+BlockResult LocalFabric::run_block_impl(const BlockCall& call, StreamSource* weights,
+                                        std::span<const Placement* const> placements,
+                                        std::span<const float> bias) {
+  const auto n = static_cast<std::size_t>(engine_count());
+  std::vector<BlockReply> replies(n);
+  auto run = [&](std::int32_t k, StreamSource* source) {
+    const auto i = static_cast<std::size_t>(k);
+    replies[i] =
+        engines_[i]->run_block(call, source, placements.empty() ? nullptr : placements[i], bias);
+  };
+  if (weights != nullptr) {
+    broadcast(*weights, workers_, options_.channel_capacity,
+              [&](std::int32_t k, StreamSource& source) { run(k, &source); });
+  } else {
+    for_each_engine([&](std::int32_t k) { run(k, nullptr); });
+  }
+  BlockResult r;
+  for (const BlockReply& reply : replies) r.loss += reply.loss;
+  if (returns_gradient(call.op)) {
+    std::vector<WeightStream> grads;
+    std::vector<std::vector<float>> biases;
+    for (BlockReply& reply : replies) {
+      grads.push_back(std::move(reply.gradient));
+      if (has_bias_gradient(call.op)) biases.push_back(std::move(reply.bias_gradient));
+    }
+    r.gradient = reduce_gradients(std::move(grads), std::move(biases));
+  }
+  return r;
+}
+
+std::vector<float> LocalFabric::block_logits_impl(std::int64_t token) {
+  const BlockStore& s = engines_.front()->block_store();
+  if (!s.loaded() || token < 0 || token >= s.tokens()) {
+    throw ArgumentError("fabric block_logits: no token " + std::to_string(token) +
+                        " in engine 0's block store");
+  }
+  std::vector<float> out(static_cast<std::size_t>(s.logits.rows()));
+  for (std::int64_t o = 0; o < s.logits.rows(); ++o) {
+    out[static_cast<std::size_t>(o)] = s.logits(o, token);
+  }
+  return out;
+}
+
 }  // namespace sluice
