@@ -210,9 +210,10 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
   }
   const LayerShape& s = st.shape(layer);
   const bool by_input = gradient.header.by_input();
-  const State::Pin pin = st.acquire(layer, by_input, update_bytes(s));
+  State::Pin pin = st.acquire(layer, by_input, update_bytes(s));
   std::vector<float> g(static_cast<std::size_t>(s.nnz));
   double sum_of_squares = detail::scan_gradient(layer, gradient, *pin.w, pin.t.get(), g.data());
+  pin.release_transposed();
   p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
   for (float x : bias_gradient) sum_of_squares += static_cast<double>(x) * x;
   p.sum_of_squares = sum_of_squares;

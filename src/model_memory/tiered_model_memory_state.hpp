@@ -134,6 +134,15 @@ struct TieredModelMemory::State {
           reserved(o.reserved) {}
     Pin(const Pin&) = delete;
     Pin& operator=(const Pin&) = delete;
+    /// Lets the transposed pattern go (evictable again) while the rest stays held: an
+    /// update needs it only to scan a by-input gradient, and the next layer's stream
+    /// needs the room while the update runs.
+    void release_transposed() {
+      if (st == nullptr || !t) return;
+      std::lock_guard lock(st->mutex);
+      t.reset();
+      st->changed.notify_all();
+    }
     ~Pin() {
       if (st == nullptr) return;
       std::lock_guard lock(st->mutex);
