@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/schedule_section.hpp"
@@ -25,6 +26,9 @@ constexpr std::uint32_t kVersion = 1;
 constexpr std::uint32_t kManifestVersion = 3;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
+/// O_DIRECT's alignment of file offsets, lengths and memory: the page size, which
+/// every block device's logical block divides.
+constexpr std::uint64_t kDirectAlign = 4096;
 
 constexpr std::uint32_t kHeadTag = fourcc("HEAD");
 constexpr std::uint32_t kLayerTag = fourcc("LAYR");
@@ -415,6 +419,10 @@ void StateReader::drop_cache() {
   ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
 }
 
+std::int64_t direct_write_buffer_bytes(const StateLayout& layout) {
+  return layout.size < (std::uint64_t{1} << 20) ? 0 : static_cast<std::int64_t>(kDirectWriteBytes);
+}
+
 StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io)
     : path_(std::move(path)),
       layout_(layout),
@@ -423,21 +431,27 @@ StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, 
       written_(crcs_.size(), 0) {
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) throw IoError(os_error("model store: cannot create", path_));
+  // The file's blocks in one piece, allocated once rather than write by write; a file
+  // system without fallocate allocates as it is written.
+  if (layout_.size > 0) (void)::fallocate(fd_, 0, 0, static_cast<off_t>(layout_.size));
+  if (direct_write_buffer_bytes(layout_) == 0) return;
+  direct_fd_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+  if (direct_fd_ >= 0) {
+    aligned_.reset(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, kDirectWriteBytes)));
+    if (!aligned_) {
+      ::close(direct_fd_);
+      direct_fd_ = -1;
+    }
+  }
 }
 
 StateWriter::~StateWriter() {
+  if (direct_fd_ >= 0) ::close(direct_fd_);
   if (fd_ >= 0) ::close(fd_);
   if (!finished_) ::unlink(path_.c_str());
 }
 
-void StateWriter::write(int index, std::int64_t first, std::span<const float> data) {
-  auto& done = written_[static_cast<std::size_t>(index)];
-  if (first != done) throw Error("model store: internal error: state written out of order");
-  const auto start = Clock::now();
-  const auto bytes = std::as_bytes(data);
-  std::uint64_t at = state_section(layout_, index) + 4 * static_cast<std::uint64_t>(first);
-  const std::byte* p = bytes.data();
-  std::size_t left = bytes.size();
+void StateWriter::write_buffered(std::uint64_t at, const std::byte* p, std::size_t left) {
   while (left > 0) {
     const ssize_t n =
         ::pwrite(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30), static_cast<off_t>(at));
@@ -447,6 +461,46 @@ void StateWriter::write(int index, std::int64_t first, std::span<const float> da
     at += static_cast<std::uint64_t>(n);
     left -= static_cast<std::size_t>(n);
   }
+}
+
+void StateWriter::write_bytes(std::uint64_t at, const std::byte* p, std::size_t size) {
+  const std::uint64_t end = at + size;
+  const std::uint64_t first = (at + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  const std::uint64_t last = end / kDirectAlign * kDirectAlign;
+  if (direct_fd_ < 0 || first >= last) {
+    write_buffered(at, p, size);
+    return;
+  }
+  write_buffered(at, p, first - at);
+  for (std::uint64_t b = first; b < last;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(last - b, kDirectWriteBytes));
+    std::memcpy(aligned_.get(), p + (b - at), n);
+    const ssize_t w = ::pwrite(direct_fd_, aligned_.get(), n, static_cast<off_t>(b));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && b == first && (errno == EINVAL || errno == EOPNOTSUPP)) {
+      // Opened but refused at the first write (alignment this file system wants more of):
+      // the page cache for the rest of the file.
+      ::close(direct_fd_);
+      direct_fd_ = -1;
+      write_buffered(b, p + (b - at), end - b);
+      return;
+    }
+    if (w < 0) throw IoError(os_error("model store: cannot write", path_));
+    if (static_cast<std::uint64_t>(w) % kDirectAlign != 0) {
+      throw IoError("model store: cannot write " + path_.string() + ": short direct write");
+    }
+    b += static_cast<std::uint64_t>(w);
+  }
+  write_buffered(last, p + (last - at), end - last);
+}
+
+void StateWriter::write(int index, std::int64_t first, std::span<const float> data) {
+  auto& done = written_[static_cast<std::size_t>(index)];
+  if (first != done) throw Error("model store: internal error: state written out of order");
+  const auto start = Clock::now();
+  const auto bytes = std::as_bytes(data);
+  write_bytes(state_section(layout_, index) + 4 * static_cast<std::uint64_t>(first), bytes.data(),
+              bytes.size());
   crcs_[static_cast<std::size_t>(index)] = crc32(bytes, crcs_[static_cast<std::size_t>(index)]);
   done += static_cast<std::int64_t>(data.size());
   io_.write_bytes += bytes.size();
@@ -493,7 +547,13 @@ void StateWriter::finish() {
                crcs_[static_cast<std::size_t>(i)]);
   }
   put_header(layout_.end + kSectionHeaderBytes, kEndTag, 0, crc32({}));
+  // fsync on either descriptor flushes the file: the direct writes' device cache and
+  // metadata, and the buffered pages.
   if (::fsync(fd_) != 0) throw IoError(os_error("model store: cannot fsync", path_));
+  if (direct_fd_ >= 0) {
+    ::close(direct_fd_);
+    direct_fd_ = -1;
+  }
   // Written once, read next step at the earliest: not worth the page cache.
   ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
   const int fd = fd_;

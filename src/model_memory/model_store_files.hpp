@@ -15,7 +15,9 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -111,8 +113,19 @@ class StateReader {
   int fd_ = -1;
 };
 
-/// Writes a state file in order of sections or by ranges within them (pwrite), then
-/// finish() writes the section headers with their CRCs, fsyncs and closes it.
+/// Bytes of the aligned buffer a StateWriter copies its ranges through (direct I/O).
+constexpr std::size_t kDirectWriteBytes = std::size_t{4} << 20;
+/// The aligned buffer a StateWriter of this layout holds: none for files under 1 MiB,
+/// which go through the page cache (direct I/O pays for large writes only).
+std::int64_t direct_write_buffer_bytes(const StateLayout& layout);
+
+/// Writes a state file in order of sections or by ranges within them, then finish()
+/// writes the section headers with their CRCs, fsyncs and closes it. The whole 4 KiB
+/// blocks of a range go with O_DIRECT from an aligned buffer (the file is written once
+/// and read at the next step at the earliest: through the page cache it costs a copy,
+/// the cache's pages and a write-back that the fsync waits for); the partial blocks at a
+/// range's ends and the headers go through the page cache. A file system without
+/// O_DIRECT (tmpfs) gets everything through the page cache.
 class StateWriter {
  public:
   StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io);
@@ -129,7 +142,16 @@ class StateWriter {
   std::filesystem::path path_;
   StateLayout layout_;
   IoCounters& io_;
+  /// Writes bytes [at, at + size) of the file: whole blocks direct, the rest buffered.
+  void write_bytes(std::uint64_t at, const std::byte* p, std::size_t size);
+  void write_buffered(std::uint64_t at, const std::byte* p, std::size_t size);
+
   int fd_ = -1;
+  int direct_fd_ = -1;  ///< -1: the file system refused O_DIRECT
+  struct FreeAligned {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte, FreeAligned> aligned_;
   std::vector<std::uint32_t> crcs_;
   std::vector<std::int64_t> written_;
   bool finished_ = false;

@@ -45,7 +45,9 @@ inline std::int64_t transposed_bytes(const LayerShape& s) {
 }
 inline std::int64_t update_bytes(const LayerShape& s) {
   const std::int64_t chunk = std::min(s.nnz, kUpdateChunk);
-  return 4 * s.nnz + 4 * chunk * (2 + 2 * detail::kMaxOptimizerSlots);
+  // The gradient, the chunk buffers, and the state file writer's aligned buffer.
+  return 4 * s.nnz + 4 * chunk * (2 + 2 * detail::kMaxOptimizerSlots) +
+         direct_write_buffer_bytes(StateLayout::of(s.nnz, s.bias, kMaxOptimizerSlots));
 }
 
 inline std::filesystem::path spill_path(const std::filesystem::path& dir, std::int32_t l) {
