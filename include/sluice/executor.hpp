@@ -7,7 +7,9 @@
 // layer operations over the fabric, which carry weights out and gradients and scalars
 // back. Forward: layer by layer, ModelMemory streams the weights into a bounded channel
 // from a producer task (capacity: the prefetch budget) while the engines take them in;
-// the next layer's producer starts while the engines still work on this one. Every engine
+// the producers of the streams after it start while the engines still work on this one
+// (streams are opened a largest layer ahead, so a small last layer's successor, its
+// backward stream, is produced during the forward pass). Every engine
 // keeps its pre-activations Z and activations A of every layer for the backward pass.
 // Backward: the weights stream again (the first layer: the mask alone, no dX); the fabric
 // sums the engines' gradient streams; the executor hands each layer's gradient to

@@ -25,6 +25,7 @@ using detail::Clock;
 using detail::LayerStream;
 using detail::Producers;
 using detail::seconds_since;
+using detail::StreamQueue;
 
 }  // namespace
 
@@ -237,14 +238,36 @@ struct LayerStreamingExecutor::Impl {
     metrics.stream_bytes += s.metered.bytes;
   }
 
-  void forward() {
-    std::unique_ptr<LayerStream> next = open(0, StreamKind::weights);
+  // The streams of a call: every layer's forward stream, then (training) every layer's
+  // backward stream, last layer first. Opened a largest layer ahead; over a ModelMemory in
+  // bounded RAM one stream ahead, as ram_beside_memory counts.
+  StreamQueue streams(bool training) {
+    std::vector<std::int64_t> packets;
     for (std::int32_t l = 0; l < layers(); ++l) {
-      std::unique_ptr<LayerStream> current = std::move(next);
-      if (l + 1 < layers()) next = open(l + 1, StreamKind::weights);  // prefetch
+      const LayerShape w = memory.layer_shape(l);
+      packets.push_back(w.nnz + w.rows + w.cols);
+    }
+    if (training) packets.insert(packets.end(), packets.rbegin(), packets.rend());
+    const std::int64_t ahead =
+        memory.ram_budget_bytes() > 0 ? 0 : *std::max_element(packets.begin(), packets.end());
+    const auto n = static_cast<std::size_t>(layers());
+    return StreamQueue(std::move(packets), ahead, [this, n](std::size_t i) {
+      return i < n ? open(static_cast<std::int32_t>(i), StreamKind::weights)
+                   : open_backward(static_cast<std::int32_t>(2 * n - 1 - i));
+    });
+  }
+
+  void forward(StreamQueue& queue) {
+    for (std::int32_t l = 0; l < layers(); ++l) {
+      std::unique_ptr<LayerStream> current = queue.take();
       fabric.forward_layer(current->metered, placements_of(l), l, memory.bias(l));
       account(*current);
     }
+  }
+
+  void forward() {
+    StreamQueue queue = streams(false);
+    forward(queue);
   }
 
   void check_batch(const Batch& batch) {
@@ -353,7 +376,8 @@ struct LayerStreamingExecutor::Impl {
 
   // Forward, loss, backward of the batch the engines hold.
   LossSums forward_backward_loaded(const Sink& sink) {
-    forward();
+    StreamQueue queue = streams(true);
+    forward(queue);
     const LossSums loss = fabric.loss(true, tokens);
 
     // A ModelMemory in bounded RAM: each layer's gradient stream (8 bytes per non-zero)
@@ -364,10 +388,8 @@ struct LayerStreamingExecutor::Impl {
     const bool bounded = memory.ram_budget_bytes() > 0;
     std::vector<std::future<void>> submits;
     try {
-      std::unique_ptr<LayerStream> next = open_backward(layers() - 1);
       for (std::int32_t l = layers() - 1; l >= 0; --l) {
-        std::unique_ptr<LayerStream> current = std::move(next);
-        if (l > 0 && !bounded) next = open_backward(l - 1);
+        std::unique_ptr<LayerStream> current = queue.take(!bounded);
         const bool with_bias = !memory.bias(l).empty();
         ReducedGradient g =
             fabric.backward_layer(current->metered, placements_of(l), l, l > 0, with_bias);
@@ -382,7 +404,7 @@ struct LayerStreamingExecutor::Impl {
           ReducedGradient taken = std::move(gradient);
           sink(l, std::move(taken));
         }));
-        if (l > 0 && bounded) next = open_backward(l - 1);
+        if (bounded) queue.fill();
       }
     } catch (...) {
       for (auto& f : submits) {

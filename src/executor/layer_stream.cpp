@@ -44,4 +44,27 @@ LayerStream::~LayerStream() {
   idle_.push_back(std::move(producer_));
 }
 
+StreamQueue::StreamQueue(std::vector<std::int64_t> packets, std::int64_t ahead_packets, Opener open)
+    : packets_(std::move(packets)), ahead_packets_(ahead_packets), open_(std::move(open)) {}
+
+std::unique_ptr<LayerStream> StreamQueue::take(bool open_ahead) {
+  if (opened_.empty()) {
+    if (next_ >= packets_.size()) return nullptr;
+    opened_.push_back(open_(next_));
+    in_queue_ += packets_[next_++];
+  }
+  std::unique_ptr<LayerStream> taken = std::move(opened_.front());
+  opened_.pop_front();
+  in_queue_ -= packets_[next_ - opened_.size() - 1];
+  if (open_ahead) fill();
+  return taken;
+}
+
+void StreamQueue::fill() {
+  while (next_ < packets_.size() && (opened_.empty() || in_queue_ < ahead_packets_)) {
+    opened_.push_back(open_(next_));
+    in_queue_ += packets_[next_++];
+  }
+}
+
 }  // namespace sluice::detail

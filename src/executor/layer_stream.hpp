@@ -2,6 +2,8 @@
 // One layer's stream on its way from ModelMemory to the engines, for the executor: the
 // producer thread that fills its channel, and what the engines' pulls cost. Internal.
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <future>
 #include <memory>
 #include <vector>
@@ -47,6 +49,32 @@ struct LayerStream {
   Producers& idle_;
   std::unique_ptr<EngineWorker> producer_;
   std::future<void> produced_;
+};
+
+/// The streams of one call, in the order the engines take them (a step: every layer's
+/// forward stream, then every backward stream from the last layer down), opened ahead:
+/// after a stream is taken, those after it are opened until they add up to
+/// `ahead_packets` (at least the next one). A small layer's successor would otherwise
+/// start its production only when the small layer's short pass begins, and the engines
+/// wait for it: so the last layer's backward stream, and the one after it, are produced
+/// during the forward pass.
+class StreamQueue {
+ public:
+  using Opener = std::function<std::unique_ptr<LayerStream>(std::size_t)>;
+  /// `packets[i]`: stream i's size; `open(i)` opens stream i.
+  StreamQueue(std::vector<std::int64_t> packets, std::int64_t ahead_packets, Opener open);
+  /// The next stream; with `open_ahead`, opens those after it first (else `fill` does).
+  std::unique_ptr<LayerStream> take(bool open_ahead = true);
+  /// Opens streams after the one taken last, as `take` does.
+  void fill();
+
+ private:
+  std::vector<std::int64_t> packets_;
+  std::int64_t ahead_packets_;
+  Opener open_;
+  std::deque<std::unique_ptr<LayerStream>> opened_;
+  std::size_t next_ = 0;       // the next stream to open
+  std::int64_t in_queue_ = 0;  // packets of `opened_`
 };
 
 }  // namespace sluice::detail
