@@ -192,10 +192,16 @@ struct TileProducts {
       if (row) {
         std::int64_t m = 0;
         const DenseMatmul& mm = row->for_rows(n, &m);
-        float* result = scratch<float>(kResult, static_cast<std::size_t>(kTileRows * tokens));
-        mm.run(tile, row->packed_b, result, 1);
-        for (std::int64_t r = 0; r < n; ++r) {
-          std::copy_n(result + r * tokens, tokens, out->row(r0 + r));
+        // Straight into the output where its rows are as the matmul writes them (tokens
+        // apart, every row of the tile its own); else through a buffer.
+        if (m == n && out->stride == tokens) {
+          mm.run(tile, row->packed_b, out->row(r0), 1);
+        } else {
+          float* result = scratch<float>(kResult, static_cast<std::size_t>(kTileRows * tokens));
+          mm.run(tile, row->packed_b, result, 1);
+          for (std::int64_t r = 0; r < n; ++r) {
+            std::copy_n(result + r * tokens, tokens, out->row(r0 + r));
+          }
         }
       }
       if (gradient != nullptr) gradient_tile(r0, n, runs);
