@@ -1,6 +1,6 @@
 #pragma once
 // The dense path's packet kernels (docs/dense_path.md): a checked run of packets written
-// whole into a dense row (its weights, and zeros between and after them, each slot once),
+// whole into a dense row (its weights, and zeros between and after them),
 // and a run's weight gradient read from a dense gradient row at its tags. Internal; one
 // implementation per ISA, as the stream scan.
 #include <cstdint>
@@ -25,7 +25,6 @@ struct DensifyKernels {
 const DensifyKernels& densify_kernels();
 
 extern const DensifyKernels kScalarDensify;
-/// Null members where the CPU lacks what they need (bf16 needs AVX512-VBMI2).
 DensifyKernels avx512_densify();
 
 }  // namespace sluice::detail
