@@ -14,9 +14,11 @@ namespace {
 
 using Seconds = std::chrono::duration<double>;
 
-// How long a wait yields between polls before it sleeps: a step's waits are shorter, and
-// a sleep's wake-up would add to each of them.
-constexpr Seconds kYieldFor{0.05};
+// How long a wait yields between polls before it sleeps. A frame's wait is shorter, and a
+// sleep's wake-up would add to each; a wait for an engine's whole pass is longer, and a
+// rank that yields for all of it stays runnable beside the engine's threads, taking turns
+// with them where ranks share cores.
+constexpr Seconds kYieldFor{0.001};
 // How long ranks have to answer a roll call.
 constexpr double kMaxGraceSeconds = 2.0;
 
