@@ -89,7 +89,8 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
               "not a multiple of heads");
   expect_exit(run("train --dataset synthetic --context 16 --steps 1"), 2,
               "--context needs --model gpt");
-  expect_exit(run(gpt() + "--steps 1 --fabric mpi"), 2, "--fabric local only");
+  expect_exit(run(gpt() + "--steps 1 --fabric mpi --engines 2"), 2,
+              "--engines cannot be given with --fabric mpi");
   expect_exit(run(gpt() + "--steps 1 --model transformer"), 2, "transformer");
   expect_exit(run("generate --prompt x"), 2, "--checkpoint");
   expect_exit(run("generate --checkpoint x --temperature -1"), 2, "temperature");

@@ -297,6 +297,38 @@ int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
   g.checkpoint = o.checkpoint;
   g.resume = o.resume;
   g.json = o.json;
+  g.fabric = o.fabric;
+#ifdef SLUICE_HAVE_MPI
+  if (o.fabric == "mpi") {
+    // The engine ranks serve until rank 0 is done; they need nothing of the text or the
+    // model: rank 0 sends token ids and streams. Rank 0's fabric stops them even when
+    // rank 0 fails (its destructor says stop), before MPI_Finalize.
+    const MpiSession mpi;
+    if (mpi.size < 2) {
+      throw UsageError(
+          "--fabric mpi needs at least 2 ranks (rank 0 drives, the others are "
+          "engines): run it as mpirun -np N sluice train --model gpt --fabric mpi ...");
+    }
+    MpiFabricOptions mo;
+    mo.engine.threads = o.threads;
+    mo.peer_timeout_seconds = o.peer_timeout;
+    mo.engine.path = parse_product_path(o.path);
+    MpiFabric fabric(mo);
+    if (!fabric.is_driver()) {
+      fabric.serve();
+      return 0;
+    }
+    g.engines = fabric.engine_count();
+    if (!g.checkpoint.empty()) check_checkpoint_path(g.checkpoint);
+    return run_gpt_training(g, &fabric);
+  }
+#else
+  if (o.fabric == "mpi") {
+    throw UsageError(
+        "--fabric mpi: sluice was built without MPI (configure with "
+        "-DSLUICE_WITH_MPI=ON and an MPI such as Open MPI installed)");
+  }
+#endif
   if (!g.checkpoint.empty()) check_checkpoint_path(g.checkpoint);
   return run_gpt_training(g);
 }

@@ -8,6 +8,7 @@
 #include <deque>
 #include <filesystem>
 #include <iostream>
+#include <memory>
 #include <numeric>
 
 #include "commands.hpp"
@@ -157,7 +158,7 @@ RunTotals train_steps(GptModel& model, ModelMemory& memory, const TextCorpus& co
 
 }  // namespace
 
-int run_gpt_training(GptTrainOptions o) {
+int run_gpt_training(GptTrainOptions o, Fabric* given) {
   if (o.steps == 0 && o.max_seconds == 0) o.steps = 200;
   if (o.batch < o.engines) throw UsageError("--batch (sequences) must be at least --engines");
   std::ostream& progress = o.json ? std::cerr : std::cout;
@@ -165,12 +166,16 @@ int run_gpt_training(GptTrainOptions o) {
   const GptConfig config = prepare_model(memory, o);
   const std::filesystem::path path = text_path(o);
   const TextCorpus corpus = TextCorpus::load(path, config.context);
-  o.threads = o.threads > 0 ? runnable_threads(o.threads, "train") : 0;
-  LocalFabricOptions fo;
-  fo.engines = o.engines;
-  fo.engine.threads = o.threads;
-  fo.engine.path = parse_product_path(o.path);
-  LocalFabric fabric(fo);
+  std::unique_ptr<LocalFabric> local;
+  if (given == nullptr) {
+    o.threads = o.threads > 0 ? runnable_threads(o.threads, "train") : 0;
+    LocalFabricOptions fo;
+    fo.engines = o.engines;
+    fo.engine.threads = o.threads;
+    fo.engine.path = parse_product_path(o.path);
+    local = std::make_unique<LocalFabric>(fo);
+  }
+  Fabric& fabric = given != nullptr ? *given : *local;
   GptModel model(memory, fabric, config);
   progress << "gpt: " << config.describe() << ", sparsity " << json_number(model.config().sparsity)
            << ", " << gpt_parameters(config) << " parameters (" << stored_parameters(memory)
@@ -199,7 +204,7 @@ int run_gpt_training(GptTrainOptions o) {
     j.field("context", config.context).field("d_model", config.d_model);
     j.field("heads", config.heads).field("blocks", config.blocks);
     j.field("sparsity", model.config().sparsity).field("batch", o.batch);
-    j.field("engines", o.engines).field("path", o.path);
+    j.field("engines", o.engines).field("fabric", o.fabric).field("path", o.path);
     j.field("optimizer", to_string(memory.optimizer().kind));
     j.field("learning_rate", memory.optimizer().learning_rate).field("seed", memory.seed);
     j.field("held_out_tokens", held_out_tokens);

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <string>
 
+#include "sluice/fabric.hpp"
+
 namespace sluice::cli {
 
 struct GptTrainOptions {
@@ -16,6 +18,7 @@ struct GptTrainOptions {
   std::int64_t steps = 0;   ///< 0: no step limit (then max_seconds must be set)
   double max_seconds = 0;   ///< 0: no time limit
   int engines = 1;
+  std::string fabric = "local";  ///< for the report; an MPI fabric is made by the caller
   int threads = 0;
   std::string path = "auto";
   std::string optimizer = "adam";
@@ -27,6 +30,8 @@ struct GptTrainOptions {
 };
 
 /// Trains (or resumes) a GPT on the text and reports on its held-out part; the exit code.
-int run_gpt_training(GptTrainOptions o);
+/// On `fabric` when given (rank 0's MpiFabric; o.engines its engines), else on a LocalFabric
+/// of o.engines engines.
+int run_gpt_training(GptTrainOptions o, Fabric* fabric = nullptr);
 
 }  // namespace sluice::cli

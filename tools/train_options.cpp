@@ -20,7 +20,6 @@ void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
                            "--model-store", "--model-memory-budget"}) {
     if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
   }
-  if (o.fabric != "local") throw UsageError("--model gpt runs on --fabric local only");
 }
 
 }  // namespace
@@ -172,30 +171,33 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
   return flags;
 }
 
+/// The fabric's options, for either model: those the run would silently ignore refused.
+void check_fabric_options(const TrainOptions& o, const TrainFlags& flags) {
+  if (o.fabric == "mpi" && flags.engines->count() > 0) {
+    throw UsageError(
+        "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
+        "(choose their number with mpirun -np)");
+  }
+  if (!(o.peer_timeout >= 0)) throw UsageError("--peer-timeout must be a number of seconds >= 0");
+  if (o.fabric != "mpi" && flags.peer_timeout->count() > 0) {
+    throw UsageError("--peer-timeout needs --fabric mpi: a local fabric has no peers");
+  }
+}
+
 void check_train_options(TrainOptions& options, const TrainFlags& flags) {
   TrainOptions* o = &options;
   const CLI::App* cmd = flags.cmd;
+  check_fabric_options(*o, flags);
   if (o->model == "gpt") {
     check_gpt_options(*o, *cmd);
     return;
   }
-  const CLI::Option *engines = flags.engines, *peer_timeout = flags.peer_timeout,
-                    *sparsity = flags.sparsity;
+  const CLI::Option* sparsity = flags.sparsity;
   for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
     if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
   }
   // A run limited by steps or time goes on over as many epochs as that takes.
   if ((o->steps > 0 || o->max_seconds > 0) && cmd->count("--epochs") == 0) o->epochs = 100000;
-  // Options the run would silently ignore: refused before anything starts.
-  if (o->fabric == "mpi" && engines->count() > 0) {
-    throw UsageError(
-        "--engines cannot be given with --fabric mpi: every rank but rank 0 is one engine "
-        "(choose their number with mpirun -np)");
-  }
-  if (!(o->peer_timeout >= 0)) throw UsageError("--peer-timeout must be a number of seconds >= 0");
-  if (o->fabric != "mpi" && peer_timeout->count() > 0) {
-    throw UsageError("--peer-timeout needs --fabric mpi: a local fabric has no peers");
-  }
   check_schedule_options(o->schedule, !o->resume.empty() || !o->store.directory.empty());
   if (!o->resume.empty() && sparsity->count() > 0) {
     throw UsageError("--sparsity cannot be given with --resume: the checkpoint's masks fix it");

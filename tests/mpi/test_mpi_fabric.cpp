@@ -19,8 +19,11 @@
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
+#include "sluice/gpt.hpp"
 #include "sluice/model_memory.hpp"
 #include "sluice/mpi_fabric.hpp"
+
+#include "gpt_reference.hpp"
 
 namespace sluice {
 namespace {
@@ -397,6 +400,57 @@ TEST(MpiFabric, ProbeEchoOfABf16StreamSumsItsWidenedValuesInFp32) {
       EXPECT_EQ(got[k].value, expected);  // n equal bf16 values: exact in fp32
     }
   }
+}
+
+// --- the GPT (sluice/gpt.hpp) on the engine ranks' block stores --------------------------
+
+namespace gpt = testing::gpt_reference;
+
+// Issue #26 item 4 over MPI: the tiny GPT's loss and every layer's gradient against central
+// differences of the float64 dense-masked reference (3 sequences: 2 engines take 1 and 2).
+TEST(MpiFabricGpt, LossAndEveryGradientMatchTheFloat64Reference) {
+  for (const std::int64_t blocks : {1, 2}) {
+    SCOPED_TRACE(std::to_string(blocks) + " blocks");
+    const GptConfig c = gpt::tiny_config(blocks);
+    HostModelMemory memory;
+    gpt::build_random_gpt(memory, c, 11);
+    GptModel model(memory, *g_fabric, c);
+    const TextBatch batch = gpt::random_batch(c, 3, 5);
+    double loss = 0;
+    const std::vector<LayerGradient> grads = model.gradients(batch, &loss);
+    const double expected = gpt::reference_loss(gpt::reference_of(memory), c, batch);
+    EXPECT_NEAR(loss, expected, 1e-5 * expected);
+    EXPECT_NEAR(model.loss(batch), expected, 1e-5 * expected);
+    gpt::expect_gradients_match(memory, c, batch, grads, 1e-5);
+  }
+}
+
+// N engine ranks compute bit for bit what N local engines compute: steps, gradients, logits.
+TEST(MpiFabricGpt, TrainingGradientsAndGenerationMatchLocalFabric) {
+  const GptConfig c = gpt::tiny_config(2);
+  HostModelMemory on_mpi, on_local;
+  for (HostModelMemory* m : {&on_mpi, &on_local}) {
+    gpt::build_random_gpt(*m, c, 23);
+    m->set_optimizer({.kind = OptimizerKind::adam, .learning_rate = 1e-2});
+  }
+  LocalFabric local = make_local(g_fabric->engine_count());
+  GptModel a(on_mpi, *g_fabric, c), b(on_local, local, c);
+  for (std::uint32_t step = 0; step < 3; ++step) {
+    const TextBatch batch = gpt::random_batch(c, 5, 40 + step);
+    EXPECT_EQ(a.train_step(batch).loss, b.train_step(batch).loss) << "step " << step;
+  }
+  const TextBatch batch = gpt::random_batch(c, 4, 77);
+  const std::vector<LayerGradient> ga = a.gradients(batch), gb = b.gradients(batch);
+  ASSERT_EQ(ga.size(), gb.size());
+  for (std::size_t l = 0; l < ga.size(); ++l) {
+    ASSERT_EQ(ga[l].weights.values(), gb[l].weights.values()) << "layer " << l;
+    ASSERT_EQ(ga[l].bias, gb[l].bias) << "layer " << l;
+  }
+  EXPECT_EQ(a.loss(batch), b.loss(batch));
+  const std::vector<std::int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3};
+  EXPECT_EQ(a.next_logits(prompt), b.next_logits(prompt));
+  const std::string bytes = {'\x03', '\x01', '\x04'};  // inside the vocabulary of 32
+  EXPECT_EQ(generate_text(a, bytes, 12, 0.8, 5), generate_text(b, bytes, 12, 0.8, 5));
 }
 
 // Rank 0 streams a weight with an input index out of range: the engine ranks' validation

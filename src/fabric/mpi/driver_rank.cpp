@@ -496,4 +496,123 @@ void DriverRank::layer_activations(std::int32_t layer, std::vector<ConstMatrixVi
   }
 }
 
+// --- block operations over the engine ranks' block stores (a GPT's step) ---------------
+
+void DriverRank::load_tokens(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                             std::span<const std::int32_t> targets) {
+  const std::size_t n = engines();
+  const auto sequences = static_cast<std::int64_t>(inputs.size()) / shape.context;
+  std::vector<int> counts(n + 1, 0), displs(n + 1, 0);
+  std::vector<std::int64_t> tokens(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    const Fabric::TokenRange r =
+        Fabric::shard_of(static_cast<std::int32_t>(k), link_->engines(), sequences);
+    tokens[k] = r.count * shape.context;
+    counts[k + 1] = to_count(static_cast<std::uint64_t>(tokens[k]), "a token slice");
+    displs[k + 1] = to_count(static_cast<std::uint64_t>(r.first * shape.context), "a batch");
+  }
+  inside_operation([&] {
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::load_tokens);
+    c.total_tokens = static_cast<std::int64_t>(inputs.size());
+    c.flags = (targets.empty() ? 0 : kFlagTargets) | (shape.training ? kFlagTraining : 0);
+    send_command(c);
+    WireShape w{shape.vocab, shape.context, shape.d_model, shape.heads, shape.blocks};
+    link_->bcast(&w, sizeof w, MPI_BYTE, "shape broadcast");
+    link_->scatterv(inputs.data(), counts.data(), displs.data(), nullptr, 0, MPI_INT32_T,
+                    "token scatter");
+    if (!targets.empty()) {
+      link_->scatterv(targets.data(), counts.data(), displs.data(), nullptr, 0, MPI_INT32_T,
+                      "token scatter");
+    }
+    counters_->driver_bytes_sent += sizeof c + sizeof w;
+  });
+  block_tokens_ = std::move(tokens);
+  block_shape_ = shape;
+}
+
+// The command, then as forward_layer and backward_layer: placements (a projection), the
+// bias, the stream; the replies, the gradient up the tree, the bias gradients; the loss.
+BlockResult DriverRank::run_block(const BlockCall& call, StreamSource* weights,
+                                  std::span<const Placement* const> placements,
+                                  std::span<const float> bias) {
+  if (block_tokens_.empty()) throw ArgumentError("MpiFabric run_block: no tokens loaded");
+  const bool gradient = returns_gradient(call.op);
+  if (weights != nullptr) {
+    const StreamHeader& h = weights->header();
+    if (!bias.empty() && bias.size() != h.layer_outputs()) {
+      throw ShapeError("MpiFabric run_block: " + std::to_string(bias.size()) + " biases for " +
+                       std::to_string(h.layer_outputs()) + " outputs");
+    }
+    for (std::size_t k = 0; k < placements.size(); ++k) {
+      check_slice("placement", k, placements[k]->features(), 1, h.layer_inputs(), 1);
+    }
+  }
+  BlockResult r;
+  inside_operation([&] {
+    bytes_sent_ = 0;
+    bytes_received_ = 0;
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::block_op);
+    c.block_op = static_cast<std::int32_t>(call.op);
+    c.layer = call.block;
+    c.flags = (bias.empty() ? 0 : kFlagBias) | (call.want_delta ? kFlagDelta : 0);
+    c.total_tokens = call.total_tokens;
+    SentStream sent;
+    if (weights != nullptr) {
+      Frame first = frames_.pull(*weights);
+      send_stream_command(Op::block_op, weights->header(), false, first, c);
+      if (!placements.empty()) scatter_jobs(placements, std::vector<Job>(engines() + 1));
+      if (!bias.empty()) {
+        std::vector<float> b(bias.begin(), bias.end());
+        link_->bcast(b.data(), to_count(b.size(), "a bias"), MPI_FLOAT, "bias broadcast");
+      }
+      frames_.send(*weights, std::move(first), gradient ? &sent : nullptr);
+    } else {
+      send_command(c);
+      bytes_sent_ += sizeof c;
+    }
+    if (gradient) {
+      r.gradient.weights = tree_->collect(sent, gather_replies());
+      if (has_bias_gradient(call.op)) {
+        r.gradient.bias = gather_bias_gradients(weights->header().layer_outputs());
+      }
+    } else {
+      gather_replies();
+    }
+    if (call.op == BlockOp::loss) {
+      std::vector<WireLoss> all(engines() + 1);
+      WireLoss none;
+      link_->gather(&none, sizeof none, MPI_BYTE, all.data(), "loss gather");
+      for (std::size_t k = 0; k < engines(); ++k) {  // in engine order, as LocalFabric
+        const WireLoss& w = all[k + 1];
+        r.loss += LossSums{w.loss, w.correct, w.tokens, w.non_finite != 0};
+      }
+    }
+    count_protocol();
+  });
+  return r;
+}
+
+std::vector<float> DriverRank::block_logits(std::int64_t token) {
+  if (block_tokens_.empty() || token < 0 || token >= block_tokens_.front()) {
+    throw ArgumentError("MpiFabric block_logits: no token " + std::to_string(token) +
+                        " in engine 0's block store");
+  }
+  const auto vocab = static_cast<std::size_t>(block_shape_.vocab);
+  std::vector<float> logits(vocab);
+  inside_operation([&] {
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::block_logits);
+    c.total_tokens = token;
+    send_command(c);
+    std::vector<int> counts(engines() + 1, 0), displs(engines() + 1, 0);
+    counts[1] = to_count(vocab, "the logits");
+    link_->gatherv(nullptr, 0, logits.data(), counts.data(), displs.data(), MPI_FLOAT,
+                   "logits gather");
+    counters_->driver_bytes_sent += sizeof c;
+  });
+  return logits;
+}
+
 }  // namespace sluice::mpi

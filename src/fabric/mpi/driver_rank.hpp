@@ -44,6 +44,11 @@ class DriverRank {
   DenseMatrix gather_output();
   void layer_activations(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                          std::vector<ConstMatrixView>& dzs);
+  void load_tokens(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                   std::span<const std::int32_t> targets);
+  BlockResult run_block(const BlockCall& call, StreamSource* weights,
+                        std::span<const Placement* const> placements, std::span<const float> bias);
+  std::vector<float> block_logits(std::int64_t token);
   void stop();
 
  private:
@@ -73,6 +78,9 @@ class DriverRank {
   std::vector<std::int64_t> shard_tokens_;
   std::vector<std::int64_t> sizes_;  // of the model the engines hold a batch for
   std::int64_t outputs_ = 0;
+  // Each engine's tokens of the block model's batch the engines hold, and its shape.
+  std::vector<std::int64_t> block_tokens_;
+  BlockShape block_shape_;
   // Activations gathered for with_layer_activations, until the next call.
   std::vector<DenseMatrix> lent_;
 };

@@ -35,8 +35,7 @@ void EngineRank::serve(const Dataset* dataset) {
       tree_->free_window();
       return;
     }
-    if (c.op < static_cast<std::int32_t>(Op::forward) ||
-        c.op > static_cast<std::int32_t>(Op::load_samples)) {
+    if (c.op < static_cast<std::int32_t>(Op::forward) || c.op > kLastOp) {
       throw FormatError("MpiFabric: unknown command " + std::to_string(c.op) + " from rank 0");
     }
     if (c.op >= static_cast<std::int32_t>(Op::load_batch)) {
@@ -206,6 +205,12 @@ void EngineRank::serve_layer_op(const Command& cmd) {
     case Op::forward_layer:
     case Op::backward_layer:
       return serve_layer(cmd);
+    case Op::load_tokens:
+      return serve_load_tokens(cmd);
+    case Op::block_op:
+      return serve_block(cmd);
+    case Op::block_logits:
+      return serve_block_logits(cmd);
     case Op::loss: {
       const LossSums s = engine_->loss((cmd.flags & kFlagDelta) != 0, cmd.total_tokens);
       WireLoss w{s.loss, s.correct, s.tokens, s.non_finite ? 1 : 0};
@@ -310,6 +315,98 @@ void EngineRank::serve_layer(const Command& cmd) {
     link_->gatherv(bias_gradient.data(), to_count(bias_gradient.size(), "a bias"), nullptr, nullptr,
                    nullptr, MPI_FLOAT, "bias gradient gather");
   }
+}
+
+// --- block operations on the engine's own block store (a GPT's step) ------------------
+
+template <typename Fn>
+void EngineRank::run_on_engine(Fn&& fn) {
+  std::future<void> done = worker_.post(std::forward<Fn>(fn));
+  link_->wait_until(
+      [&] { return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready; },
+      "the engine's work on a block");
+  done.get();
+}
+
+void EngineRank::serve_load_tokens(const Command& cmd) {
+  WireShape w;
+  link_->bcast(&w, sizeof w, MPI_BYTE, "shape broadcast");
+  if (w.context < 1 || cmd.total_tokens < 0 || cmd.total_tokens % w.context != 0) {
+    throw FormatError("MpiFabric: " + std::to_string(cmd.total_tokens) +
+                      " tokens in sequences of " + std::to_string(w.context) + " from rank 0");
+  }
+  const Fabric::TokenRange r =
+      Fabric::shard_of(link_->rank() - 1, link_->engines(), cmd.total_tokens / w.context);
+  const auto tokens = static_cast<std::size_t>(r.count * w.context);
+  std::vector<std::int32_t> inputs(tokens), targets;
+  link_->scatterv(nullptr, nullptr, nullptr, inputs.data(), to_count(tokens, "a token slice"),
+                  MPI_INT32_T, "token scatter");
+  if ((cmd.flags & kFlagTargets) != 0) {
+    targets.resize(tokens);
+    link_->scatterv(nullptr, nullptr, nullptr, targets.data(), to_count(tokens, "a token slice"),
+                    MPI_INT32_T, "token scatter");
+  }
+  const BlockShape shape{w.vocab, w.context, w.d_model,
+                         w.heads, w.blocks,  (cmd.flags & kFlagTraining) != 0};
+  engine_->load_tokens(shape, inputs, targets);
+}
+
+void EngineRank::serve_block(const Command& cmd) {
+  if (cmd.block_op < kFirstBlockOp || cmd.block_op > kLastBlockOp) {
+    throw FormatError("MpiFabric: unknown block operation " + std::to_string(cmd.block_op) +
+                      " from rank 0");
+  }
+  BlockCall call;
+  call.op = static_cast<BlockOp>(cmd.block_op);
+  call.block = cmd.layer;
+  call.want_delta = (cmd.flags & kFlagDelta) != 0;
+  call.total_tokens = cmd.total_tokens;
+  const EngineCounters before = engine_->counters();
+  BlockReply result;
+  if (takes_stream(call.op)) {
+    const StreamHeader header = header_of(cmd);
+    Placement placement;
+    if (is_projection(call.op)) receive_job(header.layer_inputs(), placement);
+    std::vector<float> bias;
+    if ((cmd.flags & kFlagBias) != 0) {
+      bias.resize(header.layer_outputs());
+      link_->bcast(bias.data(), to_count(bias.size(), "a bias"), MPI_FLOAT, "bias broadcast");
+    }
+    const Placement* where = is_projection(call.op) ? &placement : nullptr;
+    run_on_stream(cmd, header, [&](StreamSource& source) {
+      result = engine_->run_block(call, &source, where, bias);
+    });
+  } else {
+    run_on_engine([&] { result = engine_->run_block(call, nullptr, nullptr, {}); });
+  }
+  const bool gradient = returns_gradient(call.op);
+  reply(before, gradient ? &result.gradient : nullptr);
+  if (gradient && has_bias_gradient(call.op)) {
+    link_->gatherv(result.bias_gradient.data(), to_count(result.bias_gradient.size(), "a bias"),
+                   nullptr, nullptr, nullptr, MPI_FLOAT, "bias gradient gather");
+  }
+  if (call.op == BlockOp::loss) {
+    const LossSums& s = result.loss;
+    WireLoss w{s.loss, s.correct, s.tokens, s.non_finite ? 1 : 0};
+    link_->gather(&w, sizeof w, MPI_BYTE, nullptr, "loss gather");
+  }
+}
+
+// Engine 0 sends its logits of one token; the others take part with nothing.
+void EngineRank::serve_block_logits(const Command& cmd) {
+  std::vector<float> column;
+  if (link_->rank() == 1) {
+    const BlockStore& s = engine_->block_store();
+    if (!s.loaded() || cmd.total_tokens < 0 || cmd.total_tokens >= s.tokens()) {
+      throw FormatError("MpiFabric: no token " + std::to_string(cmd.total_tokens) +
+                        " in engine 0's block store");
+    }
+    for (std::int64_t o = 0; o < s.logits.rows(); ++o) {
+      column.push_back(s.logits(o, cmd.total_tokens));
+    }
+  }
+  link_->gatherv(column.data(), to_count(column.size(), "the logits"), nullptr, nullptr, nullptr,
+                 MPI_FLOAT, "logits gather");
 }
 
 }  // namespace sluice::mpi

@@ -32,12 +32,18 @@ class EngineRank {
   void serve_load(const Command& cmd);
   void serve_samples(const Command& cmd);
   void serve_layer(const Command& cmd);
+  void serve_load_tokens(const Command& cmd);
+  void serve_block(const Command& cmd);
+  void serve_block_logits(const Command& cmd);
   Job receive_job(std::uint32_t inputs, Placement& placement);
   DenseMatrix receive_matrix(std::int64_t rows, std::int64_t cols);
   void send_matrix(const DenseMatrix* m);
   PassSpec receive_spec(const Command& cmd);
   template <typename Fn>
   void run_on_stream(const Command& cmd, const StreamHeader& header, Fn&& fn);
+  /// Runs fn() on the engine's thread while this one waits (and answers peer pings).
+  template <typename Fn>
+  void run_on_engine(Fn&& fn);
   void reply(const EngineCounters& before, const WeightStream* gradient);
 
   Link* link_;

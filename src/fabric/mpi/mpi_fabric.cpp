@@ -326,19 +326,19 @@ void MpiFabric::layer_activations_impl(std::int32_t layer, std::vector<ConstMatr
   impl_->drive().layer_activations(layer, xs, dzs);
 }
 
-// The block operations (a GPT's step) are not on the wire yet: docs/gpt.md.
-void MpiFabric::load_tokens_impl(const BlockShape&, std::span<const std::int32_t>,
-                                 std::span<const std::int32_t>) {
-  throw ArgumentError("MpiFabric: block models (the GPT) do not run over MPI yet");
+void MpiFabric::load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
+                                 std::span<const std::int32_t> targets) {
+  impl_->drive().load_tokens(shape, inputs, targets);
 }
 
-BlockResult MpiFabric::run_block_impl(const BlockCall&, StreamSource*,
-                                      std::span<const Placement* const>, std::span<const float>) {
-  throw ArgumentError("MpiFabric: block models (the GPT) do not run over MPI yet");
+BlockResult MpiFabric::run_block_impl(const BlockCall& call, StreamSource* weights,
+                                      std::span<const Placement* const> placements,
+                                      std::span<const float> bias) {
+  return impl_->drive().run_block(call, weights, placements, bias);
 }
 
-std::vector<float> MpiFabric::block_logits_impl(std::int64_t) {
-  throw ArgumentError("MpiFabric: block models (the GPT) do not run over MPI yet");
+std::vector<float> MpiFabric::block_logits_impl(std::int64_t token) {
+  return impl_->drive().block_logits(token);
 }
 
 }  // namespace sluice

@@ -26,7 +26,12 @@ enum class Op : std::int32_t {
   gather_output = 10,
   layer_activations = 11,
   load_samples = 12,
+  // Block operations on the engines' block stores (a GPT's step).
+  load_tokens = 13,
+  block_op = 14,
+  block_logits = 15,
 };
+constexpr std::int32_t kLastOp = static_cast<std::int32_t>(Op::block_logits);
 
 struct ChunkMeta {
   std::int64_t packets = 0;
@@ -62,6 +67,9 @@ struct Command {
   std::int32_t layer = 0;
   std::int32_t flags = 0;
   std::int64_t total_tokens = 0;
+  // block_op: the BlockOp (layer holds the block).
+  std::int32_t block_op = 0;
+  std::int32_t unused2 = 0;
   FrameMeta first;  ///< the stream's first frame
 };
 // Command::flags of the layer operations.
@@ -70,6 +78,12 @@ constexpr std::int32_t kFlagTargets = 2;   // load_batch: targets follow
 constexpr std::int32_t kFlagTraining = 4;  // load_batch: a training pass
 constexpr std::int32_t kFlagBias = 8;      // forward_layer: a bias follows; backward: wanted
 constexpr std::int32_t kFlagDelta = 16;    // loss: the delta is wanted
+
+/// load_tokens: the block model's shape, broadcast after the command (whose total_tokens
+/// is the batch's tokens, flags kFlagTargets and kFlagTraining).
+struct WireShape {
+  std::int64_t vocab = 0, context = 0, d_model = 0, heads = 0, blocks = 0;
+};
 
 /// The stream header a command carries; FormatError for a precision or order no build
 /// knows.
