@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "block_references.hpp"
+#include "blocks/block_kernels.hpp"
+#include "executor/gelu.hpp"
 #include "sluice/blocks.hpp"
 #include "sluice/error.hpp"
 #include "test_support.hpp"
@@ -206,10 +208,11 @@ TEST_P(Attention, MatchesReferenceAndFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
-                         ::testing::Values(AttentionCase{12, 3, 5, 2, 1.0},    // d_head 4
-                                           AttentionCase{6, 1, 7, 1, 1.0},     // one head
-                                           AttentionCase{8, 2, 1, 3, 1.0},     // context 1
-                                           AttentionCase{12, 3, 5, 2, 6.0}));  // sharp softmax
+                         ::testing::Values(AttentionCase{12, 3, 5, 2, 1.0},     // d_head 4
+                                           AttentionCase{6, 1, 7, 1, 1.0},      // one head
+                                           AttentionCase{8, 2, 1, 3, 1.0},      // context 1
+                                           AttentionCase{12, 3, 5, 2, 6.0},     // sharp softmax
+                                           AttentionCase{40, 2, 37, 1, 1.0}));  // whole tiles
 
 TEST(AttentionParallel, BatchEqualsSequenceBySequence) {
   // Enough (sequence, head) tasks to run in parallel; each sequence alone runs serially.
@@ -237,6 +240,52 @@ TEST(AttentionParallel, BatchEqualsSequenceBySequence) {
         ASSERT_EQ(dk(f, s * context + i), dk1(f, i));
         ASSERT_EQ(dv(f, s * context + i), dv1(f, i));
       }
+    }
+  }
+}
+
+// Every ISA's block kernels (the public blocks run the default ISA's) on whole register tiles
+// and ragged edges: the attention against the float64 reference, its backward against the
+// baseline build's within rounding (FMA contracts differently), GELU against its formula.
+TEST(BlockKernels, EveryIsaMatchesTheReference) {
+  const std::int64_t d = 48, heads = 2, context = 41, sequences = 2, tokens = context * sequences;
+  const AttentionShape shape{context, heads};
+  const DenseMatrix q = random_matrix(d, tokens, 21), k = random_matrix(d, tokens, 22),
+                    v = random_matrix(d, tokens, 23), d_out = random_matrix(d, tokens, 24);
+  const Grid expected = attention_reference(to_grid(q), to_grid(k), to_grid(v), shape);
+  const auto run = [&](const detail::BlockKernels& kernels, DenseMatrix& out, DenseMatrix& dq,
+                       DenseMatrix& dk, DenseMatrix& dv) {
+    std::vector<float> p(attention_probabilities_size(tokens, shape));
+    for (std::int64_t s = 0; s < sequences; ++s) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const detail::HeadTask task{context, d / heads, h * (d / heads), s * context,
+                                    static_cast<std::size_t>((s * heads + h) * context * context)};
+        std::vector<float> scratch(detail::attention_scratch_floats(task));
+        float* const probs = p.data() + task.probabilities_offset;
+        kernels.attention_forward(q, k, v, task, out, probs, scratch.data());
+        kernels.attention_backward(q, k, v, probs, task, d_out, dq, dk, dv, scratch.data());
+      }
+    }
+  };
+  DenseMatrix base_out(d, tokens), base_dq(d, tokens), base_dk(d, tokens), base_dv(d, tokens);
+  run(detail::block_kernels(Isa::scalar), base_out, base_dq, base_dk, base_dv);
+  for (const Isa isa : supported_isas()) {
+    SCOPED_TRACE(to_string(isa));
+    DenseMatrix out(d, tokens), dq(d, tokens), dk(d, tokens), dv(d, tokens);
+    run(detail::block_kernels(isa), out, dq, dk, dv);
+    expect_close(out, expected, kForwardTolerance, "out");
+    expect_close(dq, to_grid(base_dq), kForwardTolerance, "dq");
+    expect_close(dk, to_grid(base_dk), kForwardTolerance, "dk");
+    expect_close(dv, to_grid(base_dv), kForwardTolerance, "dv");
+
+    const std::int64_t n = 37;  // a whole vector and a ragged tail at every width
+    std::vector<float> z(n), dy(n, 1.5F), y(n), dz(n);
+    for (std::int64_t t = 0; t < n; ++t) z[t] = -9.0F + 0.5F * static_cast<float>(t);
+    detail::block_kernels(isa).gelu_forward(z.data(), y.data(), n);
+    detail::block_kernels(isa).gelu_backward(z.data(), dy.data(), dz.data(), n);
+    for (std::int64_t t = 0; t < n; ++t) {
+      EXPECT_NEAR(y[t], detail::gelu(z[t]), 2e-7 * (1 + std::abs(z[t]))) << "z = " << z[t];
+      EXPECT_NEAR(dz[t], 1.5F * detail::gelu_slope(z[t]), 4e-7) << "z = " << z[t];
     }
   }
 }

@@ -1,6 +1,7 @@
-// The elementwise blocks: residual add and GELU, row by row so every row's loop vectorises.
+// The elementwise blocks: residual add and GELU, row by row so every row's loop vectorises
+// (GELU's at the width of the ISA the library runs: blocks/block_kernels.hpp).
+#include "blocks/block_kernels.hpp"
 #include "blocks/block_support.hpp"
-#include "executor/gelu.hpp"
 #include "sluice/blocks.hpp"
 
 namespace sluice {
@@ -18,22 +19,18 @@ void residual_add(MutableMatrixView y, ConstMatrixView x) {
 void gelu_forward(ConstMatrixView z, MutableMatrixView y) {
   detail::require_shape("gelu_forward", "z", z, z.rows, z.cols);
   detail::require_shape("gelu_forward", "y", y, z.rows, z.cols);
-  detail::for_each_block_row(z.rows, z.cols, [&](std::int64_t r) {
-    const float* in = z.row(r);
-    float* out = y.row(r);
-    for (std::int64_t t = 0; t < z.cols; ++t) out[t] = detail::gelu(in[t]);
-  });
+  const detail::BlockKernels& kernels = detail::block_kernels();
+  detail::for_each_block_row(
+      z.rows, z.cols, [&](std::int64_t r) { kernels.gelu_forward(z.row(r), y.row(r), z.cols); });
 }
 
 void gelu_backward(ConstMatrixView z, ConstMatrixView dy, MutableMatrixView dz) {
   detail::require_shape("gelu_backward", "z", z, z.rows, z.cols);
   detail::require_shape("gelu_backward", "dy", dy, z.rows, z.cols);
   detail::require_shape("gelu_backward", "dz", dz, z.rows, z.cols);
+  const detail::BlockKernels& kernels = detail::block_kernels();
   detail::for_each_block_row(z.rows, z.cols, [&](std::int64_t r) {
-    const float* in = z.row(r);
-    const float* d_in = dy.row(r);
-    float* out = dz.row(r);
-    for (std::int64_t t = 0; t < z.cols; ++t) out[t] = d_in[t] * detail::gelu_slope(in[t]);
+    kernels.gelu_backward(z.row(r), dy.row(r), dz.row(r), z.cols);
   });
 }
 

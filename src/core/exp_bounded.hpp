@@ -4,7 +4,8 @@
 // (tests/test_gelu.cpp). Its users: GELU (executor/gelu.hpp) and the attention's softmax.
 // The files whose loops call it are compiled with -fno-trapping-math (CMakeLists.txt):
 // under GCC 12's default the clamps below followed by float arithmetic stay branches.
-// Internal.
+// Always inlined, so a file compiled for an ISA (blocks/block_kernels_body.hpp) keeps its
+// own copy. Internal.
 #include <bit>
 #include <cstdint>
 
@@ -12,7 +13,7 @@ namespace sluice::detail {
 
 /// e^y for y clamped to [-80, 80], where e^y and everything GELU makes of it stay normal
 /// floats (subnormals are slow in vector units). A NaN stays NaN.
-inline float exp_bounded(float y) {
+[[gnu::always_inline]] inline float exp_bounded(float y) {
   y = y < -80.0F ? -80.0F : y;  // (ternaries on values: std::min and max kept GCC 12 from
   y = y > 80.0F ? 80.0F : y;    // vectorising)
   // n = round(y / ln 2) by the 1.5 * 2^23 trick: exact and branch-free in round-to-nearest.

@@ -22,21 +22,21 @@ inline constexpr float kGeluA = 0.044715F;
 struct GeluTerms {
   float s, e;
 };
-inline GeluTerms gelu_terms(float x) {
+[[gnu::always_inline]] inline GeluTerms gelu_terms(float x) {
   const float u = kGeluC * (x + kGeluA * x * x * x);
   const float e = exp_bounded(-2.0F * u);
   return {1.0F / (1.0F + e), e};
 }
-inline float gelu_clamp(float x) {
+[[gnu::always_inline]] inline float gelu_clamp(float x) {
   x = x < -20.0F ? -20.0F : x;
   return x > 20.0F ? 20.0F : x;
 }
 
-inline float gelu(float x) {
+[[gnu::always_inline]] inline float gelu(float x) {
   return x * gelu_terms(gelu_clamp(x)).s;
 }
 
-inline float gelu_slope(float x) {
+[[gnu::always_inline]] inline float gelu_slope(float x) {
   const float xc = gelu_clamp(x);
   const GeluTerms t = gelu_terms(xc);
   // 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) du/dx
