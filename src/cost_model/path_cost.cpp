@@ -13,13 +13,14 @@ std::size_t index_of(Precision precision) {
 
 PathCosts PathCosts::for_this_cpu() {
   PathCosts c;
-  // Fitted (as `sluice sweep --path both` fits them) to the fused dense path and the
-  // streamed product timed in one process on the AMX Xeon, 4096 x 4096 x 256, one thread
-  // (docs/performance_notes.md, "The fused dense path").
-  c.sparse_per_nnz_token = {8.0e-11, 4.6e-11};
-  c.dense_per_mac = {3.4e-11, 5.45e-12};
-  c.densify_per_slot = {1.96e-9, 3.0e-10};
-  c.densify_per_packet = {0.0, 1.4e-9};
+  // Fitted (as `sluice sweep --path both` fits them) to the dense path after issue #30's
+  // third round and the streamed product, in process CPU time, one thread, on the AMX
+  // Xeon, 4096 x 4096 x 256, two rounds pooled (docs/performance_notes.md, "The dense path
+  // in wall time"); fp32's densifying per slot fitted below zero and is held at 0.
+  c.sparse_per_nnz_token = {5.85e-11, 3.66e-11};
+  c.dense_per_mac = {1.54e-11, 3.47e-12};
+  c.densify_per_slot = {0.0, 1.66e-10};
+  c.densify_per_packet = {4.54e-10, 5.1e-10};
   if (!detail::DenseMatmul::bf16_native()) {
     c.dense_per_mac[1] = c.dense_per_mac[0];
     c.densify_per_slot[1] = c.densify_per_slot[0];
