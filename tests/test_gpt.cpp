@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "gpt_reference.hpp"
+#include "sluice/engine.hpp"
 #include "sluice/gpt.hpp"
+#include "sluice/stream_codec.hpp"
 #include "test_support.hpp"
 
 namespace sluice {
@@ -180,6 +182,38 @@ TEST(Gpt, BadShapesAndModelsAreRefused) {
   EXPECT_THROW(GptConfig::parse("gpt vocab=256 context=8"), FormatError);
   EXPECT_THROW(GptConfig::parse("mlp"), FormatError);
   EXPECT_EQ(GptConfig::parse(tiny_config().describe()).describe(), tiny_config().describe());
+}
+
+// An engine's block operations (sluice/block_store.hpp) refuse a call out of order or with
+// the wrong arguments, before they touch anything.
+TEST(GptEngine, BlockCallsOutOfOrderOrWithWrongArgumentsAreRefused) {
+  CpuEngine engine({.threads = 1});
+  const BlockShape shape{32, 8, 16, 2, 1, true};
+  auto run = [&](BlockOp op, StreamSource* stream = nullptr, std::int32_t block = 0) {
+    BlockCall call;
+    call.op = op;
+    call.block = block;
+    return engine.run_block(call, stream, nullptr, {});
+  };
+  EXPECT_THROW(run(BlockOp::embed), ArgumentError);  // nothing loaded
+  EXPECT_THROW(engine.load_tokens(shape, std::vector<std::int32_t>(7, 3), {}), ShapeError);
+  EXPECT_THROW(engine.load_tokens(shape, std::vector<std::int32_t>(8, 32), {}), ArgumentError);
+  const std::vector<std::int32_t> tokens(16, 3);
+  engine.load_tokens(shape, tokens, tokens);
+  EXPECT_EQ(engine.block_store().tokens(), 16);
+  EXPECT_THROW(run(BlockOp::embed), ArgumentError);              // the tables were not set
+  EXPECT_THROW(run(BlockOp::norm1, nullptr, 1), ArgumentError);  // one block only
+  EXPECT_THROW(run(BlockOp::set_table), ArgumentError);          // needs its stream
+  const WeightStream wrong = encode_stream(CsrMatrix::random(31, 16, 0.0, 1));
+  MemoryStreamSource wrong_source(wrong);
+  EXPECT_THROW(run(BlockOp::set_table, &wrong_source), ShapeError);
+  const WeightStream q = encode_stream(CsrMatrix::random(16, 16, 0.5, 2));
+  MemoryStreamSource q_source(q);
+  EXPECT_THROW(run(BlockOp::q, &q_source), ArgumentError);  // a projection needs a placement
+  BlockCall loss;
+  loss.op = BlockOp::loss;
+  loss.want_delta = true;  // without the batch's token count
+  EXPECT_THROW(engine.run_block(loss, nullptr, nullptr, {}), ArgumentError);
 }
 
 TEST(Gpt, ADenseModelStoresEveryParameterASparseOneFewer) {
