@@ -174,6 +174,31 @@ INSTANTIATE_TEST_SUITE_P(Tiered, TrainsLikeHost,
                                            Case{Precision::fp32, OptimizerKind::adamw, 1, 0.05},
                                            Case{Precision::bf16, OptimizerKind::adam, 2, 0.05}));
 
+// A layer of more than one update chunk (kUpdateChunk, 2^21 non-zeros): its state is
+// read, updated and written chunk by chunk, each section's CRC chained over the chunks;
+// with clipping the gradient comes back from its file chunk by chunk too.
+TEST_F(TempDirTest, ALayerOfSeveralUpdateChunksTrainsLikeHost) {
+  const std::vector<std::int64_t> sizes{12, 2100, 2050, 10};  // 2.15M non-zeros at 50%
+  const Data data = make_data(3, 13);
+  for (const double clip : {0.0, 0.05}) {
+    HostModelMemory host;
+    host.set_optimizer(config_of(OptimizerKind::adamw, clip));
+    build_sparse_mlp(host, sizes, 0.5, 5);
+    const auto store = dir_ / ("store" + std::to_string(clip));
+    TieredModelMemory tiered(store, std::int64_t{1} << 30);
+    tiered.set_optimizer(config_of(OptimizerKind::adamw, clip));
+    build_sparse_mlp(tiered, sizes, 0.5, 5);
+    ASSERT_GT(tiered.layer_shape(1).nnz, std::int64_t{1} << 21);
+    Trainer th(host, 1, Precision::fp32), tt(tiered, 1, Precision::fp32);
+    for (int s = 0; s < 3; ++s) {
+      th.step(data, s);
+      tt.step(data, s);
+      expect_bitwise_equal(snapshot(host), snapshot(tiered),
+                           "clip " + std::to_string(clip) + ", step " + std::to_string(s + 1));
+    }
+  }
+}
+
 /// Every layer's mask (row offsets and columns) and values, decoded from its stream.
 std::vector<std::vector<std::int64_t>> masks(const ModelMemory& m) {
   std::vector<std::vector<std::int64_t>> out;
