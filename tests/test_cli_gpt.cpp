@@ -107,6 +107,39 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
   expect_exit(run(gpt() + "--steps 1 --resume " + mlp), 1, "holds no GPT");
 }
 
+// --dynamic on the GPT: the JSON keys, updates counted, and 3 + 3 resumed steps planned as
+// the first half of 6 (--horizon-steps 6) end with the checkpoint of 6 in one run, byte
+// for byte (the schedule is kept by the checkpoint).
+TEST_F(CliGpt, DynamicSparsityReportsAndResumesItsSchedule) {
+  for (const std::string rule : {"set", "rigl"}) {
+    SCOPED_TRACE(rule);
+    const std::string dyn = "--dynamic " + rule + " --update-every 2 --drop 0.4 ";
+    const std::string whole = path(rule + "_whole.ckpt"), half = path(rule + "_half.ckpt"),
+                      resumed = path(rule + "_resumed.ckpt");
+    const json j = run_json(gpt() + dyn + "--steps 6 --checkpoint " + whole);
+    EXPECT_EQ(j.value("dynamic", ""), rule);
+    EXPECT_EQ(j.value("mask_updates", -1), 2);  // after steps 2 and 4 (< 0.75 * 6)
+    EXPECT_GT(j.value("mask_update_seconds", 0.0), 0.0);
+    EXPECT_EQ(j.value("mask_score_seconds", 0.0) > 0, rule == "rigl");
+    run_json(gpt() + dyn + "--steps 3 --horizon-steps 6 --checkpoint " + half);
+    const Outcome o =
+        run("train --model gpt --text " + path("text.txt") +
+                " --batch 4 --steps 3 --json --resume " + half + " --checkpoint " + resumed,
+            true);
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_NE(o.output.find("dynamic sparsity " + rule +
+                            ": every 2 steps, drop 0.4 until 0.75 "
+                            "of a horizon of 6 steps"),
+              std::string::npos)
+        << o.output;
+    EXPECT_EQ(sluice::testing::read_file(resumed), sluice::testing::read_file(whole));
+  }
+  expect_exit(run(gpt() + "--max-seconds 1 --dynamic set"), 2, "--steps or --horizon-steps");
+  expect_exit(run(gpt() + "--steps 2 --dynamic set --horizon-epochs 3"), 2,
+              "--horizon-epochs is not for --model gpt");
+  expect_exit(run(gpt() + "--steps 2 --drop 0.2"), 2, "--drop needs --dynamic set or rigl");
+}
+
 TEST_F(CliGpt, StepsAndMaxSecondsLimitTheMlpToo) {
   const json j = run_json("train --dataset synthetic --layers 64,16,10 --batch 64 --steps 7");
   EXPECT_EQ(j.value("steps", 0), 7);

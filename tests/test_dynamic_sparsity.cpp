@@ -22,22 +22,13 @@
 namespace sluice {
 namespace {
 
+using testing::active_positions;
 using testing::thrown_message;
 
 CsrMatrix layer(std::int64_t rows, std::int64_t cols, double sparsity, std::uint64_t seed) {
   CsrMatrix w = CsrMatrix::random(rows, cols, sparsity, seed);
   w.fill_values(seed + 1);
   return w;
-}
-
-std::set<std::int64_t> active_positions(const CsrMatrix& w) {
-  std::set<std::int64_t> out;
-  for (std::int64_t r = 0; r < w.rows(); ++r) {
-    for (std::int64_t k = w.row_offsets()[r]; k < w.row_offsets()[r + 1]; ++k) {
-      out.insert(r * w.cols() + w.col_indices()[k]);
-    }
-  }
-  return out;
 }
 
 TEST(DynamicSparsitySchedule, CosineDecayWithinTheWindow) {
@@ -325,6 +316,66 @@ TEST_P(GradientTopK, MatchesADenseTopKAndIsTheSameOverOneOrTwoEngines) {
   EXPECT_THROW(detail::dense_gradient_top_k(mask, one.xs, one.dys, inactive + 1), ArgumentError);
   const Shards wrong(rows, cols + 1, {13}, 3);
   EXPECT_THROW(detail::dense_gradient_top_k(mask, wrong.xs, wrong.dys, 1), ShapeError);
+}
+
+// MpiFabric's scheme: each engine continues the previous engine's tile sums with its own
+// tokens (gradient_tile with accumulate) and the last one offers the tile to the top-k. On
+// real values, whose float sums depend on their order, the tiles are bit for bit those of
+// dense_gradient_top_k over the same shards, so the positions and scores are the same.
+TEST_P(GradientTopK, EnginesChainingTilesScoreAsTheSharedTiles) {
+  const Isa isa = GetParam();
+  const std::int64_t rows = 23, cols = 290;  // three column tiles, the last partial
+  const CsrMatrix mask = layer(rows, cols, 0.85, 5);
+  std::mt19937_64 rng(4);
+  std::normal_distribution<float> normal;
+  for (const std::vector<std::int64_t>& split :
+       {std::vector<std::int64_t>{11}, {5, 6}, {3, 1, 7}}) {
+    std::vector<DenseMatrix> x, dy;
+    std::vector<ConstMatrixView> xs, dys;
+    for (const std::int64_t t : split) {
+      x.emplace_back(cols, t);
+      dy.emplace_back(rows, t);
+      for (std::int64_t i = 0; i < cols; ++i)
+        for (std::int64_t u = 0; u < t; ++u) x.back()(i, u) = normal(rng);
+      for (std::int64_t o = 0; o < rows; ++o)
+        for (std::int64_t u = 0; u < t; ++u) dy.back()(o, u) = (u % 3 == 0) ? 0.0F : normal(rng);
+    }
+    for (std::size_t e = 0; e < split.size(); ++e) {
+      xs.push_back(x[e].view());
+      dys.push_back(dy[e].view());
+    }
+    for (const std::int64_t k : {1, 37, 900}) {
+      detail::StreamingTopK chained(k);
+      std::vector<float> tile, xt;
+      const std::int64_t width = detail::gradient_tile_columns();
+      for (std::int64_t c0 = 0; c0 < cols; c0 += width) {
+        const std::int64_t c1 = std::min(cols, c0 + width);
+        tile.assign(static_cast<std::size_t>(rows * (c1 - c0)), -1.0F);
+        for (std::size_t e = 0; e < split.size(); ++e) {
+          detail::gradient_tile(xs[e], dys[e], c0, c1, e > 0, xt, tile.data(), isa);
+        }
+        detail::offer_gradient_tile(mask, c0, c1, tile.data(), chained);
+      }
+      const auto want = detail::dense_gradient_top_k(mask, xs, dys, k, isa);
+      EXPECT_EQ(chained.positions(), want) << split.size() << " engines, k " << k;
+      // The scores kept are |dY X^T| at their positions (float64 reference).
+      for (const detail::ScoredPosition& p : chained.ranked()) {
+        const std::int64_t o = p.position / cols, c = p.position % cols;
+        double g = 0, magnitude = 0;
+        for (std::size_t e = 0; e < split.size(); ++e) {
+          for (std::int64_t u = 0; u < split[e]; ++u) {
+            g += static_cast<double>(dy[e](o, u)) * x[e](c, u);
+            magnitude += std::fabs(static_cast<double>(dy[e](o, u)) * x[e](c, u));
+          }
+        }
+        EXPECT_NEAR(p.score, std::fabs(g), 1e-5 * magnitude) << p.position;
+      }
+    }
+  }
+  std::vector<float> xt, tile(64);
+  const DenseMatrix x(10, 4), dy(3, 5);
+  EXPECT_THROW(detail::gradient_tile(x.view(), dy.view(), 0, 2, false, xt, tile.data()),
+               ShapeError);
 }
 
 TEST_P(GradientTopK, RealValuedScoresAgreeWithFloat64) {

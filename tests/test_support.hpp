@@ -11,9 +11,11 @@
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <set>
 #include <sstream>
 #include <string>
 
+#include "sluice/csr_matrix.hpp"
 #include "sluice/isa.hpp"
 
 namespace sluice {
@@ -24,6 +26,17 @@ inline void PrintTo(Isa isa, std::ostream* os) {
 }  // namespace sluice
 
 namespace sluice::testing {
+
+/// The positions (row * cols + col) of w's non-zeros.
+inline std::set<std::int64_t> active_positions(const CsrMatrix& w) {
+  std::set<std::int64_t> out;
+  for (std::int64_t r = 0; r < w.rows(); ++r) {
+    for (std::int64_t k = w.row_offsets()[r]; k < w.row_offsets()[r + 1]; ++k) {
+      out.insert(r * w.cols() + w.col_indices()[k]);
+    }
+  }
+  return out;
+}
 
 /// Whether this build runs under AddressSanitizer or ThreadSanitizer (the test binaries and
 /// the `sluice` they run are built alike). Their shadow memory reserves terabytes of address

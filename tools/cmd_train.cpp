@@ -297,6 +297,7 @@ int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
   g.checkpoint = o.checkpoint;
   g.resume = o.resume;
   g.json = o.json;
+  g.schedule = o.schedule;
   g.fabric = o.fabric;
 #ifdef SLUICE_HAVE_MPI
   if (o.fabric == "mpi") {

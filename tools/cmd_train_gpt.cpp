@@ -14,6 +14,7 @@
 #include "commands.hpp"
 #include "json_writer.hpp"
 #include "measure.hpp"
+#include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/gpt.hpp"
@@ -156,6 +157,26 @@ RunTotals train_steps(GptModel& model, ModelMemory& memory, const TextCorpus& co
   return t;
 }
 
+/// The mask-update schedule of the run (dynamic_schedule.hpp), stored in the memory: a GPT
+/// run counts steps, so its horizon is --horizon-steps, else where this run's --steps end.
+DynamicSparsity gpt_schedule(ModelMemory& memory, GptTrainOptions& o, std::ostream& progress) {
+  const bool resuming = !o.resume.empty();
+  const bool keeps = resuming && memory.dynamic.rule != MaskUpdateRule::none;
+  const bool asks = o.schedule.rule_option != nullptr && o.schedule.rule_option->count() > 0 &&
+                    parse_mask_update_rule(o.schedule.dynamic) != MaskUpdateRule::none;
+  const bool horizon_given =
+      o.schedule.horizon_steps_option != nullptr && o.schedule.horizon_steps_option->count() > 0;
+  if (asks && !keeps && o.steps == 0 && !horizon_given) {
+    throw UsageError(
+        "--dynamic with --model gpt and --max-seconds needs --steps or --horizon-steps: the "
+        "schedule's horizon");
+  }
+  const DynamicSparsity d =
+      resolve_schedule(memory, o.schedule, resuming, 1, o.steps, "the checkpoint's", progress);
+  o.schedule.dynamic = to_string(d.rule);  // what the report says
+  return d;
+}
+
 }  // namespace
 
 int run_gpt_training(GptTrainOptions o, Fabric* given) {
@@ -176,7 +197,8 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     local = std::make_unique<LocalFabric>(fo);
   }
   Fabric& fabric = given != nullptr ? *given : *local;
-  GptModel model(memory, fabric, config);
+  const DynamicSparsity dynamic = gpt_schedule(memory, o, progress);
+  GptModel model(memory, fabric, config, dynamic);
   progress << "gpt: " << config.describe() << ", sparsity " << json_number(model.config().sparsity)
            << ", " << gpt_parameters(config) << " parameters (" << stored_parameters(memory)
            << " stored); " << path.string() << ": " << corpus.train().size() << " bytes to train, "
@@ -200,6 +222,9 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     j.field("parameters", gpt_parameters(config)).field("nonzeros", stored_parameters(memory));
     j.field("train_seconds", total.wall_seconds);
     j.field("optimizer_seconds", total.optimizer_seconds);
+    j.field("dynamic", o.schedule.dynamic).field("mask_updates", total.mask_updates);
+    j.field("mask_update_seconds", total.mask_update_seconds);
+    j.field("mask_score_seconds", total.mask_score_seconds);
     j.field("stream_bytes_per_s", total.bytes_per_second());
     j.field("context", config.context).field("d_model", config.d_model);
     j.field("heads", config.heads).field("blocks", config.blocks);

@@ -16,14 +16,20 @@ bool given(const CLI::Option* option) {
 /// UsageError if a rule of none comes with an option that only a schedule uses.
 void refuse_options_without_rule(const ScheduleOptions& o, MaskUpdateRule rule) {
   if (rule != MaskUpdateRule::none) return;
-  for (const CLI::Option* option :
-       {o.update_every_option, o.drop_option, o.update_until_option, o.horizon_option}) {
+  for (const CLI::Option* option : {o.update_every_option, o.drop_option, o.update_until_option,
+                                    o.horizon_option, o.horizon_steps_option}) {
     if (given(option)) throw UsageError(option->get_name() + " needs --dynamic set or rigl");
   }
 }
 
-/// --horizon-epochs in steps, refused if it would not count exactly.
+/// The flag that gives the horizon: --horizon-steps or --horizon-epochs.
+const char* horizon_flag(const ScheduleOptions& o) {
+  return given(o.horizon_steps_option) ? "--horizon-steps" : "--horizon-epochs";
+}
+
+/// --horizon-steps, or --horizon-epochs in steps, refused if it would not count exactly.
 std::int64_t horizon_steps(const ScheduleOptions& o, std::int64_t steps_per_epoch) {
+  if (given(o.horizon_steps_option)) return o.horizon_steps;
   constexpr std::int64_t kMaxSteps = std::int64_t{1} << 53;
   if (steps_per_epoch > 0 && o.horizon_epochs > kMaxSteps / steps_per_epoch) {
     throw UsageError("--horizon-epochs " + std::to_string(o.horizon_epochs) + " of " +
@@ -53,11 +59,11 @@ DynamicSparsity replace_given(const DynamicSparsity& stored, const ScheduleOptio
     note += ", --update-until replaces its " + json_number(d.update_until);
     d.update_until = o.update_until;
   }
-  if (given(o.horizon_option)) {
+  if (given(o.horizon_option) || given(o.horizon_steps_option)) {
     const std::int64_t steps = horizon_steps(o, steps_per_epoch);
     if (steps != d.total_steps) {
-      note +=
-          ", --horizon-epochs replaces its horizon of " + std::to_string(d.total_steps) + " steps";
+      note += std::string(", ") + horizon_flag(o) + " replaces its horizon of " +
+              std::to_string(d.total_steps) + " steps";
       d.total_steps = steps;
     }
   }
@@ -88,10 +94,18 @@ void add_schedule_options(CLI::App& cmd, ScheduleOptions& o) {
                      "The schedule's horizon in epochs from the model's start, for a run that "
                      "will be resumed (default: where this run ends; kept on resume) (--dynamic)")
           ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
+  o.horizon_steps_option =
+      cmd.add_option("--horizon-steps", o.horizon_steps,
+                     "The schedule's horizon in steps from the model's start (as "
+                     "--horizon-epochs; the GPT's, which trains by steps) (--dynamic)")
+          ->check(number_range(std::int64_t{1}, std::int64_t{1} << 53));
 }
 
 void check_schedule_options(const ScheduleOptions& o, bool may_resume) {
   if (!(o.drop > 0)) throw UsageError("--drop must be in (0, 1]: a fraction of the weights");
+  if (given(o.horizon_option) && given(o.horizon_steps_option)) {
+    throw UsageError("--horizon-epochs and --horizon-steps cannot both be given");
+  }
   // Without --dynamic, a resumed run's stored rule decides whether the others mean anything.
   if (may_resume && !given(o.rule_option)) return;
   refuse_options_without_rule(o, parse_mask_update_rule(o.dynamic));
@@ -111,8 +125,9 @@ DynamicSparsity resolve_schedule(ModelMemory& memory, const ScheduleOptions& o, 
     d.drop = o.drop;
     d.update_until = o.update_until;
     d.seed = memory.seed;
-    d.total_steps =
-        given(o.horizon_option) ? horizon_steps(o, steps_per_epoch) : memory.step() + run_steps;
+    d.total_steps = given(o.horizon_option) || given(o.horizon_steps_option)
+                        ? horizon_steps(o, steps_per_epoch)
+                        : memory.step() + run_steps;
     note = "new";
   }
   refuse_options_without_rule(o, d.rule);
@@ -125,7 +140,8 @@ DynamicSparsity resolve_schedule(ModelMemory& memory, const ScheduleOptions& o, 
     if (memory.step() + run_steps > d.total_steps) {
       const double end = d.update_until * static_cast<double>(d.total_steps);
       progress << "; the horizon ends before this run does: the masks stay fixed after step "
-               << static_cast<std::int64_t>(end) << " (--horizon-epochs moves the horizon)";
+               << static_cast<std::int64_t>(end)
+               << " (--horizon-epochs or --horizon-steps moves the horizon)";
     }
     progress << "\n";
   }

@@ -10,7 +10,8 @@
 // epochs to train (as for the data order), so a run of 2 epochs that will be resumed for
 // 2 more is given --horizon-epochs 4 and then matches 4 epochs in one run, bit for bit. A
 // resumed run that goes past the stored horizon keeps it (its masks stay fixed after
-// update_until of it) unless --horizon-epochs moves it; stderr says which.
+// update_until of it) unless --horizon-epochs moves it; stderr says which. --horizon-steps
+// gives the horizon in steps instead (the GPT's way: it trains by steps, not epochs).
 #include <cstdint>
 #include <iosfwd>
 #include <string>
@@ -28,8 +29,10 @@ struct ScheduleOptions {
   double drop = 0.3;
   double update_until = 0.75;
   std::int64_t horizon_epochs = 0;  ///< 0: where the run that starts the schedule ends
+  std::int64_t horizon_steps = 0;   ///< the same in steps (a GPT run has no epochs)
   CLI::Option *rule_option = nullptr, *update_every_option = nullptr, *drop_option = nullptr,
-              *update_until_option = nullptr, *horizon_option = nullptr;
+              *update_until_option = nullptr, *horizon_option = nullptr,
+              *horizon_steps_option = nullptr;
 };
 
 void add_schedule_options(CLI::App& cmd, ScheduleOptions& o);

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dynamic_schedule.hpp"
 #include "sluice/fabric.hpp"
 
 namespace sluice::cli {
@@ -27,6 +28,7 @@ struct GptTrainOptions {
   std::uint64_t seed = 1;
   std::string checkpoint, resume;
   bool json = false;
+  ScheduleOptions schedule;  ///< --dynamic and its options (the sparse layers' masks)
 };
 
 /// Trains (or resumes) a GPT on the text and reports on its held-out part; the exit code.

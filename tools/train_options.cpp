@@ -15,11 +15,17 @@ namespace {
 
 /// `--model gpt`: the options it would ignore refused.
 void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
-  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--precision",
-                           "--dynamic", "--memory-budget", "--prefetch", "--prefetch-bytes",
-                           "--model-store", "--model-memory-budget"}) {
+  for (const char* name :
+       {"--dataset", "--data", "--layers", "--epochs", "--precision", "--memory-budget",
+        "--prefetch", "--prefetch-bytes", "--model-store", "--model-memory-budget"}) {
     if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
   }
+  if (cmd.count("--horizon-epochs") > 0) {
+    throw UsageError(
+        "--horizon-epochs is not for --model gpt, which trains by steps: give "
+        "--horizon-steps");
+  }
+  check_schedule_options(o.schedule, !o.resume.empty());
 }
 
 }  // namespace

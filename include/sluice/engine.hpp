@@ -25,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sluice/activation_store.hpp"
@@ -64,6 +65,16 @@ struct EngineCounters {
   double stream_arrival_seconds = 0;
   double overlapped_seconds = 0;
   void reset() { *this = {}; }
+};
+
+/// Which of an engine's activations RigL's growth scores read (Engine::growth_activations,
+/// Fabric::growth_top_k): an MLP layer's input X and the dZ of its last backward_layer (in
+/// the ActivationStore), or with `block` a block model's projection backward (q_back, ...,
+/// head_back) as it just ran (in the BlockStore: its X and dY, until the next call reuses
+/// the deltas).
+struct GrowthSource {
+  std::int32_t layer = 0;
+  std::optional<BlockCall> block;
 };
 
 class Engine {
@@ -159,6 +170,10 @@ class Engine {
   /// call out of order (no shard, a parameter not set) or with the wrong arguments.
   virtual BlockReply run_block(const BlockCall& call, StreamSource* weights,
                                const Placement* placement, std::span<const float> bias);
+
+  /// The X (inputs x tokens) and dY (outputs x tokens) `source` names in this engine's
+  /// stores; ArgumentError if they do not hold it.
+  std::pair<ConstMatrixView, ConstMatrixView> growth_activations(const GrowthSource& source) const;
 
  protected:
   /// Runs `fn` on the engine's own threads, so the parallel loops in it (the layer

@@ -170,6 +170,16 @@ class Fabric {
   using ActivationsFn = std::function<void(std::span<const ConstMatrixView> xs,
                                            std::span<const ConstMatrixView> dzs)>;
   void with_layer_activations(std::int32_t layer, const ActivationsFn& fn);
+  /// RigL's growth: the `k` positions inactive in `mask` with the largest |dY X^T| summed
+  /// over every engine's tokens (the X and dY `source` names, Engine::growth_activations),
+  /// in increasing order, computed where the activations are and never as a whole dense
+  /// gradient. A local fabric scores its engines' stores; over MPI the engines chain each
+  /// tile of the gradient (engine e adds its tokens to engine e-1's sums) and the last one
+  /// keeps the top-k, so only tiles between engines and k candidates to the driver move.
+  /// Either way every sum runs over the tokens in engine order: the same positions, bit
+  /// for bit, on a LocalFabric and over MPI with as many engines, and on 1 or N engines.
+  std::vector<std::int64_t> growth_top_k(const GrowthSource& source, const CsrMatrix& mask,
+                                         std::int64_t k);
 
   // --- Block operations over the engines' block stores (a GPT's step) --------------------
 
@@ -217,6 +227,9 @@ class Fabric {
   /// The views of with_layer_activations, valid until the next operation.
   virtual void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                                       std::vector<ConstMatrixView>& dzs) = 0;
+  /// By default: dense_gradient_top_k on every engine's growth_activations.
+  virtual std::vector<std::int64_t> growth_top_k_impl(const GrowthSource& source,
+                                                      const CsrMatrix& mask, std::int64_t k);
   virtual void load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
                                 std::span<const std::int32_t> targets) = 0;
   /// The engines' replies summed: gradients by the tree, loss sums in engine order.

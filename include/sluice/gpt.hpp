@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "sluice/dynamic_sparsity.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
@@ -59,6 +60,9 @@ struct GptLayers {
   std::int32_t count = 0;  ///< layers in all
 
   explicit GptLayers(const GptConfig& config);
+  /// The sparse layers (every block's Q, K, V, O, up, down, then the LM head), increasing:
+  /// the ones whose masks dynamic sparsity changes.
+  std::vector<std::int32_t> sparse() const;
 };
 
 /// Adds a fresh GPT of `config` to `memory`, which must hold no layers (ArgumentError), and
@@ -86,14 +90,18 @@ class GptModel {
  public:
   /// The model in `memory` (built by build_gpt or loaded from its checkpoint), its
   /// products run by `fabric`'s engines. The config must be the memory's (ShapeError).
-  GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config);
+  /// With a `dynamic` rule other than none, train_step changes the sparse layers' masks
+  /// on its schedule (GptLayers::sparse; the dense parameters' masks never change), as
+  /// the MLP's executor does (sluice/dynamic_sparsity.hpp); ArgumentError if it is invalid.
+  GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config, DynamicSparsity dynamic = {});
   ~GptModel();
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
 
   const GptConfig& config() const;
 
-  /// Forward, backward, every layer's gradient to ModelMemory, commit_step. The batch's
+  /// Forward, backward, every layer's gradient to ModelMemory, commit_step, then on an
+  /// update step of the schedule the sparse layers' mask updates. The batch's
   /// context must be the model's and its sequences at least the engines (ShapeError).
   GptStep train_step(const TextBatch& batch);
   /// Forward and backward only: the gradient of the batch's mean loss for every layer

@@ -122,6 +122,8 @@ class MpiFabric final : public Fabric {
   DenseMatrix gather_output_impl() override;
   void layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                               std::vector<ConstMatrixView>& dzs) override;
+  std::vector<std::int64_t> growth_top_k_impl(const GrowthSource& source, const CsrMatrix& mask,
+                                              std::int64_t k) override;
   void load_tokens_impl(const BlockShape& shape, std::span<const std::int32_t> inputs,
                         std::span<const std::int32_t> targets) override;
   BlockResult run_block_impl(const BlockCall& call, StreamSource* weights,

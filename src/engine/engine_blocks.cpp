@@ -323,4 +323,25 @@ BlockReply Engine::weightless_block(const BlockCall& call) {
   return reply;
 }
 
+std::pair<ConstMatrixView, ConstMatrixView> Engine::growth_activations(
+    const GrowthSource& source) const {
+  if (!source.block) {
+    const std::int32_t l = source.layer;
+    if (!store_.loaded() || l < 0 || l >= store_.layers()) {
+      throw ArgumentError("engine growth activations: no layer " + std::to_string(l) +
+                          " in the engine's store");
+    }
+    return {store_.in(l), store_.last_delta(store_.spec().sizes[static_cast<std::size_t>(l) + 1])};
+  }
+  const BlockCall& call = *source.block;
+  if (!blocks_.loaded() || call.op < Op::head_back || !is_projection(call.op) || call.block < 0 ||
+      call.block >= blocks_.shape().blocks) {
+    throw ArgumentError("engine growth activations: " + named(call) +
+                        " is no projection backward of the block store's model");
+  }
+  // slots_of hands out the slots it would write; here they are only read.
+  const ProjectionSlots p = slots_of(const_cast<BlockStore&>(blocks_), call);
+  return {p.x, ConstMatrixView(p.y)};
+}
+
 }  // namespace sluice

@@ -66,7 +66,8 @@ void score_columns(const CsrMatrix& mask, std::span<const ConstMatrixView> xs,
   for (std::int64_t phase = 0; phase < kInterleave; ++phase) {
     for (std::int64_t r = phase; r < mask.rows(); r += kInterleave) {
       for (std::size_t e = 0; e < dys.size(); ++e) dy[e] = dys[e].row(r);
-      kernel(dy.data(), counts.data(), static_cast<int>(dy.size()), xt.data(), width, row.data());
+      kernel(dy.data(), counts.data(), static_cast<int>(dy.size()), xt.data(), width, false,
+             row.data());
       // Most scores fall short of the bar; only those that reach it are looked up in the
       // row's mask (active positions are not candidates), walking it once per row.
       const auto* active =
@@ -182,6 +183,53 @@ std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
       true);
   for (std::size_t i = 1; i < tops.size(); ++i) tops.front().merge(tops[i]);
   return tops.front().positions();
+}
+
+std::int64_t gradient_tile_columns() {
+  return kTileColumns;
+}
+
+void gradient_tile(ConstMatrixView x, ConstMatrixView dy, std::int64_t c0, std::int64_t c1,
+                   bool accumulate, std::vector<float>& xt, float* tile, Isa isa) {
+  if (x.cols != dy.cols || c0 < 0 || c1 > x.rows || c0 >= c1 || c1 - c0 > kTileColumns) {
+    throw ShapeError("gradient_tile: columns [" + std::to_string(c0) + ", " + std::to_string(c1) +
+                     ") of X " + std::to_string(x.rows) + "x" + std::to_string(x.cols) +
+                     " with dY of " + std::to_string(dy.cols) + " tokens");
+  }
+  const std::int64_t width = c1 - c0;
+  // X^T of these columns: row t is token t, as score_columns lays it out.
+  xt.resize(static_cast<std::size_t>(x.cols * width));
+  for (std::int64_t c = 0; c < width; ++c) {
+    const float* src = x.row(c0 + c);
+    for (std::int64_t t = 0; t < x.cols; ++t) xt[static_cast<std::size_t>(t * width + c)] = src[t];
+  }
+  const GradientRowKernel kernel = gradient_row_kernel(isa);
+  const std::int64_t tokens = x.cols;
+  parallel_for(std::int64_t{0}, dy.rows, [&](std::int64_t r) {
+    const float* row = dy.row(r);
+    kernel(&row, &tokens, 1, xt.data(), width, accumulate, tile + r * width);
+  });
+}
+
+void offer_gradient_tile(const CsrMatrix& mask, std::int64_t c0, std::int64_t c1, const float* tile,
+                         StreamingTopK& top) {
+  const std::int64_t width = c1 - c0;
+  const auto& offsets = mask.row_offsets();
+  const auto& indices = mask.col_indices();
+  for (std::int64_t r = 0; r < mask.rows(); ++r) {
+    const auto* active =
+        std::lower_bound(indices.data() + offsets[r], indices.data() + offsets[r + 1],
+                         static_cast<std::uint32_t>(c0));
+    const auto* last = indices.data() + offsets[r + 1];
+    for (std::int64_t c = 0; c < width; ++c) {
+      const float score = std::fabs(tile[r * width + c]);
+      if (!(score >= top.bar())) continue;
+      const auto col = static_cast<std::uint32_t>(c0 + c);
+      while (active != last && *active < col) ++active;
+      if (active != last && *active == col) continue;
+      top.offer(r * mask.cols() + col, score);
+    }
+  }
 }
 
 }  // namespace sluice::detail

@@ -64,10 +64,30 @@ class StreamingTopK {
 /// the smaller position), in increasing order; fewer if fewer scores are finite. xs[e] is
 /// engine e's layer input (mask.cols() x its tokens), dys[e] its output gradient
 /// (mask.rows() x the same tokens). Tiles of columns run in parallel, their products with
-/// `isa`'s kernel. ShapeError on shapes that do not fit, ArgumentError for a k over the inactive positions.
+/// `isa`'s kernel. ShapeError on shapes that do not fit, ArgumentError for a k over the inactive
+/// positions.
 std::vector<std::int64_t> dense_gradient_top_k(const CsrMatrix& mask,
                                                std::span<const ConstMatrixView> xs,
                                                std::span<const ConstMatrixView> dys, std::int64_t k,
                                                Isa isa = default_isa());
+
+// --- The same scores with every engine's tokens on its own rank (MpiFabric) ---------------
+// Engine 0 computes a tile of the dense gradient over its tokens, engine 1 continues those
+// sums with its tokens, and so on; the last engine offers the finished tile to the top-k.
+// Each sum then runs over the tokens in dense_gradient_top_k's order, so the positions are
+// the same bit for bit, and only the tiles' sums and the top-k's candidates move.
+
+/// Columns per tile of gradient_tile.
+std::int64_t gradient_tile_columns();
+
+/// tile (dy.rows x (c1 - c0), row-major) = dy x[c0, c1)^T over this engine's tokens, or with
+/// `accumulate` added to the tile's sums (the engines before it). `xt` is scratch. Rows in
+/// parallel; ShapeError if x and dy do not fit.
+void gradient_tile(ConstMatrixView x, ConstMatrixView dy, std::int64_t c0, std::int64_t c1,
+                   bool accumulate, std::vector<float>& xt, float* tile, Isa isa = default_isa());
+
+/// Offers the finished tile's positions inactive in `mask` (|score|) to `top`.
+void offer_gradient_tile(const CsrMatrix& mask, std::int64_t c0, std::int64_t c1, const float* tile,
+                         StreamingTopK& top);
 
 }  // namespace sluice::detail

@@ -14,8 +14,8 @@
 #include <string>
 
 #include "engine/clock.hpp"
-#include "engine/gradient_top_k.hpp"
 #include "executor/layer_stream.hpp"
+#include "model_memory/mask_update.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -290,27 +290,18 @@ struct LayerStreamingExecutor::Impl {
     }
   }
 
-  // Layer l's mask: the matrix itself from a ModelMemory that keeps it in RAM, else
-  // decoded from its mask stream into `copy` (a tiered store's layer is in files).
-  const CsrMatrix& layer_mask(std::int32_t l, CsrMatrix& copy) const {
-    if (dynamic_cast<const HostModelMemory*>(&memory) != nullptr) return memory.weights(l);
-    copy = decode_stream(memory.stream(l, StreamKind::mask));
-    return copy;
-  }
-
   // RigL's growth for layer l: the inactive positions with the largest |dY X^T| over
-  // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp). It
-  // needs the layer's X and dZ themselves: the fabric lends them (over MPI, gathers them:
-  // the only activations that cross a fabric, on mask-update steps alone).
+  // every engine's tokens, the dense gradient never held (see gradient_top_k.hpp),
+  // computed by the fabric where the layer's X and dZ are (over MPI on the engine ranks:
+  // only the candidates come back).
   void score_growth(std::int32_t l) {
     const auto t0 = Clock::now();
     CsrMatrix copy;
-    const CsrMatrix& w = layer_mask(l, copy);
+    const CsrMatrix& w = detail::layer_mask(memory, l, copy);
     const std::int64_t k = options.dynamic.swap_count(growth_step, w.nnz(), w.rows() * w.cols());
-    fabric.with_layer_activations(
-        l, [&](std::span<const ConstMatrixView> xs, std::span<const ConstMatrixView> dys) {
-          (*growth)[static_cast<std::size_t>(l)] = detail::dense_gradient_top_k(w, xs, dys, k);
-        });
+    GrowthSource source;
+    source.layer = l;
+    (*growth)[static_cast<std::size_t>(l)] = fabric.growth_top_k(source, w, k);
     const double seconds = seconds_since(t0);
     metrics.mask_update_seconds += seconds;
     metrics.mask_score_seconds += seconds;
@@ -322,14 +313,7 @@ struct LayerStreamingExecutor::Impl {
     const auto t0 = Clock::now();
     const DynamicSparsity& d = options.dynamic;
     for (std::int32_t l = 0; l < layers(); ++l) {
-      if (d.rule == MaskUpdateRule::rigl) {
-        memory.regrow(l, grown[static_cast<std::size_t>(l)]);
-      } else {
-        CsrMatrix copy;
-        const CsrMatrix& w = layer_mask(l, copy);
-        const std::int64_t k = d.swap_count(step, w.nnz(), w.rows() * w.cols());
-        memory.regrow(l, random_inactive_positions(w, k, mask_update_seed(d.seed, step, l)));
-      }
+      detail::update_layer_mask(memory, d, step, l, grown[static_cast<std::size_t>(l)]);
     }
     metrics.mask_updates += 1;
     metrics.mask_update_seconds += seconds_since(t0);

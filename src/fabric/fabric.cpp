@@ -9,6 +9,7 @@
 #include <string>
 
 #include "engine/engine_worker.hpp"
+#include "engine/gradient_top_k.hpp"
 #include "fabric/gradient_tree.hpp"
 #include "sluice/error.hpp"
 
@@ -353,6 +354,27 @@ void Fabric::with_layer_activations(std::int32_t layer, const ActivationsFn& fn)
   std::vector<ConstMatrixView> xs, dzs;
   layer_activations_impl(layer, xs, dzs);  // counts what it moves, if anything
   fn(xs, dzs);
+}
+
+std::vector<std::int64_t> Fabric::growth_top_k(const GrowthSource& source, const CsrMatrix& mask,
+                                               std::int64_t k) {
+  const std::int64_t inactive = mask.rows() * mask.cols() - mask.nnz();
+  if (k < 0 || k > inactive) {
+    throw ArgumentError("fabric growth_top_k: k = " + std::to_string(k) + " but the layer has " +
+                        std::to_string(inactive) + " inactive positions");
+  }
+  return growth_top_k_impl(source, mask, k);  // counts what it moves, if anything
+}
+
+std::vector<std::int64_t> Fabric::growth_top_k_impl(const GrowthSource& source,
+                                                    const CsrMatrix& mask, std::int64_t k) {
+  std::vector<ConstMatrixView> xs, dys;
+  for (std::int32_t e = 0; e < engine_count(); ++e) {
+    const auto [x, dy] = engine(e).growth_activations(source);
+    xs.push_back(x);
+    dys.push_back(dy);
+  }
+  return detail::dense_gradient_top_k(mask, xs, dys, k);
 }
 
 }  // namespace sluice

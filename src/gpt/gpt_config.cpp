@@ -110,6 +110,15 @@ GptLayers::GptLayers(const GptConfig& config) {
   count = next;
 }
 
+std::vector<std::int32_t> GptLayers::sparse() const {
+  std::vector<std::int32_t> out;
+  for (const Block& b : blocks) {
+    for (const std::int32_t l : {b.q, b.k, b.v, b.o, b.up, b.down}) out.push_back(l);
+  }
+  out.push_back(head);
+  return out;
+}
+
 void build_gpt(ModelMemory& memory, const GptConfig& config, std::uint64_t seed) {
   config.validate();
   if (memory.layer_count() != 0) {

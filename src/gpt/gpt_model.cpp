@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 
+#include "gpt/gpt_mask_updates.hpp"
 #include "sluice/error.hpp"
 #include "sluice/gpt.hpp"
 
@@ -33,9 +34,15 @@ struct GptModel::Impl {
   std::uint64_t mask_generation = 0;
   StepMetrics totals;
   StepMetrics metrics;  // of the current call
+  detail::GptMaskUpdates mask_updates;
 
-  Impl(ModelMemory& m, Fabric& f, GptConfig c)
-      : memory(m), fabric(f), config(c), layers(c), engines(f.engine_count()) {
+  Impl(ModelMemory& m, Fabric& f, GptConfig c, const DynamicSparsity& dynamic)
+      : memory(m),
+        fabric(f),
+        config(c),
+        layers(c),
+        engines(f.engine_count()),
+        mask_updates(m, f, layers, dynamic) {
     const GptConfig held = gpt_config_of(memory);
     if (held.describe() != config.describe()) {
       throw ShapeError("GptModel: the ModelMemory holds " + held.describe() + ", not " +
@@ -122,6 +129,11 @@ struct GptModel::Impl {
     const bool with_bias = !backward && op != Op::set_table && op != Op::set_positions;
     const std::vector<float> none;
     BlockResult r = fabric.run_block(call, &source, where, with_bias ? memory.bias(layer) : none);
+    // RigL: scored while the engines still hold this projection's X and dY (the next
+    // operations reuse the deltas).
+    if (backward && is_projection(op) && mask_updates.scores(layer)) {
+      mask_updates.score(layer, call, metrics);
+    }
     if (returns_gradient(op)) {
       (*sink)(layer, std::move(r.gradient.weights), std::move(r.gradient.bias));
     }
@@ -192,8 +204,8 @@ struct GptModel::Impl {
   }
 };
 
-GptModel::GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config)
-    : impl_(std::make_unique<Impl>(memory, fabric, config)) {}
+GptModel::GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config, DynamicSparsity dynamic)
+    : impl_(std::make_unique<Impl>(memory, fabric, config, dynamic)) {}
 
 GptModel::~GptModel() = default;
 
@@ -217,6 +229,7 @@ GptStep GptModel::train_step(const TextBatch& batch) {
   const auto t0 = Clock::now();
   GptStep r;
   m.load(batch, true);
+  m.mask_updates.begin_step(m.memory.step() + 1);
   try {
     m.forward();
     r.loss = m.loss_sum(true) / static_cast<double>(m.total_tokens);
@@ -225,9 +238,11 @@ GptStep GptModel::train_step(const TextBatch& batch) {
     });
   } catch (...) {
     m.memory.discard_step();
+    m.mask_updates.end_step(StepReport{}, m.metrics);
     throw;
   }
   r.report = m.memory.commit_step();
+  m.mask_updates.end_step(r.report, m.metrics);
   StepMetrics& mt = m.metrics;
   mt.wall_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   mt.optimizer_seconds = r.report.seconds;

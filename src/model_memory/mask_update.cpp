@@ -12,6 +12,7 @@
 #include "core/splitmix.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
+#include "sluice/stream_codec.hpp"
 
 namespace sluice {
 
@@ -219,6 +220,26 @@ std::vector<float> carry_over(std::span<const float> old_state,
     out[j] = source[j] < 0 ? 0.0F : old_state[static_cast<std::size_t>(source[j])];
   }
   return out;
+}
+
+const CsrMatrix& layer_mask(ModelMemory& memory, std::int32_t layer, CsrMatrix& copy) {
+  if (const auto* host = dynamic_cast<const HostModelMemory*>(&memory); host != nullptr) {
+    return host->weights(layer);
+  }
+  copy = decode_stream(memory.stream(layer, StreamKind::mask));
+  return copy;
+}
+
+void update_layer_mask(ModelMemory& memory, const DynamicSparsity& d, std::int64_t step,
+                       std::int32_t layer, std::span<const std::int64_t> growth) {
+  if (d.rule == MaskUpdateRule::rigl) {
+    memory.regrow(layer, growth);
+    return;
+  }
+  CsrMatrix copy;
+  const CsrMatrix& w = layer_mask(memory, layer, copy);
+  const std::int64_t k = d.swap_count(step, w.nnz(), w.rows() * w.cols());
+  memory.regrow(layer, random_inactive_positions(w, k, mask_update_seed(d.seed, step, layer)));
 }
 
 }  // namespace detail

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "sluice/csr_matrix.hpp"
+#include "sluice/dynamic_sparsity.hpp"
+#include "sluice/model_memory.hpp"
 
 namespace sluice::detail {
 
@@ -31,5 +33,16 @@ MaskChange prune_and_regrow(const CsrMatrix& w, std::span<const std::int64_t> dr
 /// carried over to the new pattern, zeroed for grown weights.
 std::vector<float> carry_over(std::span<const float> old_state,
                               std::span<const std::int64_t> source);
+
+/// Layer `layer`'s mask: the matrix itself from a ModelMemory that keeps it in RAM, else
+/// decoded from its mask stream into `copy` (a tiered store's layer is in files).
+const CsrMatrix& layer_mask(ModelMemory& memory, std::int32_t layer, CsrMatrix& copy);
+
+/// After update step `step`'s commit, layer `layer` drops its smallest weights and grows as
+/// many (ModelMemory::regrow): with rule rigl the positions `growth` (scored during the
+/// step), with rule set `d`'s seeded draw for this step and layer. What the MLP's executor
+/// and the GPT do alike.
+void update_layer_mask(ModelMemory& memory, const DynamicSparsity& d, std::int64_t step,
+                       std::int32_t layer, std::span<const std::int64_t> growth);
 
 }  // namespace sluice::detail

@@ -182,6 +182,36 @@ TEST(MpiFabric, DynamicSparsityMatchesLocalFabric) {
   }
 }
 
+// RigL's growth scores run on the engine ranks (each tile's sums passed from engine to
+// engine, the top-k on the last): the positions of a LocalFabric with as many engines,
+// bit for bit, and rank 0 receives the candidates only, never the activations.
+TEST(MpiFabric, GrowthTopKRunsOnTheEnginesAsOnALocalFabric) {
+  const std::vector<std::int64_t> sizes = {150, 140, 9};  // two column tiles, the last partial
+  Twins twins(sizes, OptimizerKind::adam);
+  Data d = make_data(sizes.front(), sizes.back(), 29, 41);
+  const Batch batch{d.x.view(), d.labels, {}};
+  twins.on_mpi->gradients(batch);  // leaves every layer's X and dZ in the engines' stores
+  twins.on_local->gradients(batch);
+  for (std::int32_t l = 0; l < 2; ++l) {
+    const CsrMatrix& mask = twins.remote.weights(l);
+    const std::int64_t inactive = mask.rows() * mask.cols() - mask.nnz();
+    GrowthSource source;
+    source.layer = l;
+    for (const std::int64_t k : {std::int64_t{1}, std::int64_t{333}, inactive}) {
+      const FabricCounters before = g_fabric->counters();
+      const std::vector<std::int64_t> remote = g_fabric->growth_top_k(source, mask, k);
+      const std::uint64_t received =
+          g_fabric->counters().driver_bytes_received - before.driver_bytes_received;
+      EXPECT_EQ(remote, twins.local_fabric.growth_top_k(source, mask, k)) << l << " " << k;
+      EXPECT_EQ(remote.size(), static_cast<std::size_t>(k));
+      EXPECT_EQ(received, 8 * (static_cast<std::uint64_t>(k) + 1)) << "candidates only";
+    }
+  }
+  GrowthSource none;
+  none.layer = 2;
+  EXPECT_THROW(g_fabric->growth_top_k(none, twins.remote.weights(0), 1), ArgumentError);
+}
+
 // Rank 0 sends each engine its shard of the batch once a step, then weights; it receives
 // gradients and scalars: what comes back does not depend on the batch, what goes out grows
 // by the batch's own bytes only. The bytes are rank 0's actual messages, protocol included.
@@ -451,6 +481,40 @@ TEST(MpiFabricGpt, TrainingGradientsAndGenerationMatchLocalFabric) {
   EXPECT_EQ(a.next_logits(prompt), b.next_logits(prompt));
   const std::string bytes = {'\x03', '\x01', '\x04'};  // inside the vocabulary of 32
   EXPECT_EQ(generate_text(a, bytes, 12, 0.8, 5), generate_text(b, bytes, 12, 0.8, 5));
+}
+
+// Dynamic sparsity on the GPT: RigL's scores run on the engine ranks' block stores (the
+// tiles passed from engine to engine), SET's draws on rank 0; the masks and weights are
+// those of a LocalFabric with as many engines, bit for bit.
+TEST(MpiFabricGpt, DynamicSparsityMatchesLocalFabric) {
+  const GptConfig c = gpt::tiny_config(1);
+  for (const MaskUpdateRule rule : {MaskUpdateRule::rigl, MaskUpdateRule::set}) {
+    DynamicSparsity d;
+    d.rule = rule;
+    d.update_every = 2;
+    d.drop = 0.5;
+    d.total_steps = 8;
+    HostModelMemory on_mpi, on_local;
+    for (HostModelMemory* m : {&on_mpi, &on_local}) {
+      gpt::build_random_gpt(*m, c, 29);
+      m->set_optimizer({.kind = OptimizerKind::adam, .learning_rate = 1e-2});
+    }
+    const HostModelMemory& start = on_local;
+    const std::vector<std::uint32_t> head_before = start.weights(GptLayers(c).head).col_indices();
+    LocalFabric local = make_local(g_fabric->engine_count());
+    GptModel a(on_mpi, *g_fabric, c, d), b(on_local, local, c, d);
+    for (std::uint32_t step = 0; step < 5; ++step) {
+      const TextBatch batch = gpt::random_batch(c, 5, 60 + step);
+      EXPECT_EQ(a.train_step(batch).loss, b.train_step(batch).loss)
+          << to_string(rule) << " step " << step;
+    }
+    EXPECT_EQ(a.totals().mask_updates, 2) << to_string(rule);  // after steps 2 and 4
+    EXPECT_NE(on_mpi.weights(GptLayers(c).head).col_indices(), head_before);
+    for (std::int32_t l = 0; l < on_mpi.layer_count(); ++l) {
+      EXPECT_EQ(on_mpi.weights(l).col_indices(), on_local.weights(l).col_indices()) << l;
+      EXPECT_EQ(on_mpi.weights(l).values(), on_local.weights(l).values()) << l;
+    }
+  }
 }
 
 // Rank 0 streams a weight with an input index out of range: the engine ranks' validation

@@ -6,8 +6,8 @@
 namespace sluice::detail {
 
 void gradient_row_scalar(const float* const* dy, const std::int64_t* tokens, int parts,
-                         const float* xt, std::int64_t width, float* acc) {
-  gradient_row_loop(dy, tokens, parts, xt, width, acc);
+                         const float* xt, std::int64_t width, bool accumulate, float* acc) {
+  gradient_row_loop(dy, tokens, parts, xt, width, accumulate, acc);
 }
 
 GradientRowKernel gradient_row_kernel(Isa isa) {

@@ -458,6 +458,64 @@ DenseMatrix DriverRank::gather_output() {
   return y;
 }
 
+std::vector<std::int64_t> DriverRank::growth_top_k(const GrowthSource& source,
+                                                   const CsrMatrix& mask, std::int64_t k) {
+  const std::int32_t layer = source.layer;
+  if (!source.block && (shard_tokens_.empty() || layer < 0 ||
+                        layer + 1 >= static_cast<std::int32_t>(sizes_.size()) ||
+                        mask.cols() != sizes_[static_cast<std::size_t>(layer)] ||
+                        mask.rows() != sizes_[static_cast<std::size_t>(layer) + 1])) {
+    throw ArgumentError("MpiFabric growth_top_k: no layer " + std::to_string(layer) + " of " +
+                        std::to_string(mask.rows()) + "x" + std::to_string(mask.cols()) +
+                        " in the engines' stores");
+  }
+  std::vector<std::int64_t> positions;
+  inside_operation([&] {
+    Command c;
+    c.op = static_cast<std::int32_t>(Op::growth_top_k);
+    c.layer = layer;
+    if (source.block) {  // a block model's projection backward: its operation and block
+      c.block_op = static_cast<std::int32_t>(source.block->op);
+      c.layer = source.block->block;
+    }
+    c.outputs = static_cast<std::uint32_t>(mask.rows());
+    c.inputs = static_cast<std::uint32_t>(mask.cols());
+    c.nnz = static_cast<std::uint64_t>(mask.nnz());
+    c.total_tokens = k;  // the candidates wanted
+    send_command(c);
+    // Only the last engine, which keeps the top-k, needs the mask.
+    const int last = link_->size() - 1;
+    MPI_Request r[2];
+    mpi_check(MPI_Isend(mask.row_offsets().data(),
+                        to_count(mask.row_offsets().size(), "a mask's offsets"), MPI_INT64_T, last,
+                        kGrowthTag, link_->comm(), &r[0]),
+              "growth mask send");
+    mpi_check(MPI_Isend(mask.col_indices().data(),
+                        to_count(mask.col_indices().size(), "a mask's indices"), MPI_UINT32_T, last,
+                        kGrowthTag, link_->comm(), &r[1]),
+              "growth mask send");
+    link_->wait_all(2, r, "growth mask send");
+    std::int64_t count = 0;
+    MPI_Request q;
+    mpi_check(MPI_Irecv(&count, 1, MPI_INT64_T, last, kGrowthTag, link_->comm(), &q),
+              "growth candidates receive");
+    link_->wait(q, "growth candidates receive");
+    if (count < 0 || count > k) {
+      throw FormatError("MpiFabric: engine rank " + std::to_string(last) + " returned " +
+                        std::to_string(count) + " growth candidates for " + std::to_string(k));
+    }
+    positions.resize(static_cast<std::size_t>(count));
+    mpi_check(MPI_Irecv(positions.data(), to_count(positions.size(), "growth candidates"),
+                        MPI_INT64_T, last, kGrowthTag, link_->comm(), &q),
+              "growth candidates receive");
+    link_->wait(q, "growth candidates receive");
+    counters_->driver_bytes_sent += sizeof c + mask.row_offsets().size() * sizeof(std::int64_t) +
+                                    mask.col_indices().size() * sizeof(std::uint32_t);
+    counters_->driver_bytes_received += sizeof count + positions.size() * sizeof(std::int64_t);
+  });
+  return positions;
+}
+
 void DriverRank::layer_activations(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                                    std::vector<ConstMatrixView>& dzs) {
   if (shard_tokens_.empty() || layer < 0 || layer + 1 >= static_cast<std::int32_t>(sizes_.size())) {

@@ -49,6 +49,9 @@ class DriverRank {
   BlockResult run_block(const BlockCall& call, StreamSource* weights,
                         std::span<const Placement* const> placements, std::span<const float> bias);
   std::vector<float> block_logits(std::int64_t token);
+  /// Fabric::growth_top_k: the mask to the last engine, its candidates back.
+  std::vector<std::int64_t> growth_top_k(const GrowthSource& source, const CsrMatrix& mask,
+                                         std::int64_t k);
   void stop();
 
  private:

@@ -1,9 +1,11 @@
 #include "fabric/mpi/engine_rank.hpp"
 
+#include <algorithm>
 #include <exception>
 #include <future>
 #include <string>
 
+#include "engine/gradient_top_k.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
 
@@ -226,6 +228,8 @@ void EngineRank::serve_layer_op(const Command& cmd) {
       send_matrix(&dz);
       return;
     }
+    case Op::growth_top_k:
+      return serve_growth(cmd);
     case Op::gather_output: {
       const ActivationStore& store = engine_->store();
       DenseMatrix out(0, 0);
@@ -407,6 +411,80 @@ void EngineRank::serve_block_logits(const Command& cmd) {
   }
   link_->gatherv(column.data(), to_count(column.size(), "the logits"), nullptr, nullptr, nullptr,
                  MPI_FLOAT, "logits gather");
+}
+
+// RigL's growth (Fabric::growth_top_k): tile by tile, engine e takes the tile's sums from
+// engine e - 1, adds its own tokens and passes them on; the last engine offers the finished
+// tile to the top-k, whose positions go to rank 0. While engine e + 1 works on a tile,
+// engine e computes the next one.
+void EngineRank::serve_growth(const Command& cmd) {
+  GrowthSource source;
+  source.layer = cmd.layer;
+  if (cmd.block_op != 0) {  // a block model's projection backward (checked by the engine)
+    BlockCall call;
+    call.op = static_cast<BlockOp>(cmd.block_op);
+    call.block = cmd.layer;
+    source.block = call;
+  }
+  const auto [x, dz] = engine_->growth_activations(source);
+  if (x.rows != cmd.inputs || dz.rows != cmd.outputs) {
+    throw FormatError("MpiFabric: growth scores of a " + std::to_string(cmd.outputs) + "x" +
+                      std::to_string(cmd.inputs) + " layer from activations of " +
+                      std::to_string(dz.rows) + " and " + std::to_string(x.rows) + " rows");
+  }
+  const int rank = link_->rank(), last = link_->size() - 1;
+  MPI_Comm comm = link_->comm();
+  CsrMatrix mask;
+  if (rank == last) {
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(dz.rows) + 1);
+    std::vector<std::uint32_t> indices(cmd.nnz);
+    MPI_Request r[2];
+    mpi_check(MPI_Irecv(offsets.data(), to_count(offsets.size(), "a mask's offsets"), MPI_INT64_T,
+                        0, kGrowthTag, comm, &r[0]),
+              "growth mask receive");
+    mpi_check(MPI_Irecv(indices.data(), to_count(indices.size(), "a mask's indices"), MPI_UINT32_T,
+                        0, kGrowthTag, comm, &r[1]),
+              "growth mask receive");
+    link_->wait_all(2, r, "growth mask receive");
+    mask = CsrMatrix(dz.rows, x.rows, std::move(offsets), std::move(indices),
+                     std::vector<float>(cmd.nnz, 1.0F));
+  }
+  const std::int64_t width = detail::gradient_tile_columns();
+  const auto tile_floats = static_cast<std::size_t>(dz.rows * width);
+  // Two tiles: one computed while the other is on its way to the next engine.
+  std::vector<float> tiles[2] = {std::vector<float>(tile_floats), std::vector<float>(tile_floats)};
+  MPI_Request sent[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  std::vector<float> xt;
+  detail::StreamingTopK top(rank == last ? cmd.total_tokens : 0);
+  for (std::int64_t c0 = 0, i = 0; c0 < x.rows; c0 += width, ++i) {
+    const std::int64_t c1 = std::min(x.rows, c0 + width);
+    std::vector<float>& tile = tiles[i % 2];
+    const int count = to_count(static_cast<std::uint64_t>(dz.rows * (c1 - c0)), "a gradient tile");
+    link_->wait(sent[i % 2], "growth tile send");
+    if (rank > 1) {
+      MPI_Request r;
+      mpi_check(MPI_Irecv(tile.data(), count, MPI_FLOAT, rank - 1, kGrowthTag, comm, &r),
+                "growth tile receive");
+      link_->wait(r, "growth tile receive");
+    }
+    detail::gradient_tile(x, dz, c0, c1, rank > 1, xt, tile.data());
+    if (rank < last) {
+      mpi_check(MPI_Isend(tile.data(), count, MPI_FLOAT, rank + 1, kGrowthTag, comm, &sent[i % 2]),
+                "growth tile send");
+    } else {
+      detail::offer_gradient_tile(mask, c0, c1, tile.data(), top);
+    }
+  }
+  link_->wait_all(2, sent, "growth tile send");
+  if (rank != last) return;
+  const std::vector<std::int64_t> positions = top.positions();
+  const auto count = static_cast<std::int64_t>(positions.size());
+  MPI_Request r[2];
+  mpi_check(MPI_Isend(&count, 1, MPI_INT64_T, 0, kGrowthTag, comm, &r[0]), "growth candidates");
+  mpi_check(MPI_Isend(positions.data(), to_count(positions.size(), "growth candidates"),
+                      MPI_INT64_T, 0, kGrowthTag, comm, &r[1]),
+            "growth candidates");
+  link_->wait_all(2, r, "growth candidates");
 }
 
 }  // namespace sluice::mpi

@@ -35,6 +35,7 @@ class EngineRank {
   void serve_load_tokens(const Command& cmd);
   void serve_block(const Command& cmd);
   void serve_block_logits(const Command& cmd);
+  void serve_growth(const Command& cmd);
   Job receive_job(std::uint32_t inputs, Placement& placement);
   DenseMatrix receive_matrix(std::int64_t rows, std::int64_t cols);
   void send_matrix(const DenseMatrix* m);

@@ -321,6 +321,11 @@ DenseMatrix MpiFabric::gather_output_impl() {
   return impl_->drive().gather_output();
 }
 
+std::vector<std::int64_t> MpiFabric::growth_top_k_impl(const GrowthSource& source,
+                                                       const CsrMatrix& mask, std::int64_t k) {
+  return impl_->drive().growth_top_k(source, mask, k);
+}
+
 void MpiFabric::layer_activations_impl(std::int32_t layer, std::vector<ConstMatrixView>& xs,
                                        std::vector<ConstMatrixView>& dzs) {
   impl_->drive().layer_activations(layer, xs, dzs);

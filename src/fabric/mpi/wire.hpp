@@ -30,8 +30,10 @@ enum class Op : std::int32_t {
   load_tokens = 13,
   block_op = 14,
   block_logits = 15,
+  // RigL's growth scores on the engines' activations.
+  growth_top_k = 16,
 };
-constexpr std::int32_t kLastOp = static_cast<std::int32_t>(Op::block_logits);
+constexpr std::int32_t kLastOp = static_cast<std::int32_t>(Op::growth_top_k);
 
 struct ChunkMeta {
   std::int64_t packets = 0;
@@ -67,7 +69,8 @@ struct Command {
   std::int32_t layer = 0;
   std::int32_t flags = 0;
   std::int64_t total_tokens = 0;
-  // block_op: the BlockOp (layer holds the block).
+  // block_op: the BlockOp (layer holds the block); growth_top_k of a block model's
+  // projection the same way (0: an MLP layer's).
   std::int32_t block_op = 0;
   std::int32_t unused2 = 0;
   FrameMeta first;  ///< the stream's first frame
@@ -134,6 +137,7 @@ struct DirectProbe {
 constexpr int kGradientTag = 17;   // gradient values, up the engines' tree and to rank 0
 constexpr int kFrameReadTag = 18;  // direct reads: an engine has read a frame
 constexpr int kPingTag = 19;       // peer timeout: are you there?
+constexpr int kGrowthTag = 20;     // RigL: gradient tiles along the engines, candidates back
 constexpr int kPongTag = 20;       // ... yes
 
 // Gradient values travel in segments of this many floats: the reduction tree and rank 0's
