@@ -123,7 +123,8 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
       ->check(number_range(1, 1 << 24));
   auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
                         ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
-  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate")->check(positive_number());
+  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate (default 2e-3; the GPT's 3e-3)")
+                 ->check(positive_number());
   auto* seed = cmd->add_option("--seed", o->seed,
                                "Seed for weights, data split and shuffles (a resumed run "
                                "keeps its checkpoint's)")
