@@ -132,12 +132,17 @@ template <typename PacketT>
   return (s0 + s1) + (s2 + s3);
 }
 
+// The one-token templates below are always inlined: the files of different ISAs include
+// them, and an out-of-line copy is one symbol the linker keeps from any of them, so an
+// AVX-512 file's copy could serve the AVX2 path on a CPU without AVX-512.
+
 /// The forward of a single token: y[r, 0] = run r's dot product with X's column. The
 /// vector tables' forwards take this path for one token (AVX-512's with gathers), and the
 /// engine takes it for a bf16 stream's one token, its packets read as they are (X held in
 /// fp32): one token is bound by reading the stream, which bf16 halves.
 template <typename PacketT>
-void forward_one_token(const Runs<PacketT>& L, Tile x, MutableTile y) {
+[[gnu::always_inline]] inline void forward_one_token(const Runs<PacketT>& L, Tile x,
+                                                     MutableTile y) {
   for (std::int64_t r = 0; r < L.runs; ++r) {
     y.data[r * y.stride] = dot_one_token(L.packets, L.begin[r], L.end[r], x);
   }
@@ -147,7 +152,8 @@ void forward_one_token(const Runs<PacketT>& L, Tile x, MutableTile y) {
 /// one token, as the forward's: dX scattered one product per weight, and each weight's one
 /// product left as `sums` says.
 template <typename PacketT>
-void backward_data_one_token(const Runs<PacketT>& L, Tile dy, MutableTile dx) {
+[[gnu::always_inline]] inline void backward_data_one_token(const Runs<PacketT>& L, Tile dy,
+                                                           MutableTile dx) {
   const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float d = dy.data[r * dy.stride];
@@ -157,7 +163,8 @@ void backward_data_one_token(const Runs<PacketT>& L, Tile dy, MutableTile dx) {
   }
 }
 template <typename PacketT>
-void backward_weight_one_token(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums) {
+[[gnu::always_inline]] inline void backward_weight_one_token(const Runs<PacketT>& L, Tile dy,
+                                                             Tile x, const GradientSums& sums) {
   const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
     const float d = dy.data[r * dy.stride];
@@ -191,8 +198,8 @@ template <bool kData, bool kWeight, typename PacketT>
 /// forward_one_token, four sums of dX at once, and each weight's one product left as
 /// `sums` says.
 template <typename PacketT>
-void by_input_one_token(const Runs<PacketT>& L, Tile dy, Tile x, MutableTile dx,
-                        const GradientSums& sums) {
+[[gnu::always_inline]] inline void by_input_one_token(const Runs<PacketT>& L, Tile dy, Tile x,
+                                                      MutableTile dx, const GradientSums& sums) {
   with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
     for (std::int64_t r = 0; r < L.runs; ++r) {
       const float xr = kWeight ? x.data[r * x.stride] : 0.0F;
