@@ -1,11 +1,12 @@
 #pragma once
 // The block kernels' bodies (blocks/block_kernels.hpp), included by one file per ISA:
 // block_kernels.cpp (the baseline), block_kernels_avx2.cpp and block_kernels_avx512.cpp,
-// each compiled for its ISA. Every function here is static and every helper it calls is
-// always inlined, so each file keeps its own copy and no ISA's code can stand in for
-// another's at link time; for the same reason they use no std:: container, whose
-// instantiations the linker would share between the files. Those files are compiled with
-// -fno-trapping-math (core/exp_bounded.hpp says why). Internal.
+// each compiled for its ISA. Every function here is in an unnamed namespace (internal
+// linkage) and every helper it calls is always inlined, so each file keeps its own copy and
+// no ISA's code can stand in for another's at link time (tests/isa_objects_share_nothing.sh);
+// for the same reason they use no std:: container, whose instantiations the linker would
+// share between the files. Those files are compiled with -fno-trapping-math
+// (core/exp_bounded.hpp says why). Internal.
 #include <cmath>
 
 #include "blocks/block_kernels.hpp"
