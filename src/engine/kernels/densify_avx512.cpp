@@ -5,12 +5,7 @@
 // chain of dependent steps per window and lost to the stores at every density measured
 // (docs/performance_notes.md). Nothing past the row's width is written, so tiles can be
 // as wide as the layer (oneDNN's brgemm matmul takes only a dense A).
-#include <immintrin.h>
-
-#if defined(__GNUC__) && !defined(__clang__)            // clang has no such warnings
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, inside its own intrinsics
-#pragma GCC diagnostic ignored "-Wuninitialized"        // ... and its reductions
-#endif
+#include "engine/kernels/avx512_intrinsics.hpp"
 
 #include <algorithm>
 

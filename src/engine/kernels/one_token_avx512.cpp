@@ -5,13 +5,7 @@
 // (bf16), gathers their 16 activations and adds with one FMA; the sum is reduced once per
 // run. The scalar form (dot_one_token) costs two loads, a multiply and an add a packet,
 // and stays for short runs, where the gathers and the reduction do not pay.
-#include <immintrin.h>
-
-// GCC 12 warns falsely inside its own gather and reduction intrinsics.
-#if defined(__GNUC__) && !defined(__clang__)  // clang has no such warnings
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "engine/kernels/avx512_intrinsics.hpp"
 
 #include <algorithm>
 

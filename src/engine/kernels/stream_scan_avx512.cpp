@@ -2,12 +2,7 @@
 // VectorRules says (vector maxima and minima, judged once per chunk), carriage-return
 // positions written by compression. The packets left after the last whole step go
 // through the scalar rules.
-#include <immintrin.h>
-
-#if defined(__GNUC__) && !defined(__clang__)            // clang has no such warnings
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, inside its own intrinsics
-#pragma GCC diagnostic ignored "-Wuninitialized"        // ... and its reductions
-#endif
+#include "engine/kernels/avx512_intrinsics.hpp"
 
 #include <bit>
 
