@@ -17,6 +17,7 @@
 #include "model_memory/layer_streams.hpp"
 #include "model_memory/mask_update.hpp"
 #include "model_memory/optimizer_kernels.hpp"
+#include "model_memory/placement_cache.hpp"
 
 namespace sluice {
 namespace {
@@ -390,12 +391,7 @@ const TransposedPattern& HostModelMemory::transposed_impl(std::int32_t layer) co
 
 const Placement& HostModelMemory::placement_impl(std::int32_t layer, std::int32_t lanes) {
   detail::HostLayer& l = *state_->layers[layer];
-  std::lock_guard lock(l.placement_mutex);
-  auto it = l.placements.find(lanes);
-  if (it == l.placements.end()) {
-    it = l.placements.emplace(lanes, round_robin_placement(l.weights, lanes)).first;
-  }
-  return it->second;
+  return detail::cached_placement(l.placement_mutex, l.placements, l.weights, lanes);
 }
 
 void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,

@@ -8,6 +8,7 @@
 
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/layer_streams.hpp"
+#include "model_memory/placement_cache.hpp"
 #include "model_memory/tiered_model_memory_state.hpp"
 
 namespace sluice {
@@ -181,12 +182,7 @@ const std::vector<float>& TieredModelMemory::bias_impl(std::int32_t layer) const
 
 const Placement& TieredModelMemory::placement_impl(std::int32_t layer, std::int32_t lanes) {
   detail::TieredLayer& l = *state_->layers[layer];
-  std::lock_guard lock(l.placement_mutex);
-  auto it = l.placements.find(lanes);
-  if (it == l.placements.end()) {
-    it = l.placements.emplace(lanes, round_robin_placement(l.column_counts, lanes)).first;
-  }
-  return it->second;
+  return detail::cached_placement(l.placement_mutex, l.placements, l.column_counts, lanes);
 }
 
 void TieredModelMemory::stream_to_impl(std::int32_t layer, StreamKind kind, StreamChannel& channel,
