@@ -132,10 +132,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   head.fields.put(st.step);
   head.fields.put(counters.seed);
   head.fields.put(encode_kind(c.kind));
-  for (double x : {c.learning_rate, c.momentum, c.beta1, c.beta2, c.epsilon, c.weight_decay,
-                   c.clip_global_norm}) {
-    head.fields.put(x);
-  }
+  for (auto number : detail::kOptimizerNumbers) head.fields.put(c.*number);
   head.fields.put(static_cast<std::uint32_t>(st.policy == NonFinitePolicy::error ? 1 : 0));
   head.fields.put(static_cast<std::uint32_t>(c.schedule ? 1 : 0));
   head.fields.put(counters.epochs);
@@ -285,10 +282,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
   counters.seed = head.get<std::uint64_t>("seed");
   const auto kind = head.get<std::uint32_t>("optimizer kind");
   OptimizerConfig& c = st.config;
-  for (double* x : {&c.learning_rate, &c.momentum, &c.beta1, &c.beta2, &c.epsilon, &c.weight_decay,
-                    &c.clip_global_norm}) {
-    *x = head.get<double>("optimizer config");
-  }
+  for (auto number : detail::kOptimizerNumbers) c.*number = head.get<double>("optimizer config");
   const auto policy = head.get<std::uint32_t>("non-finite policy");
   const auto schedule = head.get<std::uint32_t>("schedule flag");
   counters.epochs = version == 1 ? 0 : head.get<std::int64_t>("epochs");

@@ -21,6 +21,7 @@
 
 #include "core/crc32.hpp"
 #include "sluice/error.hpp"
+#include "sluice/optimizer.hpp"
 
 namespace sluice::detail {
 
@@ -32,6 +33,13 @@ constexpr std::uint32_t fourcc(const char (&s)[5]) {
 }
 
 inline constexpr std::size_t kSectionHeaderBytes = 4 + 8 + 4;
+
+/// The optimizer's numbers as the HEAD sections of a checkpoint and of a model store's
+/// manifest hold them: f64 each, in this order.
+inline constexpr std::array<double OptimizerConfig::*, 7> kOptimizerNumbers = {
+    &OptimizerConfig::learning_rate,   &OptimizerConfig::momentum, &OptimizerConfig::beta1,
+    &OptimizerConfig::beta2,           &OptimizerConfig::epsilon,  &OptimizerConfig::weight_decay,
+    &OptimizerConfig::clip_global_norm};
 
 inline std::string tag_name(std::uint32_t tag) {
   std::string s;

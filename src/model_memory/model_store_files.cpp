@@ -124,10 +124,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
     head.fields.put(m.next_generation);
     head.fields.put(m.seed);
     head.fields.put(static_cast<std::uint32_t>(c.kind));
-    for (double x : {c.learning_rate, c.momentum, c.beta1, c.beta2, c.epsilon, c.weight_decay,
-                     c.clip_global_norm}) {
-      head.fields.put(x);
-    }
+    for (auto number : kOptimizerNumbers) head.fields.put(c.*number);
     head.fields.put(static_cast<std::uint32_t>(m.policy == NonFinitePolicy::error ? 1 : 0));
     head.fields.put(m.epochs);
     write_section(out, head);
@@ -168,10 +165,7 @@ Manifest read_manifest(const std::filesystem::path& dir) {
   m.seed = head.get<std::uint64_t>("seed");
   const auto kind = head.get<std::uint32_t>("optimizer kind");
   OptimizerConfig& c = m.config;
-  for (double* x : {&c.learning_rate, &c.momentum, &c.beta1, &c.beta2, &c.epsilon, &c.weight_decay,
-                    &c.clip_global_norm}) {
-    *x = head.get<double>("optimizer config");
-  }
+  for (auto number : kOptimizerNumbers) c.*number = head.get<double>("optimizer config");
   const auto policy = head.get<std::uint32_t>("non-finite policy");
   m.epochs = version >= 2 ? head.get<std::int64_t>("epochs") : 0;
   head.finish();
