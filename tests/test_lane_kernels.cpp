@@ -162,11 +162,10 @@ class LaneKernelsByIsa : public ::testing::TestWithParam<Isa> {
 TEST_P(LaneKernelsByIsa, ByInputMatchesReference) {
   for (const std::int64_t tokens : {1, 3, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 128, 129}) {
     for (const auto& [data, weight] : {std::pair{true, true}, {true, false}, {false, true}}) {
-      check<Packet>(GetParam(), lane_kernels(GetParam()).backward_by_input, tokens, data, weight);
-      check<Bf16Packet>(GetParam(), bf16_lane_kernels(GetParam()).backward_by_input, tokens, data,
-                        weight);
-      check<Bf16Packet, Bf16Tile>(GetParam(), bf16_lane_kernels(GetParam()).backward_by_input_held,
-                                  tokens, data, weight);
+      check<Packet>(GetParam(), by_input_kernels(GetParam()).fp32, tokens, data, weight);
+      check<Bf16Packet>(GetParam(), by_input_kernels(GetParam()).bf16, tokens, data, weight);
+      check<Bf16Packet, Bf16Tile>(GetParam(), by_input_kernels(GetParam()).bf16_held, tokens, data,
+                                  weight);
     }
   }
 }

@@ -17,11 +17,14 @@ namespace sluice::detail {
 struct KernelTables {
   const LaneKernels& fp32;
   const Bf16LaneKernels& bf16;
+  const ByInputKernels& by_input;
 };
 
 struct EngineState {
   EngineState(const TilingPolicy& policy, Isa isa, std::int32_t threads)
-      : policy(policy), kernels{lane_kernels(isa), bf16_lane_kernels(isa)}, arena(threads) {}
+      : policy(policy),
+        kernels{lane_kernels(isa), bf16_lane_kernels(isa), by_input_kernels(isa)},
+        arena(threads) {}
 
   TilingPolicy policy;
   KernelTables kernels;

@@ -47,15 +47,15 @@ void weight_bf16_packets(const KernelTables& k, const TakenChunk& chunk, std::in
 
 void by_input_fp32(const KernelTables& k, const TakenChunk& chunk, const HeldTile& dy, Tile x,
                    MutableTile dx, const GradientSums& sums, std::int64_t width) {
-  k.fp32.backward_by_input(chunk.runs<Packet>(0), dy.fp32, x, dx, sums, width);
+  k.by_input.fp32(chunk.runs<Packet>(0), dy.fp32, x, dx, sums, width);
 }
 void by_input_bf16_held(const KernelTables& k, const TakenChunk& chunk, const HeldTile& dy, Tile x,
                         MutableTile dx, const GradientSums& sums, std::int64_t width) {
-  k.bf16.backward_by_input_held(chunk.runs<Bf16Packet>(0), dy.bf16, x, dx, sums, width);
+  k.by_input.bf16_held(chunk.runs<Bf16Packet>(0), dy.bf16, x, dx, sums, width);
 }
 void by_input_bf16_packets(const KernelTables& k, const TakenChunk& chunk, const HeldTile& dy,
                            Tile x, MutableTile dx, const GradientSums& sums, std::int64_t width) {
-  k.bf16.backward_by_input(chunk.runs<Bf16Packet>(0), dy.fp32, x, dx, sums, width);
+  k.by_input.bf16(chunk.runs<Bf16Packet>(0), dy.fp32, x, dx, sums, width);
 }
 
 // Plain loops over plain pointers, so they vectorise.

@@ -32,17 +32,7 @@ void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const G
 
 }  // namespace
 
-void by_input_scalar(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens) {
-  by_input(runs, dy, x, dx, sums, tokens);
-}
-void by_input_scalar(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens) {
-  by_input(runs, dy, x, dx, sums, tokens);
-}
-void by_input_scalar(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens) {
-  by_input(runs, dy, x, dx, sums, tokens);
-}
+const ByInputKernels kScalarByInput{by_input<Packet, Tile>, by_input<Bf16Packet, Tile>,
+                                    by_input<Bf16Packet, Bf16Tile>};
 
 }  // namespace sluice::detail

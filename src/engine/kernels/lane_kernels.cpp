@@ -12,4 +12,8 @@ const Bf16LaneKernels& bf16_lane_kernels(Isa isa) {
   return *for_isa(isa, &kScalarBf16Kernels, &kAvx2Bf16Kernels, &kAvx512Bf16Kernels);
 }
 
+const ByInputKernels& by_input_kernels(Isa isa) {
+  return *for_isa(isa, &kScalarByInput, &kAvx2ByInput, &kAvx512ByInput);
+}
+
 }  // namespace sluice::detail

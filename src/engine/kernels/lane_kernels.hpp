@@ -218,7 +218,6 @@ struct LaneKernels {
   /// s_k = dot(dy[r, :], x[tag_k, :]) for every weight k of run r, left as `sums` says.
   void (*backward_weight)(const LaneRuns& runs, Tile dy, Tile x, const GradientSums& sums,
                           std::int64_t tokens);
-  ByInputKernel<Packet> backward_by_input;
   /// The forward and the weight gradient on a bf16 stream's packets, read as they are,
   /// with X in fp32 (packed or in place): for a bf16 layer too sparse to pack its rows
   /// (converting X would cost more than the product) and for a single token.
@@ -239,35 +238,24 @@ struct Bf16LaneKernels {
   /// One resident row: src[0, n) rounded to bf16 (nearest even), then zeros up to
   /// `padded` (a multiple of 32), in this table's token order.
   void (*pack)(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t padded);
-  /// As LaneKernels::backward_by_input, the weights widened from bf16 (dY, X, dX in fp32).
-  ByInputKernel<Bf16Packet> backward_by_input;
-  /// The same with dY held in bf16 in the resident tile (this table's token order, as
-  /// `pack` writes it), widened exactly; X and dX in fp32.
-  ByInputKernel<Bf16Packet, Bf16Tile> backward_by_input_held;
+};
+
+/// The backward by input (see ByInputKernel) of each stream precision, in one table: its
+/// kernels serve fp32 and bf16 streams alike (src/engine/kernels/by_input_*.cpp and the
+/// vector lane kernel files).
+struct ByInputKernels {
+  ByInputKernel<Packet> fp32;
+  /// The weights widened from bf16 (dY, X, dX in fp32).
+  ByInputKernel<Bf16Packet> bf16;
+  /// The same with dY held in bf16 in the resident tile (the ISA's Bf16LaneKernels token
+  /// order, as its `pack` writes it), widened exactly; X and dX in fp32.
+  ByInputKernel<Bf16Packet, Bf16Tile> bf16_held;
 };
 
 const LaneKernels& lane_kernels(Isa isa);
 const Bf16LaneKernels& bf16_lane_kernels(Isa isa);
+const ByInputKernels& by_input_kernels(Isa isa);
 
-/// The by-input kernels of each ISA (src/engine/kernels/by_input_*.cpp), for the tables.
-void by_input_scalar(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens);
-void by_input_scalar(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens);
-void by_input_scalar(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens);
-void by_input_avx2(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
-                   std::int64_t tokens);
-void by_input_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                   const GradientSums& sums, std::int64_t tokens);
-void by_input_avx2(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
-                   const GradientSums& sums, std::int64_t tokens);
-void by_input_avx512(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens);
-void by_input_avx512(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens);
-void by_input_avx512(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
-                     const GradientSums& sums, std::int64_t tokens);
 /// The one-token forward of bf16 packets and backwards by input with AVX-512 gathers
 /// (src/engine/kernels/one_token_avx512.cpp).
 void forward_one_token_avx512(const Bf16LaneRuns& runs, Tile x, MutableTile y);
@@ -282,5 +270,8 @@ extern const LaneKernels kAvx512Kernels;
 extern const Bf16LaneKernels kScalarBf16Kernels;
 extern const Bf16LaneKernels kAvx2Bf16Kernels;
 extern const Bf16LaneKernels kAvx512Bf16Kernels;
+extern const ByInputKernels kScalarByInput;
+extern const ByInputKernels kAvx2ByInput;
+extern const ByInputKernels kAvx512ByInput;
 
 }  // namespace sluice::detail

@@ -342,20 +342,10 @@ void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const G
 
 }  // namespace
 
-void by_input_avx2(const LaneRuns& runs, Tile dy, Tile x, MutableTile dx, const GradientSums& sums,
-                   std::int64_t tokens) {
-  by_input(runs, dy, x, dx, sums, tokens);
-}
-void by_input_avx2(const Bf16LaneRuns& runs, Tile dy, Tile x, MutableTile dx,
-                   const GradientSums& sums, std::int64_t tokens) {
-  by_input(runs, dy, x, dx, sums, tokens);
-}
-void by_input_avx2(const Bf16LaneRuns& runs, Bf16Tile dy, Tile x, MutableTile dx,
-                   const GradientSums& sums, std::int64_t tokens) {
-  by_input(runs, dy, x, dx, sums, tokens);
-}
+const ByInputKernels kAvx2ByInput{by_input<Packet, Tile>, by_input<Bf16Packet, Tile>,
+                                  by_input<Bf16Packet, Bf16Tile>};
 
-const LaneKernels kAvx2Kernels{forward<Packet>, backward_data,       backward_weight<Packet>,
-                               by_input_avx2,   forward<Bf16Packet>, backward_weight<Bf16Packet>};
+const LaneKernels kAvx2Kernels{forward<Packet>, backward_data, backward_weight<Packet>,
+                               forward<Bf16Packet>, backward_weight<Bf16Packet>};
 
 }  // namespace sluice::detail

@@ -292,7 +292,6 @@ void pack(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t pad
 
 }  // namespace
 
-const Bf16LaneKernels kAvx512Bf16Kernels{forward, backward_data,   backward_weight,
-                                         pack,    by_input_avx512, by_input_avx512};
+const Bf16LaneKernels kAvx512Bf16Kernels{forward, backward_data, backward_weight, pack};
 
 }  // namespace sluice::detail

@@ -53,14 +53,10 @@ void pack(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t pad
 
 }  // namespace
 
-const LaneKernels kScalarKernels{forward<Packet, Tile>,         backward_data<Packet>,
-                                 backward_weight<Packet, Tile>, by_input_scalar,
-                                 forward<Bf16Packet, Tile>,     backward_weight<Bf16Packet, Tile>};
-const Bf16LaneKernels kScalarBf16Kernels{forward<Bf16Packet, Bf16Tile>,
-                                         backward_data<Bf16Packet>,
-                                         backward_weight<Bf16Packet, Bf16Tile>,
-                                         pack,
-                                         by_input_scalar,
-                                         by_input_scalar};
+const LaneKernels kScalarKernels{forward<Packet, Tile>, backward_data<Packet>,
+                                 backward_weight<Packet, Tile>, forward<Bf16Packet, Tile>,
+                                 backward_weight<Bf16Packet, Tile>};
+const Bf16LaneKernels kScalarBf16Kernels{forward<Bf16Packet, Bf16Tile>, backward_data<Bf16Packet>,
+                                         backward_weight<Bf16Packet, Bf16Tile>, pack};
 
 }  // namespace sluice::detail
