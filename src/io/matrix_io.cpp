@@ -233,6 +233,16 @@ void append_number(std::string& out, T value) {
   out.append(digits.data(), result.ptr);
 }
 
+/// The line "rows<separator>cols<separator>nnz" that starts both text formats' data.
+void append_sizes(std::string& out, const CsrMatrix& matrix, const char* separator) {
+  append_number(out, matrix.rows());
+  out += separator;
+  append_number(out, matrix.cols());
+  out += separator;
+  append_number(out, matrix.nnz());
+  out += '\n';
+}
+
 void append_float(std::string& out, float value) {
   // max_digits10 significant digits: parsing them gives back the same float.
   std::array<char, 48> digits{};
@@ -429,12 +439,7 @@ void write_matrix_market(const CsrMatrix& matrix, const fs::path& path) {
   AtomicFileWriter writer(path);
   std::string& out = writer.buffer();
   out += "%%MatrixMarket matrix coordinate real general\n";
-  append_number(out, matrix.rows());
-  out += ' ';
-  append_number(out, matrix.cols());
-  out += ' ';
-  append_number(out, matrix.nnz());
-  out += '\n';
+  append_sizes(out, matrix, " ");
   const auto& offsets = matrix.row_offsets();
   const auto& col_indices = matrix.col_indices();
   const auto& values = matrix.values();
@@ -582,12 +587,7 @@ CsrMatrix read_smtx(const fs::path& path, std::uint64_t seed) {
 void write_smtx(const CsrMatrix& matrix, const fs::path& path) {
   AtomicFileWriter writer(path);
   std::string& out = writer.buffer();
-  append_number(out, matrix.rows());
-  out += ", ";
-  append_number(out, matrix.cols());
-  out += ", ";
-  append_number(out, matrix.nnz());
-  out += '\n';
+  append_sizes(out, matrix, ", ");
   const auto write_list = [&](const auto& list) {
     bool first = true;
     for (const auto value : list) {

@@ -96,6 +96,26 @@ inline std::string os_error(const std::string& what, const std::filesystem::path
   return what + " " + path.string() + ": " + std::strerror(errno);
 }
 
+/// Moves all of `bytes` with `call(p, n)` (::read or ::write on one descriptor) at most
+/// 1 GiB a call (Linux moves less than 2 GiB in one), again where a signal interrupted it;
+/// `moved(n)` sees each call's count before the next (0: a read found the file's end). A
+/// failed call throws IoError(error()).
+template <typename Byte, typename Call, typename Error, typename Moved>
+void transfer_all(std::span<Byte> bytes, Call call, Error error, Moved moved) {
+  Byte* p = bytes.data();
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t n = call(p, std::min<std::size_t>(left, std::size_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(error());
+    }
+    moved(static_cast<std::size_t>(n));
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+
 // POSIX file output with a buffer; every failure is an IoError naming the file.
 class FileWriter {
  public:
@@ -143,17 +163,9 @@ class FileWriter {
     buffer_.clear();
   }
   void write_all(std::span<const std::byte> bytes) {
-    const std::byte* p = bytes.data();
-    std::size_t left = bytes.size();
-    while (left > 0) {
-      const ssize_t n = ::write(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw IoError(os_error(context_ + ": cannot write", path_));
-      }
-      p += n;
-      left -= static_cast<std::size_t>(n);
-    }
+    transfer_all(
+        bytes, [&](const std::byte* p, std::size_t n) { return ::write(fd_, p, n); },
+        [&] { return os_error(context_ + ": cannot write", path_); }, [](std::size_t) {});
   }
 
   std::filesystem::path path_;
@@ -232,19 +244,13 @@ class FileReader {
       fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
            std::to_string(out.size()) + " bytes, " + std::to_string(remaining()) + " left");
     }
-    std::byte* p = out.data();
-    std::size_t left = out.size();
-    while (left > 0) {
-      const ssize_t n = ::read(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw IoError(os_error(context_ + ": cannot read", path_));
-      }
-      if (n == 0) fail("the file shrank while being read, at byte " + std::to_string(pos_));
-      p += n;
-      left -= static_cast<std::size_t>(n);
-      pos_ += static_cast<std::uint64_t>(n);
-    }
+    transfer_all(
+        out, [&](std::byte* p, std::size_t n) { return ::read(fd_, p, n); },
+        [&] { return os_error(context_ + ": cannot read", path_); },
+        [&](std::size_t n) {
+          if (n == 0) fail("the file shrank while being read, at byte " + std::to_string(pos_));
+          pos_ += n;
+        });
   }
   template <typename T>
   T get(const char* what) {
