@@ -1,8 +1,15 @@
 // The model store's state files (src/model_memory/model_store_files.hpp): a file large
 // enough that its writer takes the direct-I/O path, written by ranges that start and end
 // inside 4 KiB blocks, reads back bit for bit with every section's CRC, as the
-// page-cache path (a small file) does; a file left unfinished is removed.
+// page-cache path (a small file) does; a file left unfinished is removed. DirectInput
+// (direct_input.hpp) reads byte ranges back exactly, with their CRC, into memory at any
+// place or at the file's place in a block, up to and past the file's end; on tmpfs as on
+// the temporary directory's file system (tmpfs refuses O_DIRECT before Linux 6.6), and under
+// SLUICE_DIRECT_IO=0 (a second registration of this test) through the page cache only.
 #include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <bit>
 #include <cstdint>
@@ -10,6 +17,8 @@
 #include <random>
 #include <vector>
 
+#include "core/crc32.hpp"
+#include "model_memory/direct_input.hpp"
 #include "model_memory/model_store_files.hpp"
 #include "sluice/error.hpp"
 #include "test_support.hpp"
@@ -77,6 +86,68 @@ TEST_F(StateFiles, ALargeFileWrittenDirectReadsBackBitForBit) {
 
 TEST_F(StateFiles, ASmallFileGoesThroughThePageCacheAlike) {
   round_trip(1'001, 97);
+}
+
+/// Reads ranges of a file of random bytes a little over 13 MB (more than the bounce
+/// buffer, a partial last block) and checks bytes, CRC and the count read.
+void read_ranges_back(const std::filesystem::path& dir) {
+  const std::size_t size = (std::size_t{13} << 20) + 12'345;
+  std::vector<std::byte> file(size);
+  std::mt19937_64 rng(7);
+  for (auto& b : file) b = static_cast<std::byte>(rng());
+  const auto path = dir / "bytes";
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, file.data(), size), static_cast<ssize_t>(size));
+    ::close(fd);
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  detail::DirectInput in(fd, path, "test");
+  struct Range {
+    std::uint64_t at;
+    std::size_t size;
+    bool in_place;  ///< into memory at the file's phase
+  };
+  const Range ranges[] = {{0, size, false},
+                          {100, (std::size_t{5} << 20) + 7, false},
+                          {3 * 4096 + 64, (std::size_t{9} << 19) + 3, true},
+                          {4096, std::size_t{1} << 20, true},
+                          {size - 300'000, 600'000, false},
+                          {size - 500'001, std::size_t{1} << 20, true},
+                          {size - 10, 1 << 18, true},
+                          {size, 1 << 18, false}};
+  for (const Range& r : ranges) {
+    detail::PhasedBuffer<std::byte> buffer(r.size,
+                                           detail::direct_phase(r.at + (r.in_place ? 0 : 8)));
+    std::uint32_t crc = 5;
+    const std::size_t n = in.read(r.at, buffer.span(), crc);
+    const std::size_t want = std::min<std::size_t>(r.size, size - r.at);
+    ASSERT_EQ(n, want) << "at " << r.at;
+    const auto expected = std::span(file).subspan(r.at, want);
+    EXPECT_EQ(crc, crc32(expected, 5)) << "at " << r.at;
+    for (std::size_t i = 0; i < want; ++i) {
+      ASSERT_EQ(buffer.data()[i], expected[i]) << "at " << r.at << ", byte " << i;
+    }
+  }
+  const int direct = ::open(path.c_str(), O_RDONLY | O_DIRECT);
+  EXPECT_EQ(in.direct(), direct >= 0 && detail::direct_io_enabled());
+  if (direct >= 0) ::close(direct);
+  ::close(fd);
+}
+
+TEST_F(StateFiles, DirectInputReadsRangesBackExactly) {
+  read_ranges_back(dir_);
+}
+
+TEST_F(StateFiles, DirectInputReadsRangesBackExactlyOnTmpfs) {
+  const std::filesystem::path shm = "/dev/shm";
+  if (!std::filesystem::is_directory(shm)) GTEST_SKIP() << "no /dev/shm";
+  const auto dir = shm / dir_.filename();
+  std::filesystem::create_directories(dir);
+  read_ranges_back(dir);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(StateFiles, AnUnfinishedFileIsRemoved) {

@@ -14,12 +14,14 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "core/crc32.hpp"
+#include "model_memory/direct_input.hpp"
 #include "sluice/error.hpp"
 #include "sluice/optimizer.hpp"
 
@@ -213,6 +215,7 @@ class FileReader {
       throw IoError(os_error(context_ + ": cannot stat", path_));
     }
     size_ = static_cast<std::uint64_t>(info.st_size);
+    input_.emplace(fd_, path_, context_);
   }
   ~FileReader() { ::close(fd_); }
   FileReader(const FileReader&) = delete;
@@ -227,9 +230,6 @@ class FileReader {
       fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
            std::to_string(bytes) + " bytes, " + std::to_string(remaining()) + " left");
     }
-    if (::lseek(fd_, static_cast<off_t>(pos_ + bytes), SEEK_SET) < 0) {
-      throw IoError(os_error(context_ + ": cannot seek in", path_));
-    }
     pos_ += bytes;
   }
   /// Drops the file's pages from the page cache: for a file read once, in order.
@@ -240,17 +240,18 @@ class FileReader {
   }
 
   void read(std::span<std::byte> out, const char* what) {
+    std::uint32_t crc = 0;
+    read(out, what, crc);
+  }
+  /// Reads `out` and chains `crc` over it (large reads go direct: direct_input.hpp).
+  void read(std::span<std::byte> out, const char* what, std::uint32_t& crc) {
     if (out.size() > remaining()) {
       fail("truncated: " + std::string(what) + " at byte " + std::to_string(pos_) + " needs " +
            std::to_string(out.size()) + " bytes, " + std::to_string(remaining()) + " left");
     }
-    transfer_all(
-        out, [&](std::byte* p, std::size_t n) { return ::read(fd_, p, n); },
-        [&] { return os_error(context_ + ": cannot read", path_); },
-        [&](std::size_t n) {
-          if (n == 0) fail("the file shrank while being read, at byte " + std::to_string(pos_));
-          pos_ += n;
-        });
+    const std::size_t n = input_->read(pos_, out, crc);
+    pos_ += n;
+    if (n < out.size()) fail("the file shrank while being read, at byte " + std::to_string(pos_));
   }
   template <typename T>
   T get(const char* what) {
@@ -265,6 +266,7 @@ class FileReader {
   int fd_ = -1;
   std::uint64_t size_ = 0;
   std::uint64_t pos_ = 0;
+  std::optional<DirectInput> input_;
 };
 
 // One section's payload: reads pieces and keeps the CRC; `expect_end` checks that the
@@ -327,8 +329,7 @@ class SectionReader {
       fail(std::string(what) + " runs past the section's end (length " + std::to_string(length_) +
            ")");
     }
-    in_.read(out, what);
-    computed_ = crc32(out, computed_);
+    in_.read(out, what, computed_);
     left_ -= out.size();
   }
 

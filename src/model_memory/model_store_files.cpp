@@ -26,9 +26,6 @@ constexpr std::uint32_t kVersion = 1;
 constexpr std::uint32_t kManifestVersion = 3;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
-/// O_DIRECT's alignment of file offsets, lengths and memory: the page size, which
-/// every block device's logical block divides.
-constexpr std::uint64_t kDirectAlign = 4096;
 
 constexpr std::uint32_t kHeadTag = fourcc("HEAD");
 constexpr std::uint32_t kLayerTag = fourcc("LAYR");
@@ -345,6 +342,7 @@ StateReader::StateReader(std::filesystem::path path, const StateLayout& layout, 
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) throw IoError(os_error("model store: cannot open", path_));
   ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+  input_ = std::make_unique<DirectInput>(fd_, path_, "model store");
   // Every section header: the tag and length where the layout puts them.
   for (int i = 0; i <= section_count(layout.slots); ++i) {
     const bool end = i == section_count(layout.slots);
@@ -374,23 +372,12 @@ StateReader::~StateReader() {
 void StateReader::read(std::uint64_t section, std::int64_t first, std::span<float> out,
                        std::uint32_t& crc) {
   const auto start = Clock::now();
-  auto* p = reinterpret_cast<char*>(out.data());
-  std::uint64_t at = section + 4 * static_cast<std::uint64_t>(first);
-  std::size_t left = out.size_bytes();
-  while (left > 0) {
-    const ssize_t n =
-        ::pread(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30), static_cast<off_t>(at));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw IoError(os_error("model store: cannot read", path_));
-    if (n == 0) {
-      throw FormatError("model store: state " + path_.string() + ": truncated at byte " +
-                        std::to_string(at));
-    }
-    p += n;
-    at += static_cast<std::uint64_t>(n);
-    left -= static_cast<std::size_t>(n);
+  const std::uint64_t at = section + 4 * static_cast<std::uint64_t>(first);
+  const std::size_t n = input_->read(at, std::as_writable_bytes(out), crc);
+  if (n < out.size_bytes()) {
+    throw FormatError("model store: state " + path_.string() + ": truncated at byte " +
+                      std::to_string(at + n));
   }
-  crc = crc32(std::as_bytes(out), crc);
   io_.read_bytes += out.size_bytes();
   io_.read_seconds += seconds_since(start);
 }
@@ -428,7 +415,7 @@ StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, 
   // The file's blocks in one piece, allocated once rather than write by write; a file
   // system without fallocate allocates as it is written.
   if (layout_.size > 0) (void)::fallocate(fd_, 0, 0, static_cast<off_t>(layout_.size));
-  if (direct_write_buffer_bytes(layout_) == 0) return;
+  if (direct_write_buffer_bytes(layout_) == 0 || !direct_io_enabled()) return;
   direct_fd_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
   if (direct_fd_ >= 0) {
     aligned_.reset(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, kDirectWriteBytes)));
@@ -466,10 +453,17 @@ void StateWriter::write_bytes(std::uint64_t at, const std::byte* p, std::size_t 
     return;
   }
   write_buffered(at, p, first - at);
+  // Where the data lies at the file's phase, its blocks go straight from it: no copy.
+  const bool in_place = direct_phase(reinterpret_cast<std::uintptr_t>(p)) == direct_phase(at);
   for (std::uint64_t b = first; b < last;) {
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(last - b, kDirectWriteBytes));
-    std::memcpy(aligned_.get(), p + (b - at), n);
-    const ssize_t w = ::pwrite(direct_fd_, aligned_.get(), n, static_cast<off_t>(b));
+    const auto n = static_cast<std::size_t>(
+        std::min<std::uint64_t>(last - b, in_place ? std::uint64_t{1} << 30 : kDirectWriteBytes));
+    const std::byte* from = p + (b - at);
+    if (!in_place) {
+      std::memcpy(aligned_.get(), from, n);
+      from = aligned_.get();
+    }
+    const ssize_t w = ::pwrite(direct_fd_, from, n, static_cast<off_t>(b));
     if (w < 0 && errno == EINTR) continue;
     if (w < 0 && b == first && (errno == EINVAL || errno == EOPNOTSUPP)) {
       // Opened but refused at the first write (alignment this file system wants more of):

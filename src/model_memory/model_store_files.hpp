@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "model_memory/direct_input.hpp"
 #include "model_memory/optimizer_kernels.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/model_memory.hpp"
@@ -88,9 +89,9 @@ struct StateLayout {
   static StateLayout of(std::int64_t nnz, std::int64_t bias, int slots);
 };
 
-/// Reads a state file section's payload range [first, first + out.size()) floats with
-/// pread; `crc` chains the section's CRC over reads made in order. FormatError naming
-/// the file and the offset on a short file.
+/// Reads a state file section's payload range [first, first + out.size()) floats (large
+/// ranges with O_DIRECT: direct_input.hpp); `crc` chains the section's CRC over reads made in
+/// order. FormatError naming the file and the offset on a short file.
 class StateReader {
  public:
   StateReader(std::filesystem::path path, const StateLayout& layout, IoCounters& io);
@@ -111,6 +112,7 @@ class StateReader {
   StateLayout layout_;
   IoCounters& io_;
   int fd_ = -1;
+  std::unique_ptr<DirectInput> input_;  ///< over fd_
 };
 
 /// Bytes of the aligned buffer a StateWriter copies its ranges through (direct I/O).

@@ -13,6 +13,8 @@ namespace {
 using detail::kOptimizerGrain;
 using detail::kUpdateChunk;
 using detail::spill_path;
+static_assert(4 * kUpdateChunk % detail::kDirectAlign == 0,
+              "a chunk's file range keeps its place in a block from chunk to chunk");
 }  // namespace
 
 // Computes the layer's update chunk by chunk — values from `values`, gradient from
@@ -34,19 +36,26 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
   if (gradient == nullptr) {
     spill.emplace(spill_path(dir, l), spill_layout, io);
   }
-  detail::StateWriter out(detail::state_path(dir, l, manifest.next_generation),
-                          detail::StateLayout::of(nnz, m.shape.bias, n_slots), io);
+  const detail::StateLayout out_layout = detail::StateLayout::of(nnz, m.shape.bias, n_slots);
+  detail::StateWriter out(detail::state_path(dir, l, manifest.next_generation), out_layout, io);
   const detail::UpdateScalars scalars =
       detail::make_update_scalars(config, learning_rate, m.updates + 1, scale);
 
+  // Each chunk buffer lies at its file range's place in a 4 KiB block (chunks are whole
+  // blocks long), so direct reads and writes go straight between it and the device; none
+  // is zero-filled but the state a layer without any starts from.
   const auto chunk = static_cast<std::size_t>(std::min(nnz, kUpdateChunk));
-  std::vector<float> grad(gradient == nullptr ? chunk : 0), new_values(chunk);
-  std::array<std::vector<float>, detail::kMaxOptimizerSlots> state, new_state;
+  using Buffer = detail::PhasedBuffer<float>;
+  using detail::direct_phase;
+  Buffer grad = gradient == nullptr ? Buffer(chunk, direct_phase(spill_layout.values)) : Buffer();
+  Buffer new_values(chunk, direct_phase(out_layout.values));
+  std::array<Buffer, detail::kMaxOptimizerSlots> state, new_state;
   std::array<std::uint32_t, detail::kMaxOptimizerSlots> crcs{};
   std::uint32_t spill_crc = 0;
   for (int k = 0; k < n_slots; ++k) {
-    state[k].assign(chunk, 0.0F);
-    new_state[k].resize(chunk);
+    state[k] = Buffer(chunk, direct_phase(in_layout.state[k]));
+    if (!in) std::fill_n(state[k].data(), chunk, 0.0F);
+    new_state[k] = Buffer(chunk, direct_phase(out_layout.state[k]));
   }
   std::atomic<bool> finite{true};
   for (std::int64_t lo = 0; lo < nnz; lo += kUpdateChunk) {
