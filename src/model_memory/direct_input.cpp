@@ -1,13 +1,17 @@
 #include "model_memory/direct_input.hpp"
 
 #include <fcntl.h>
+#include <linux/aio_abi.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "core/crc32.hpp"
 #include "sluice/error.hpp"
@@ -15,10 +19,13 @@
 namespace sluice::detail {
 namespace {
 
-/// The aligned buffer of direct reads whose destination is not at the file's phase: large
-/// enough that a read is worth a request to the device, small enough to stay in L2/L3
-/// while it is copied out and checked.
-constexpr std::size_t kBounceBytes = std::size_t{4} << 20;
+/// A direct read is split into pieces of this size, kDepth of them in flight (Linux's
+/// asynchronous I/O, which with O_DIRECT does not block): the device reads ahead while the
+/// thread copies and checks what has come — the page cache's read-ahead did that before.
+/// 8 MiB in flight, as the VM's disk reads ahead (read_ahead_kb); a piece is small enough
+/// to stay in L2/L3 while it is copied out and checked.
+constexpr std::size_t kPieceBytes = std::size_t{2} << 20;
+constexpr int kDepth = 4;
 /// Copy and CRC go by pieces of this size, so the CRC reads what the copy just wrote
 /// from L2 rather than from memory.
 constexpr std::size_t kCopyPiece = std::size_t{128} << 10;
@@ -30,14 +37,35 @@ std::uint64_t align_up(std::uint64_t x) {
   return align_down(x + kDirectAlign - 1);
 }
 
-std::byte* bounce_buffer() {
+/// A reading thread's asynchronous reads: an AIO context and the aligned buffers of the
+/// pieces in flight whose destination is not at the file's phase. Kept for the thread's
+/// life: new ones would fault in their pages on every file.
+struct AsyncReads {
+  aio_context_t context = 0;
+  bool usable = false;
   struct Free {
     void operator()(std::byte* p) const { ::operator delete (p, std::align_val_t{kDirectAlign}); }
   };
-  // One per reading thread, kept: a new one would fault in its pages on every file.
-  thread_local std::unique_ptr<std::byte, Free> buffer(
-      static_cast<std::byte*>(::operator new (kBounceBytes, std::align_val_t{kDirectAlign})));
-  return buffer.get();
+  std::unique_ptr<std::byte, Free> buffers;
+
+  AsyncReads() {
+    usable = ::syscall(SYS_io_setup, kDepth, &context) == 0;
+    if (usable) {
+      buffers.reset(static_cast<std::byte*>(
+          ::operator new (kDepth* kPieceBytes, std::align_val_t{kDirectAlign})));
+    }
+  }
+  ~AsyncReads() {
+    if (usable) ::syscall(SYS_io_destroy, context);
+  }
+  AsyncReads(const AsyncReads&) = delete;
+  AsyncReads& operator=(const AsyncReads&) = delete;
+  std::byte* buffer(std::size_t slot) { return buffers.get() + slot * kPieceBytes; }
+};
+
+AsyncReads& async_reads() {
+  thread_local AsyncReads reads;
+  return reads;
 }
 
 void copy_and_check(std::byte* to, const std::byte* from, std::size_t size, std::uint32_t& crc) {
@@ -46,6 +74,48 @@ void copy_and_check(std::byte* to, const std::byte* from, std::size_t size, std:
     std::memcpy(to + i, from + i, n);
     crc = crc32({to + i, n}, crc);
   }
+}
+
+void check(std::span<const std::byte> bytes, std::uint32_t& crc) {
+  for (std::size_t i = 0; i < bytes.size(); i += kCopyPiece) {
+    crc = crc32(bytes.subspan(i, std::min(kCopyPiece, bytes.size() - i)), crc);
+  }
+}
+
+/// One read of whole blocks: into the destination (`into`) or a buffer slot.
+struct Piece {
+  std::uint64_t block = 0;
+  std::size_t size = 0;
+  std::byte* into = nullptr;
+};
+
+/// The pieces that cover [at, end) of the file: where `out` lies at the file's phase, its
+/// whole blocks straight into it and the partial blocks at either end through the buffers;
+/// else everything through the buffers.
+std::vector<Piece> plan_pieces(std::uint64_t at, std::span<std::byte> out) {
+  const std::uint64_t end = at + out.size();
+  const bool in_place =
+      direct_phase(reinterpret_cast<std::uintptr_t>(out.data())) == direct_phase(at) &&
+      align_up(at) < align_down(end);
+  std::vector<Piece> pieces;
+  auto through_buffers = [&](std::uint64_t from, std::uint64_t to) {
+    for (std::uint64_t b = align_down(from); b < to; b += kPieceBytes) {
+      pieces.push_back(
+          {b, static_cast<std::size_t>(std::min<std::uint64_t>(kPieceBytes, align_up(to) - b))});
+    }
+  };
+  if (!in_place) {
+    through_buffers(at, end);
+    return pieces;
+  }
+  const std::uint64_t first = align_up(at), last = align_down(end);
+  through_buffers(at, first);
+  for (std::uint64_t b = first; b < last; b += kPieceBytes) {
+    pieces.push_back({b, static_cast<std::size_t>(std::min<std::uint64_t>(kPieceBytes, last - b)),
+                      out.data() + (b - at)});
+  }
+  through_buffers(last, end);
+  return pieces;
 }
 
 }  // namespace
@@ -72,15 +142,22 @@ DirectInput::~DirectInput() {
 }
 
 std::size_t DirectInput::read(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc) {
+  std::size_t done = 0;
   if (direct_io_enabled() && out.size() >= direct_read_min_bytes()) {
     if (!opened_) {
       opened_ = true;
       direct_fd_ = ::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);  // -1: refused
+      if (direct_fd_ >= 0 && !async_reads().usable) {
+        ::close(direct_fd_);
+        direct_fd_ = -1;
+      }
     }
-    std::size_t done = 0;
-    if (direct_fd_ >= 0 && read_direct(at, out, crc, done)) return done;
+    if (direct_fd_ >= 0) done = read_direct(at, out, crc);
   }
-  return read_buffered(at, out, crc);
+  // The rest (all of a small read; after a refusal or a short direct read, whatever the
+  // page cache says is there) through the page cache.
+  if (done < out.size()) done += read_buffered(at + done, out.subspan(done), crc);
+  return done;
 }
 
 std::size_t DirectInput::read_buffered(std::uint64_t at, std::span<std::byte> out,
@@ -91,8 +168,7 @@ std::size_t DirectInput::read_buffered(std::uint64_t at, std::span<std::byte> ou
                               std::min<std::size_t>(out.size() - done, std::size_t{1} << 30),
                               static_cast<off_t>(at + done));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      throw IoError(context_ + ": cannot read " + path_.string() + ": " + std::strerror(errno));
+    if (n < 0) fail();
     if (n == 0) break;
     done += static_cast<std::size_t>(n);
   }
@@ -100,81 +176,101 @@ std::size_t DirectInput::read_buffered(std::uint64_t at, std::span<std::byte> ou
   return done;
 }
 
-std::int64_t DirectInput::pread_direct(std::byte* p, std::size_t size, std::uint64_t at) {
-  for (;;) {
-    const ssize_t n = ::pread(direct_fd_, p, size, static_cast<off_t>(at));
-    if (n >= 0) return n;
-    if (errno == EINTR) continue;
-    if (errno == EINVAL || errno == EOPNOTSUPP) return -1;
-    throw IoError(context_ + ": cannot read " + path_.string() + ": " + std::strerror(errno));
-  }
+void DirectInput::fail() const {
+  throw IoError(context_ + ": cannot read " + path_.string() + ": " + std::strerror(errno));
 }
 
-bool DirectInput::read_direct(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc,
-                              std::size_t& done) {
+std::size_t DirectInput::read_direct(std::uint64_t at, std::span<std::byte> out,
+                                     std::uint32_t& crc) {
+  AsyncReads& reads = async_reads();
+  const std::vector<Piece> pieces = plan_pieces(at, out);
   const std::uint64_t end = at + out.size();
-  // Straight into `out` where it lies at the file's phase: its whole blocks; the partial
-  // blocks at either end (and all of a range elsewhere) through the bounce buffer.
-  const bool in_place =
-      direct_phase(reinterpret_cast<std::uintptr_t>(out.data())) == direct_phase(at) &&
-      align_up(at) < align_down(end);
-  const std::uint64_t first = in_place ? align_up(at) : end;
-  const std::uint64_t last = in_place ? align_down(end) : end;
+  std::array<iocb, kDepth> requests{};
+  std::array<std::int64_t, kDepth> results{};
+  std::array<bool, kDepth> finished{};
+  std::size_t submitted = 0, waited = 0;
+  auto submit = [&] {
+    const std::size_t slot = submitted % kDepth;
+    const Piece& p = pieces[submitted];
+    iocb& r = requests[slot];
+    r = iocb{};
+    r.aio_data = slot;
+    r.aio_lio_opcode = IOCB_CMD_PREAD;
+    r.aio_fildes = static_cast<std::uint32_t>(direct_fd_);
+    r.aio_buf = reinterpret_cast<std::uintptr_t>(p.into != nullptr ? p.into : reads.buffer(slot));
+    r.aio_nbytes = p.size;
+    r.aio_offset = static_cast<std::int64_t>(p.block);
+    iocb* list[1] = {&r};
+    while (::syscall(SYS_io_submit, reads.context, 1, list) != 1) {
+      if (errno != EINTR) return false;
+    }
+    finished[slot] = false;
+    ++submitted;
+    return true;
+  };
+  auto wait_next = [&] {  // the result of piece `waited`, whose slot's request is done
+    const std::size_t slot = waited % kDepth;
+    while (!finished[slot]) {
+      std::array<io_event, kDepth> events{};
+      const long n = ::syscall(SYS_io_getevents, reads.context, 1, kDepth, events.data(), nullptr);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail();
+      for (long e = 0; e < n; ++e) {
+        results[events[e].data] = events[e].res;
+        finished[events[e].data] = true;
+      }
+    }
+    ++waited;
+    return results[slot];
+  };
+  // The kernel writes into the buffers and `out` until every request is waited for, so
+  // every way out waits (a failure to wait then ends the process: noexcept destructor).
+  struct Drain {
+    std::size_t& submitted;
+    std::size_t& waited;
+    decltype(wait_next)& wait;
+    ~Drain() {
+      while (waited < submitted) wait();
+    }
+  } drain{submitted, waited, wait_next};
+
   std::uint64_t pos = at;  // the next file byte to deliver, into out[pos - at]
-  enum class Got { all, eof, refused };
-  auto bounced = [&](std::uint64_t stop) {
-    std::byte* buffer = bounce_buffer();
-    while (pos < stop) {
-      const std::uint64_t block = align_down(pos);
-      const auto size =
-          static_cast<std::size_t>(std::min<std::uint64_t>(kBounceBytes, align_up(stop) - block));
-      const std::int64_t n = pread_direct(buffer, size, block);
-      if (n < 0) return Got::refused;
-      const std::uint64_t got = block + static_cast<std::uint64_t>(n);
-      if (got <= pos) return Got::eof;
-      const std::uint64_t take = std::min(got, stop) - pos;
-      copy_and_check(out.data() + (pos - at), buffer + (pos - block),
-                     static_cast<std::size_t>(take), crc);
-      pos += take;
+  bool refused = false;
+  while (submitted < pieces.size() && submitted < kDepth && submit()) {
+  }
+  while (waited < submitted) {
+    const std::size_t slot = waited % kDepth;
+    const Piece& p = pieces[waited];
+    const std::int64_t n = wait_next();
+    if (n == -EINVAL || n == -EOPNOTSUPP) {
+      refused = true;
+      break;
     }
-    return Got::all;
-  };
-  auto in_place_blocks = [&] {
-    const std::uint64_t from = pos;
-    Got got = Got::all;
-    while (pos < last) {
-      const std::int64_t n = pread_direct(
-          out.data() + (pos - at),
-          static_cast<std::size_t>(std::min<std::uint64_t>(last - pos, 1U << 30)), pos);
-      if (n < 0 || n == 0) {
-        got = n < 0 ? Got::refused : Got::eof;
-        break;
+    if (n < 0) {
+      errno = static_cast<int>(-n);
+      fail();
+    }
+    const std::uint64_t to =
+        std::min({p.block + static_cast<std::uint64_t>(n), p.block + p.size, end});
+    if (to > pos) {
+      const auto size = static_cast<std::size_t>(to - pos);
+      if (p.into != nullptr) {
+        check({out.data() + (pos - at), size}, crc);
+      } else {
+        copy_and_check(out.data() + (pos - at), reads.buffer(slot) + (pos - p.block), size, crc);
       }
-      pos += static_cast<std::uint64_t>(n);
-      if (n % static_cast<std::int64_t>(kDirectAlign) != 0) {
-        got = pos < last ? Got::eof : Got::all;
-        pos = std::min(pos, last);
-        break;
-      }
+      pos = to;
     }
-    for (std::uint64_t i = from; i < pos; i += kCopyPiece) {
-      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kCopyPiece, pos - i));
-      crc = crc32({out.data() + (i - at), n}, crc);
-    }
-    return got;
-  };
-  Got got = bounced(first);
-  if (got == Got::all) got = in_place_blocks();
-  if (got == Got::all) got = bounced(end);
-  done = static_cast<std::size_t>(pos - at);
-  if (got != Got::refused) return true;
-  // Refused (the file system's alignment is larger than a page, or it has no direct I/O):
-  // the page cache from here on, for this file.
-  ::close(direct_fd_);
-  direct_fd_ = -1;
-  if (pos == at) return false;
-  done += read_buffered(pos, out.subspan(done), crc);
-  return true;
+    if (static_cast<std::uint64_t>(n) < p.size && pos < end) break;  // short: the page cache says
+    if (submitted < pieces.size() && !submit()) break;
+  }
+  if (refused) {
+    // The file system's alignment is larger than a page, or it has no direct I/O: the
+    // page cache from here on, for this file.
+    ::close(direct_fd_);
+    direct_fd_ = -1;
+  }
+  return static_cast<std::size_t>(pos - at);
 }
 
 }  // namespace sluice::detail

@@ -4,8 +4,9 @@
 // eviction, then the caller's CRC in a second pass over memory; direct, the device writes
 // into an aligned buffer and each piece is copied out and checked while it is in cache —
 // or, where the destination lies at the file offset's place in a 4 KiB block, the device
-// writes straight into it. A file system that refuses O_DIRECT (tmpfs: EINVAL) and short
-// reads go through the page cache as before.
+// writes straight into it — several pieces in flight (Linux AIO), so the device reads
+// ahead while the thread checks. A file system that refuses O_DIRECT (tmpfs before Linux
+// 6.6: EINVAL) and what a short direct read left go through the page cache as before.
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -79,17 +80,17 @@ class DirectInput {
   /// Reads out.size() bytes from byte `at` into `out` and chains `crc` over them; returns
   /// the bytes read, fewer only where the file ends. IoError if the system call fails.
   std::size_t read(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc);
-  /// Whether the last large read went direct (false before one, or once refused).
+  /// Whether large reads go direct (false before the first, or once O_DIRECT or Linux's
+  /// asynchronous I/O was refused).
   bool direct() const { return direct_fd_ >= 0; }
 
  private:
   std::size_t read_buffered(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc);
-  /// Direct reads of the blocks that cover [at, at + out.size()); false if the file
-  /// system refused the first (nothing was read then).
-  bool read_direct(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc,
-                   std::size_t& done);
-  /// One direct read of [at, at + size) (aligned) into aligned `p`; -1 if refused.
-  std::int64_t pread_direct(std::byte* p, std::size_t size, std::uint64_t at);
+  /// Direct reads of [at, at + out.size()) in order, chaining `crc`; returns the bytes
+  /// delivered, fewer where the file ends, the file system refused (then no more direct
+  /// reads of this file) or a read came back short: the caller reads the rest buffered.
+  std::size_t read_direct(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc);
+  [[noreturn]] void fail() const;  ///< IoError from errno
 
   int fd_;
   int direct_fd_ = -1;
