@@ -9,67 +9,11 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "engine/kernels/bf16_block_avx2.hpp"
 #include "engine/kernels/gradient_batch.hpp"
-#include "engine/kernels/lane_kernels.hpp"
+#include "engine/kernels/lane_kernels_body.hpp"
 
 namespace sluice::detail {
 namespace {
-
-// Packets ahead for tile rows; only a row's first line is asked for (as in the AVX-512
-// kernels, more requests only queue behind the misses that matter).
-constexpr std::uint32_t kPrefetch = 16;
-
-inline __m256i tail_mask(std::int64_t width) {
-  const int rem = static_cast<int>(width - (width - 1) / 8 * 8);  // 1..8
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lanes);
-}
-
-template <int NV, bool kTail>
-inline __m256 load(const float* p, int v, __m256i tail) {
-  return kTail && v == NV - 1 ? _mm256_maskload_ps(p + 8 * v, tail) : _mm256_loadu_ps(p + 8 * v);
-}
-
-/// A gathered dY row's NV vectors, from fp32 rows.
-template <int NV, bool kTail>
-inline void load_row(const float* row, __m256 dv[NV], __m256i tail) {
-  for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
-}
-/// ... from bf16 rows in the bf16 kernels' order (bf16_block_avx2.hpp), widened exactly.
-/// Rows are padded with zeros to whole blocks, so no load is masked.
-template <int NV, bool kTail>
-inline void load_row(const std::uint16_t* row, __m256 dv[NV], __m256i /*tail*/) {
-  for (int v = 0; v < NV; v += 2) {
-    const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8 * v));
-    dv[v] = first_half(block);
-    if (v + 1 < NV) dv[v + 1] = second_half(block);
-  }
-}
-
-// A masked store is microcoded and slow on AMD cores, so it is kept to partial vectors.
-template <int NV, bool kTail>
-inline void store(float* p, int v, __m256 value, __m256i tail) {
-  if (kTail && v == NV - 1) {
-    _mm256_maskstore_ps(p + 8 * v, tail, value);
-  } else {
-    _mm256_storeu_ps(p + 8 * v, value);
-  }
-}
-
-template <typename T>
-inline const T* row_of(const T* base, std::uint32_t tag, std::int64_t stride) {
-  return base + static_cast<std::int64_t>(tag) * stride;
-}
-
-/// Asks for a whole dY row one output ahead: each output's row is read once per tile,
-/// and with short runs (high sparsity) its miss would otherwise stall the next output.
-template <int NV>
-inline void prefetch_row(const float* row) {
-  for (int v = 0; v < NV; v += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + 8 * v), _MM_HINT_T0);
-  }
-}
 
 // PacketT: an fp32 stream's packets, or a bf16 one's read as they are (X in fp32).
 template <int NV, bool kTail, typename PacketT>
@@ -101,49 +45,6 @@ void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, floa
   }
 }
 
-template <int NV, bool kTail>
-void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, float* dx,
-                         std::int64_t dxs, __m256i tail) {
-  const Packet* p = L.packets;
-  for (std::int64_t r = 0; r < L.runs; ++r) {
-    const float* d = dy + r * dys;
-    if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
-    __m256 dv[NV];
-    for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
-    std::uint32_t k = L.begin[r];
-    const std::uint32_t e = L.end[r];
-    // Indices are unique within an output, so the rows never alias. Four rows per step,
-    // their packets read before any row is written (as the AVX-512 kernel; the compiler
-    // cannot tell a store to dX from one to the stream): 16-19% faster than two.
-    for (; k + 4 <= e; k += 4) {
-      if (k + kPrefetch + 4 <= e) {
-        for (std::uint32_t j = 0; j < 4; ++j) {
-          __builtin_prefetch(dx + static_cast<std::int64_t>(p[k + kPrefetch + j].tag) * dxs, 1, 3);
-        }
-      }
-      float* out[4];
-      __m256 w[4];
-      for (std::uint32_t j = 0; j < 4; ++j) {
-        out[j] = dx + static_cast<std::int64_t>(p[k + j].tag) * dxs;
-        w[j] = _mm256_set1_ps(p[k + j].value);
-      }
-      for (std::uint32_t j = 0; j < 4; ++j) {
-        for (int v = 0; v < NV; ++v) {
-          store<NV, kTail>(out[j], v,
-                           _mm256_fmadd_ps(w[j], dv[v], load<NV, kTail>(out[j], v, tail)), tail);
-        }
-      }
-    }
-    for (; k < e; ++k) {
-      float* out = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
-      const __m256 w = _mm256_set1_ps(p[k].value);
-      for (int v = 0; v < NV; ++v) {
-        store<NV, kTail>(out, v, _mm256_fmadd_ps(w, dv[v], load<NV, kTail>(out, v, tail)), tail);
-      }
-    }
-  }
-}
-
 /// dot(dy, x) over the group, left as eight partial sums.
 template <int NV, bool kTail>
 inline __m256 dot_partial(const __m256* dv, const float* x, __m256i tail) {
@@ -168,10 +69,8 @@ void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t
                            __m256i tail) {
   const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
-    const float* d = dy + r * dys;
-    if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
     __m256 dv[NV];
-    for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+    load_output_row<NV, kTail>(L, dy, dys, r, dv, tail);
     std::uint32_t k = L.begin[r];
     const std::uint32_t e = L.end[r];
     // A run's packets are contiguous, so eight in a row have their gradients in a row.
@@ -268,58 +167,11 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
   }
 }
 
-/// Calls run.template operator()<nv>() for the nv in NV..kMaxNV that matches.
-template <int NV, int kMaxNV, typename Run>
-void with_vector_count(int nv, Run& run) {
-  if constexpr (NV < kMaxNV) {
-    if (nv != NV) return with_vector_count<NV + 1, kMaxNV>(nv, run);
-  }
-  run.template operator()<NV>();
-}
-
-// Runs `kernel.template operator()<NV, kTail>(t0, tail)` over the tile in groups of at
-// most 8 * kMaxNV tokens: NV vectors per group, the last one masked only when the group
-// is not a whole number of vectors.
-template <int kMaxNV, typename Kernel>
-void for_each_group(std::int64_t tokens, Kernel&& kernel) {
-  constexpr std::int64_t kGroup = 8 * kMaxNV;
-  for (std::int64_t t0 = 0; t0 < tokens; t0 += kGroup) {
-    const std::int64_t width = std::min(kGroup, tokens - t0);
-    const __m256i tail = tail_mask(width);
-    auto run = [&]<int NV>() {
-      if (width % 8 != 0) {
-        kernel.template operator()<NV, true>(t0, tail);
-      } else {
-        kernel.template operator()<NV, false>(t0, tail);
-      }
-    };
-    with_vector_count<1, kMaxNV>(static_cast<int>((width + 7) / 8), run);
-  }
-}
-
 template <typename PacketT>
 void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
   if (tokens == 1) return forward_one_token(L, x, y);
   for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
     forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
-  });
-}
-
-void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
-  if (tokens == 1) return backward_data_one_token(L, dy, dx);
-  for_each_group<8>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
-    backward_data_group<NV, kTail>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
-  });
-}
-
-template <typename PacketT>
-void backward_weight(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums,
-                     std::int64_t tokens) {
-  if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
-  constexpr std::int64_t kGroup = 8 * 8;  // tokens per group of for_each_group<8>
-  for_each_group<8>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
-    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
-                                     for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
   });
 }
 

@@ -21,71 +21,18 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "engine/kernels/bf16_block_avx512.hpp"
-#include "engine/kernels/lane_kernels.hpp"
+#include "engine/kernels/lane_kernels_body.hpp"
 #include "engine/kernels/reduce8.hpp"
 
 namespace sluice::detail {
 namespace {
 
-constexpr std::int64_t kGroup = 64;
-constexpr std::uint32_t kPrefetch = 16;      // packets ahead, for tile rows
 constexpr std::uint32_t kStreamAhead = 256;  // packets ahead, for the stream itself
-
-inline __mmask16 tail_mask(std::int64_t width) {
-  const std::int64_t rem = width - (width - 1) / 16 * 16;  // 1..16
-  return static_cast<__mmask16>((1U << rem) - 1U);
-}
-
-template <typename T>
-inline const T* row_of(const T* base, std::uint32_t tag, std::int64_t stride) {
-  return base + static_cast<std::int64_t>(tag) * stride;
-}
-
-/// Asks for a whole dY row one output ahead: each output's row is read once per tile,
-/// and with short runs (high sparsity) its miss would otherwise stall the next output.
-template <int NV>
-inline void prefetch_row(const float* row) {
-  for (int v = 0; v < NV; ++v) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * v), _MM_HINT_T0);
-  }
-}
 
 // always_inline: GCC 12 was seen to drop the prefetch from a plain inline helper.
 template <typename PacketT>
 [[gnu::always_inline]] inline void prefetch_stream(const PacketT* packet) {
   _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
-}
-
-template <int NV, bool kTail>
-inline __m512 load(const float* p, int v, __mmask16 tail) {
-  return kTail && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, p + 16 * v)
-                              : _mm512_loadu_ps(p + 16 * v);
-}
-
-/// A gathered dY row's NV vectors, from fp32 rows.
-template <int NV, bool kTail>
-inline void load_row(const float* row, __m512 dv[NV], __mmask16 tail) {
-  for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
-}
-/// ... from bf16 rows in the bf16 kernels' order (bf16_block_avx512.hpp), widened exactly.
-/// Rows are padded with zeros to whole blocks, so no load is masked.
-template <int NV, bool kTail>
-inline void load_row(const std::uint16_t* row, __m512 dv[NV], __mmask16 /*tail*/) {
-  for (int v = 0; v < NV; v += 2) {
-    const __m512i block = _mm512_loadu_si512(row + 16 * v);
-    dv[v] = first_half(block);
-    if (v + 1 < NV) dv[v + 1] = second_half(block);
-  }
-}
-
-template <int NV, bool kTail>
-inline void store(float* p, int v, __m512 value, __mmask16 tail) {
-  if (kTail && v == NV - 1) {
-    _mm512_mask_storeu_ps(p + 16 * v, tail, value);
-  } else {
-    _mm512_storeu_ps(p + 16 * v, value);
-  }
 }
 
 // PacketT: an fp32 stream's packets, or a bf16 one's read as they are (X in fp32).
@@ -146,52 +93,6 @@ void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, floa
   }
 }
 
-template <int NV, bool kTail>
-void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, float* dx,
-                         std::int64_t dxs, __mmask16 tail) {
-  const Packet* p = L.packets;
-  for (std::int64_t r = 0; r < L.runs; ++r) {
-    const float* d = dy + r * dys;
-    if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
-    __m512 dv[NV];
-    for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
-    std::uint32_t k = L.begin[r];
-    const std::uint32_t e = L.end[r];
-    // Indices are unique within an output, so the rows never alias. Four rows per step
-    // (4096 x 4096 x 256 at 90%: ~6% faster than two).
-    for (; k + 4 <= e; k += 4) {
-      if (k + kPrefetch + 4 <= e) {
-        for (std::uint32_t j = 0; j < 4; ++j) {
-          const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch + j].tag) * dxs;
-          for (int v = 0; v < NV; v += 4) __builtin_prefetch(next + 16 * v, 1, 3);
-        }
-      }
-      // The four packets are read before any row is written: the compiler cannot tell
-      // a store to dX from one to the stream, and would read each packet after the last
-      // row's stores (~10% slower).
-      float* out[4];
-      __m512 w[4];
-      for (std::uint32_t j = 0; j < 4; ++j) {
-        out[j] = dx + static_cast<std::int64_t>(p[k + j].tag) * dxs;
-        w[j] = _mm512_set1_ps(p[k + j].value);
-      }
-      for (std::uint32_t j = 0; j < 4; ++j) {
-        for (int v = 0; v < NV; ++v) {
-          store<NV, kTail>(out[j], v,
-                           _mm512_fmadd_ps(w[j], dv[v], load<NV, kTail>(out[j], v, tail)), tail);
-        }
-      }
-    }
-    for (; k < e; ++k) {
-      float* out = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
-      const __m512 w = _mm512_set1_ps(p[k].value);
-      for (int v = 0; v < NV; ++v) {
-        store<NV, kTail>(out, v, _mm512_fmadd_ps(w, dv[v], load<NV, kTail>(out, v, tail)), tail);
-      }
-    }
-  }
-}
-
 /// dot(a, b) over the group's NV vectors, left as 16 partial sums (two chains at the full
 /// width).
 template <int NV>
@@ -220,10 +121,8 @@ void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t
                            __mmask16 tail) {
   const PacketT* p = L.packets;
   for (std::int64_t r = 0; r < L.runs; ++r) {
-    const float* d = dy + r * dys;
-    if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
     __m512 dv[NV];
-    for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+    load_output_row<NV, kTail>(L, dy, dys, r, dv, tail);
     const std::uint32_t e = L.end[r];
     add_run_sums(sums, p, L.begin[r], e, [&](std::uint32_t k) {
       if ((k & 7) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
@@ -321,35 +220,6 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
   }
 }
 
-/// Calls run.template operator()<nv>() for the nv in NV..kMaxNV that matches.
-template <int NV, int kMaxNV, typename Run>
-void with_vector_count(int nv, Run& run) {
-  if constexpr (NV < kMaxNV) {
-    if (nv != NV) return with_vector_count<NV + 1, kMaxNV>(nv, run);
-  }
-  run.template operator()<NV>();
-}
-
-// Runs `kernel.template operator()<NV, kTail>(t0, tail)` over the tile in groups of at
-// most 16 * kMaxNV tokens: NV vectors per group, the last one masked only when the group
-// is not a whole number of vectors (an unmasked load can fuse into its FMA).
-template <int kMaxNV = kGroup / 16, typename Kernel>
-void for_each_group(std::int64_t tokens, Kernel&& kernel) {
-  constexpr std::int64_t kTokens = 16 * kMaxNV;
-  for (std::int64_t t0 = 0; t0 < tokens; t0 += kTokens) {
-    const std::int64_t width = std::min(kTokens, tokens - t0);
-    const __mmask16 tail = tail_mask(width);
-    auto run = [&]<int NV>() {
-      if (width % 16 != 0) {
-        kernel.template operator()<NV, true>(t0, tail);
-      } else {
-        kernel.template operator()<NV, false>(t0, tail);
-      }
-    };
-    with_vector_count<1, kMaxNV>(static_cast<int>((width + 15) / 16), run);
-  }
-}
-
 template <typename PacketT>
 void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
   if (tokens == 1) {
@@ -362,25 +232,8 @@ void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens)
       return forward_one_token_avx512(L, x, y);
     }
   }
-  for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
+  for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
     forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
-  });
-}
-
-void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
-  if (tokens == 1) return backward_data_one_token(L, dy, dx);
-  for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
-    backward_data_group<NV, kTail>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
-  });
-}
-
-template <typename PacketT>
-void backward_weight(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums,
-                     std::int64_t tokens) {
-  if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
-  for_each_group(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
-    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
-                                     for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
   });
 }
 

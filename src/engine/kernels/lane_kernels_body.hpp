@@ -1,0 +1,237 @@
+#pragma once
+// What the AVX2 and AVX-512 lane kernels (lane_kernels_avx2.cpp, lane_kernels_avx512.cpp)
+// do alike, written once over the vector width of the file that includes it: a tile's
+// tokens walked in groups of whole vectors (the last one masked only where the group is
+// not whole), the gathered rows' loads and stores, and the gradients by output (the
+// weight gradient's group kernel is each file's: the widths reduce dot products
+// differently). Internal. As blocks/block_kernels_body.hpp, everything here is in an
+// unnamed namespace, so each file keeps its own copy and no ISA's code can stand in for
+// another's at link time (tests/isa_objects_share_nothing.sh).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "engine/kernels/lane_kernels.hpp"
+#if defined(__AVX512F__)
+#include "engine/kernels/bf16_block_avx512.hpp"
+#else
+#include "engine/kernels/bf16_block_avx2.hpp"
+#endif
+
+namespace sluice::detail {
+namespace {
+
+#if defined(__AVX512F__)
+/// 16 fp32 lanes a vector; a group's last vector masked by a 16-bit mask.
+struct Lanes {
+  using Vec = __m512;
+  using Tail = __mmask16;
+  static constexpr int kWidth = 16;
+  /// The lanes in use of a group's last vector, `width` tokens in the group.
+  static Tail tail_mask(std::int64_t width) {
+    const std::int64_t rem = width - (width - 1) / 16 * 16;  // 1..16
+    return static_cast<__mmask16>((1U << rem) - 1U);
+  }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load(const float* p, Tail tail) { return _mm512_maskz_loadu_ps(tail, p); }
+  static void store(float* p, Vec value) { _mm512_storeu_ps(p, value); }
+  static void store(float* p, Vec value, Tail tail) { _mm512_mask_storeu_ps(p, tail, value); }
+  /// One block of a bf16 row (bf16_block_avx512.hpp): 32 tokens.
+  static __m512i load_block(const std::uint16_t* row) { return _mm512_loadu_si512(row); }
+  static Vec broadcast(float w) { return _mm512_set1_ps(w); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+};
+/// A dX row's lines asked for ahead: one in four vectors (four lines of 64 tokens).
+constexpr int kDxPrefetchEvery = 4;
+#else
+/// AVX2: 8 fp32 lanes; a group's last vector masked by a vector of all-ones lanes. A masked
+/// store is microcoded on AMD cores, so only a group that is not whole masks its last one.
+struct Lanes {
+  using Vec = __m256;
+  using Tail = __m256i;
+  static constexpr int kWidth = 8;
+  static Tail tail_mask(std::int64_t width) {
+    const int rem = static_cast<int>(width - (width - 1) / 8 * 8);  // 1..8
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lanes);
+  }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(const float* p, Tail tail) { return _mm256_maskload_ps(p, tail); }
+  static void store(float* p, Vec value) { _mm256_storeu_ps(p, value); }
+  static void store(float* p, Vec value, Tail tail) { _mm256_maskstore_ps(p, tail, value); }
+  /// One block of a bf16 row (bf16_block_avx2.hpp): 16 tokens.
+  static __m256i load_block(const std::uint16_t* row) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  }
+  static Vec broadcast(float w) { return _mm256_set1_ps(w); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+};
+/// A dX row's first line only (a group is at most eight vectors).
+constexpr int kDxPrefetchEvery = 8;
+#endif
+
+using Vec = Lanes::Vec;
+using Tail = Lanes::Tail;
+constexpr int kWidth = Lanes::kWidth;
+/// Packets ahead for tile rows; only a row's first line is asked for (more requests only
+/// queue behind the misses that matter).
+constexpr std::uint32_t kPrefetch = 16;
+/// Tokens per group of the by-output gradients.
+constexpr std::int64_t kByOutputGroup = 64;
+
+template <int NV, bool kTail>
+inline Vec load(const float* p, int v, Tail tail) {
+  return kTail && v == NV - 1 ? Lanes::load(p + kWidth * v, tail) : Lanes::load(p + kWidth * v);
+}
+/// A gathered dY row's NV vectors, from fp32 rows.
+template <int NV, bool kTail>
+inline void load_row(const float* row, Vec dv[NV], Tail tail) {
+  for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
+}
+/// ... from bf16 rows in the bf16 kernels' order (bf16_block_*.hpp), widened exactly.
+/// Rows are padded with zeros to whole blocks, so no load is masked.
+template <int NV, bool kTail>
+inline void load_row(const std::uint16_t* row, Vec dv[NV], Tail /*tail*/) {
+  for (int v = 0; v < NV; v += 2) {
+    const auto block = Lanes::load_block(row + kWidth * v);
+    dv[v] = first_half(block);
+    if (v + 1 < NV) dv[v + 1] = second_half(block);
+  }
+}
+
+template <int NV, bool kTail>
+inline void store(float* p, int v, Vec value, Tail tail) {
+  if (kTail && v == NV - 1) {
+    Lanes::store(p + kWidth * v, value, tail);
+  } else {
+    Lanes::store(p + kWidth * v, value);
+  }
+}
+
+template <typename T>
+inline const T* row_of(const T* base, std::uint32_t tag, std::int64_t stride) {
+  return base + static_cast<std::int64_t>(tag) * stride;
+}
+
+/// Asks for a whole row one output ahead, a line at a time: each output's row is read once
+/// per tile, and with short runs (high sparsity) its miss would otherwise stall the next.
+template <int NV>
+[[gnu::always_inline]] inline void prefetch_row(const float* row) {
+  for (int v = 0; v < NV; v += 64 / static_cast<int>(sizeof(Vec))) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + kWidth * v), _MM_HINT_T0);
+  }
+}
+
+/// Output r's dY row into dv, the next output's asked for.
+template <int NV, bool kTail, typename PacketT>
+[[gnu::always_inline]] inline void load_output_row(const Runs<PacketT>& L, const float* dy,
+                                                   std::int64_t dys, std::int64_t r, Vec* dv,
+                                                   Tail tail) {
+  const float* d = dy + r * dys;
+  if (r + 1 < L.runs) prefetch_row<NV>(d + dys);
+  for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(d, v, tail);
+}
+
+/// Calls run.template operator()<nv>() for the nv in NV..kMaxNV that matches.
+template <int NV, int kMaxNV, typename Run>
+void with_vector_count(int nv, Run& run) {
+  if constexpr (NV < kMaxNV) {
+    if (nv != NV) return with_vector_count<NV + 1, kMaxNV>(nv, run);
+  }
+  run.template operator()<NV>();
+}
+
+/// Runs `kernel.template operator()<NV, kTail>(t0, tail)` over the tile in groups of at
+/// most kWidth * kMaxNV tokens: NV vectors per group, the last one masked only when the
+/// group is not a whole number of vectors (an unmasked load can fuse into its FMA).
+template <int kMaxNV, typename Kernel>
+void for_each_group(std::int64_t tokens, Kernel&& kernel) {
+  constexpr std::int64_t kTokens = kWidth * kMaxNV;
+  for (std::int64_t t0 = 0; t0 < tokens; t0 += kTokens) {
+    const std::int64_t width = std::min(kTokens, tokens - t0);
+    const Tail tail = Lanes::tail_mask(width);
+    auto run = [&]<int NV>() {
+      if (width % kWidth != 0) {
+        kernel.template operator()<NV, true>(t0, tail);
+      } else {
+        kernel.template operator()<NV, false>(t0, tail);
+      }
+    };
+    with_vector_count<1, kMaxNV>(static_cast<int>((width + kWidth - 1) / kWidth), run);
+  }
+}
+
+template <int NV, bool kTail>
+void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, float* dx,
+                         std::int64_t dxs, Tail tail) {
+  const Packet* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    Vec dv[NV];
+    load_output_row<NV, kTail>(L, dy, dys, r, dv, tail);
+    std::uint32_t k = L.begin[r];
+    const std::uint32_t e = L.end[r];
+    // Indices are unique within an output, so the rows never alias. Four rows per step
+    // (faster than two at both widths).
+    for (; k + 4 <= e; k += 4) {
+      if (k + kPrefetch + 4 <= e) {
+        for (std::uint32_t j = 0; j < 4; ++j) {
+          const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch + j].tag) * dxs;
+          for (int v = 0; v < NV; v += kDxPrefetchEvery) {
+            __builtin_prefetch(next + kWidth * v, 1, 3);
+          }
+        }
+      }
+      // The four packets are read before any row is written: the compiler cannot tell
+      // a store to dX from one to the stream, and would read each packet after the last
+      // row's stores.
+      float* out[4];
+      Vec w[4];
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        out[j] = dx + static_cast<std::int64_t>(p[k + j].tag) * dxs;
+        w[j] = Lanes::broadcast(p[k + j].value);
+      }
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        for (int v = 0; v < NV; ++v) {
+          store<NV, kTail>(out[j], v, Lanes::fmadd(w[j], dv[v], load<NV, kTail>(out[j], v, tail)),
+                           tail);
+        }
+      }
+    }
+    for (; k < e; ++k) {
+      float* out = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
+      const Vec w = Lanes::broadcast(p[k].value);
+      for (int v = 0; v < NV; ++v) {
+        store<NV, kTail>(out, v, Lanes::fmadd(w, dv[v], load<NV, kTail>(out, v, tail)), tail);
+      }
+    }
+  }
+}
+
+/// The weight gradient by output on one group of tokens: each including file's own (how
+/// a width reduces the dot products), for backward_weight below.
+template <int NV, bool kTail, typename PacketT>
+void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
+                           const float* x, std::int64_t xs, const GradientSums& sums, Tail tail);
+
+void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
+  if (tokens == 1) return backward_data_one_token(L, dy, dx);
+  for_each_group<kByOutputGroup / kWidth>(
+      tokens, [&]<int NV, bool kTail>(std::int64_t t0, Tail tail) {
+        backward_data_group<NV, kTail>(L, dy.data + t0, dy.stride, dx.data + t0, dx.stride, tail);
+      });
+}
+
+template <typename PacketT>
+void backward_weight(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums& sums,
+                     std::int64_t tokens) {
+  if (tokens == 1) return backward_weight_one_token(L, dy, x, sums);
+  for_each_group<kByOutputGroup / kWidth>(tokens, [&]<int NV, bool kTail>(std::int64_t t0,
+                                                                          Tail tail) {
+    backward_weight_group<NV, kTail>(L, dy.data + t0, dy.stride, x.data + t0, x.stride,
+                                     for_group(sums, t0 == 0, t0 + kByOutputGroup >= tokens), tail);
+  });
+}
+
+}  // namespace
+}  // namespace sluice::detail
