@@ -19,6 +19,13 @@ void check_slice(const char* what, std::size_t k, std::int64_t rows, std::int64_
   }
 }
 
+/// Each engine's placement covers the layer's `inputs` features.
+void check_placements(std::span<const Placement* const> placements, std::int64_t inputs) {
+  for (std::size_t k = 0; k < placements.size(); ++k) {
+    check_slice("placement", k, placements[k]->features(), 1, inputs, 1);
+  }
+}
+
 // Copies a strided view into a contiguous buffer, row after row, and back.
 void pack(ConstMatrixView m, float* out) {
   for (std::int64_t r = 0; r < m.rows; ++r) {
@@ -365,12 +372,9 @@ void DriverRank::forward_layer(StreamSource& weights, std::span<const Placement*
     throw ShapeError("MpiFabric forward_layer: " + std::to_string(bias.size()) + " biases for " +
                      std::to_string(h.outputs) + " outputs");
   }
-  for (std::size_t k = 0; k < placements.size(); ++k) {
-    check_slice("placement", k, placements[k]->features(), 1, h.inputs, 1);
-  }
+  check_placements(placements, h.inputs);
   inside_operation([&] {
-    bytes_sent_ = 0;
-    bytes_received_ = 0;
+    start_layer_counts();
     Command c;
     c.layer = layer;
     c.flags = bias.empty() ? 0 : kFlagBias;
@@ -413,13 +417,10 @@ ReducedGradient DriverRank::backward_layer(StreamSource& weights,
                                            std::int32_t layer, bool want_dx, bool with_bias) {
   const StreamHeader& h = weights.header();
   if (shard_tokens_.empty()) throw ArgumentError("MpiFabric backward_layer: no batch loaded");
-  for (std::size_t k = 0; k < placements.size(); ++k) {
-    check_slice("placement", k, placements[k]->features(), 1, h.layer_inputs(), 1);
-  }
+  check_placements(placements, h.layer_inputs());
   ReducedGradient sum;
   inside_operation([&] {
-    bytes_sent_ = 0;
-    bytes_received_ = 0;
+    start_layer_counts();
     Command c;
     c.layer = layer;
     c.flags = with_bias ? kFlagBias : 0;
@@ -602,14 +603,11 @@ BlockResult DriverRank::run_block(const BlockCall& call, StreamSource* weights,
       throw ShapeError("MpiFabric run_block: " + std::to_string(bias.size()) + " biases for " +
                        std::to_string(h.layer_outputs()) + " outputs");
     }
-    for (std::size_t k = 0; k < placements.size(); ++k) {
-      check_slice("placement", k, placements[k]->features(), 1, h.layer_inputs(), 1);
-    }
+    check_placements(placements, h.layer_inputs());
   }
   BlockResult r;
   inside_operation([&] {
-    bytes_sent_ = 0;
-    bytes_received_ = 0;
+    start_layer_counts();
     Command c;
     c.op = static_cast<std::int32_t>(Op::block_op);
     c.block_op = static_cast<std::int32_t>(call.op);

@@ -68,6 +68,8 @@ class DriverRank {
                   std::vector<int>& displs);
   std::vector<float> gather_bias_gradients(std::size_t outputs);
   void count_protocol();
+  /// A layer operation counts its protocol bytes from zero.
+  void start_layer_counts() { bytes_sent_ = bytes_received_ = 0; }
 
   Link* link_;
   FrameSender frames_;
