@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <ranges>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -185,12 +186,22 @@ void print_text(const Prediction& p, const PredictOptions& options) {
 
 // ---- JSON --------------------------------------------------------------------------
 
+/// `key`: an array of one object per item, its fields written by fields(item).
+template <typename Items, typename Fields>
+void write_objects(JsonWriter& w, const char* key, const Items& items, Fields&& fields) {
+  w.key(key).begin_array();
+  for (const auto& item : items) {
+    w.begin_object();
+    fields(item);
+    w.end_object();
+  }
+  w.end_array();
+}
+
 std::string to_json(const Prediction& p) {
   JsonWriter w(2);
   w.begin_object();
-  w.key("curves").begin_array();
-  for (const auto& c : p.curves) {
-    w.begin_object();
+  write_objects(w, "curves", p.curves, [&](const auto& c) {
     w.field("d_model", c.d_model);
     w.field("engines", c.engines);
     w.field("tokens_per_engine", c.tokens_per_engine);
@@ -199,17 +210,12 @@ std::string to_json(const Prediction& p) {
     w.field("activation_bytes", c.activation_bytes);
     w.field("activation_bytes_per_token_layer", c.activation_bytes_per_token_layer);
     w.field("saturation", c.saturation);
-    w.key("points").begin_array();
-    for (std::size_t i = 0; i < c.sparsities.size(); ++i) {
-      w.begin_object();
-      w.field("sparsity", c.sparsities[i]);
-      w.field("acceleration", c.accelerations[i]);
-      w.end_object();
-    }
-    w.end_array();
-    w.end_object();
-  }
-  w.end_array();
+    write_objects(w, "points", std::views::iota(std::size_t{0}, c.sparsities.size()),
+                  [&](std::size_t i) {
+                    w.field("sparsity", c.sparsities[i]);
+                    w.field("acceleration", c.accelerations[i]);
+                  });
+  });
   // The headline: the largest model on one engine.
   w.field("saturation_acceleration", p.gpt3_single.saturation);
   w.field("saturation_acceleration_cluster", p.gpt3_cluster.saturation);
@@ -217,24 +223,16 @@ std::string to_json(const Prediction& p) {
           p.activations.bytes_per_token_layer_per_d_model);
   w.field("nnz_per_engine_row_gpt3_ffn_90", p.nnz_per_row);
   if (!p.scaling.empty()) {
-    w.key("scaling").begin_array();
-    for (const auto& series : p.scaling) {
-      w.begin_object();
+    write_objects(w, "scaling", p.scaling, [&](const auto& series) {
       w.field("d_model", series.shape.d_model);
-      w.key("points").begin_array();
-      for (const auto& pt : series.points) {
-        w.begin_object();
+      write_objects(w, "points", series.points, [&](const auto& pt) {
         w.field("engines", pt.engines);
         w.field("step_seconds", pt.step_seconds);
         w.field("speedup", pt.speedup);
         w.field("tokens_per_engine", pt.tokens_per_engine);
         w.field("micro_batches", pt.micro_batches);
-        w.end_object();
-      }
-      w.end_array();
-      w.end_object();
-    }
-    w.end_array();
+      });
+    });
   }
   w.end_object();
   return w.str();
@@ -359,8 +357,7 @@ int run_predict(const PredictOptions& options) {
     print_text(p, options);
     if (!options.out_dir.empty()) std::cout << "\nWrote CSV files to " << options.out_dir << "\n";
   }
-  std::cout.flush();
-  if (!std::cout) throw IoError("predict: cannot write to standard output");
+  flush_standard_output("predict");
   return 0;
 }
 

@@ -567,8 +567,7 @@ int run_sweep(const SweepOptions& o) {
     std::cout << "Wrote " << (dir / "sweep.csv").string() << ", sweep.json"
               << (plotted ? ", sweep.png" : "") << "\n";
   }
-  std::cout.flush();
-  if (!std::cout) throw IoError("sweep: cannot write to standard output");
+  flush_standard_output("sweep");
   return 0;
 }
 
