@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "fabric/gradient_tree.hpp"
 #include "sluice/error.hpp"
@@ -86,25 +87,24 @@ void DriverRank::scatter_jobs(std::span<const Placement* const> placements, std:
   for (std::size_t k = 0; k < n; ++k) jobs[k + 1].lanes = placements[k]->lanes;
   Job mine;
   link_->scatter(jobs.data(), &mine, sizeof(Job), MPI_BYTE, "job scatter");
-  std::vector<int> counts(n + 1, 0), displs(n + 1, 0);
-  std::vector<std::int32_t> lane_of;
-  std::vector<std::int64_t> lane_nnz;
-  for (std::size_t k = 0; k < n; ++k) {
-    counts[k + 1] = to_count(placements[k]->lane_of.size(), "a placement");
-    displs[k + 1] = to_count(lane_of.size(), "the placements");
-    lane_of.insert(lane_of.end(), placements[k]->lane_of.begin(), placements[k]->lane_of.end());
-  }
-  link_->scatterv(lane_of.data(), counts.data(), displs.data(), nullptr, 0, MPI_INT32_T,
-                  "placement scatter");
-  for (std::size_t k = 0; k < n; ++k) {
-    counts[k + 1] = to_count(placements[k]->lane_nnz.size(), "a placement");
-    displs[k + 1] = to_count(lane_nnz.size(), "the placements");
-    lane_nnz.insert(lane_nnz.end(), placements[k]->lane_nnz.begin(), placements[k]->lane_nnz.end());
-  }
-  link_->scatterv(lane_nnz.data(), counts.data(), displs.data(), nullptr, 0, MPI_INT64_T,
-                  "placement scatter");
-  bytes_sent_ += n * sizeof(Job) + lane_of.size() * sizeof(std::int32_t) +
-                 lane_nnz.size() * sizeof(std::int64_t);
+  bytes_sent_ += n * sizeof(Job);
+  // One array of every engine's placement, the engines' parts one after another, by one
+  // Scatterv.
+  auto scatter_part = [&](auto part, MPI_Datatype type) {
+    std::vector<int> counts(n + 1, 0), displs(n + 1, 0);
+    std::remove_cvref_t<decltype(placements[0]->*part)> all;
+    for (std::size_t k = 0; k < n; ++k) {
+      const auto& engine_part = placements[k]->*part;
+      counts[k + 1] = to_count(engine_part.size(), "a placement");
+      displs[k + 1] = to_count(all.size(), "the placements");
+      all.insert(all.end(), engine_part.begin(), engine_part.end());
+    }
+    link_->scatterv(all.data(), counts.data(), displs.data(), nullptr, 0, type,
+                    "placement scatter");
+    bytes_sent_ += all.size() * sizeof(all[0]);
+  };
+  scatter_part(&Placement::lane_of, MPI_INT32_T);
+  scatter_part(&Placement::lane_nnz, MPI_INT64_T);
 }
 
 // Each engine's token slice, packed, by one Scatterv.
@@ -311,6 +311,20 @@ ReducedGradient DriverRank::probe(StreamSource& stream, bool echo) {
 
 // --- layer operations over the engine ranks' activation stores -------------------------
 
+// The command that starts a pass over a batch (load_batch, load_samples): the spec's
+// layers and loss, the batch's tokens and `flags` (kFlagTraining added for a training
+// pass); then the spec.
+void DriverRank::send_pass(Op op, const PassSpec& spec, std::int64_t tokens, std::int32_t flags) {
+  Command c;
+  c.op = static_cast<std::int32_t>(op);
+  c.layer = static_cast<std::int32_t>(spec.activations.size());
+  c.kind = static_cast<std::uint32_t>(spec.loss);
+  c.total_tokens = tokens;
+  c.flags = flags | (spec.training ? kFlagTraining : 0);
+  send_command(c);
+  send_spec(spec);
+}
+
 void DriverRank::load_batch(const PassSpec& spec, const ShardData& batch) {
   std::vector<int> counts, displs;
   set_shards(batch.features.cols, spec, counts, displs);
@@ -326,22 +340,15 @@ void DriverRank::load_batch(const PassSpec& spec, const ShardData& batch) {
   }
   inside_operation([&] {
     bytes_sent_ = 0;
-    Command c;
-    c.op = static_cast<std::int32_t>(Op::load_batch);
-    c.layer = static_cast<std::int32_t>(spec.activations.size());
-    c.kind = static_cast<std::uint32_t>(spec.loss);
-    c.total_tokens = batch.features.cols;
-    c.flags = (batch.labels.empty() ? 0 : kFlagLabels) | (batch.targets ? kFlagTargets : 0) |
-              (spec.training ? kFlagTraining : 0);
-    send_command(c);
-    send_spec(spec);
+    send_pass(Op::load_batch, spec, batch.features.cols,
+              (batch.labels.empty() ? 0 : kFlagLabels) | (batch.targets ? kFlagTargets : 0));
     scatter_matrices(features);
     if (!batch.labels.empty()) {
       link_->scatterv(batch.labels.data(), counts.data(), displs.data(), nullptr, 0, MPI_INT,
                       "label scatter");
     }
     if (batch.targets) scatter_matrices(targets);
-    counters_->driver_bytes_sent += sizeof c + bytes_sent_;
+    counters_->driver_bytes_sent += sizeof(Command) + bytes_sent_;
   });
 }
 
@@ -350,17 +357,10 @@ void DriverRank::load_samples(const PassSpec& spec, std::span<const std::int64_t
   set_shards(static_cast<std::int64_t>(indices.size()), spec, counts, displs);
   inside_operation([&] {
     bytes_sent_ = 0;
-    Command c;
-    c.op = static_cast<std::int32_t>(Op::load_samples);
-    c.layer = static_cast<std::int32_t>(spec.activations.size());
-    c.kind = static_cast<std::uint32_t>(spec.loss);
-    c.total_tokens = static_cast<std::int64_t>(indices.size());
-    c.flags = kFlagLabels | (spec.training ? kFlagTraining : 0);
-    send_command(c);
-    send_spec(spec);
+    send_pass(Op::load_samples, spec, static_cast<std::int64_t>(indices.size()), kFlagLabels);
     link_->scatterv(indices.data(), counts.data(), displs.data(), nullptr, 0, MPI_INT64_T,
                     "sample scatter");
-    counters_->driver_bytes_sent += sizeof c + bytes_sent_;
+    counters_->driver_bytes_sent += sizeof(Command) + bytes_sent_;
   });
 }
 

@@ -64,6 +64,7 @@ class DriverRank {
   void gather_matrices(const std::vector<MutableMatrixView*>& ms);
   std::vector<Reply> gather_replies();
   void send_spec(const PassSpec& spec);
+  void send_pass(Op op, const PassSpec& spec, std::int64_t tokens, std::int32_t flags);
   void set_shards(std::int64_t tokens, const PassSpec& spec, std::vector<int>& counts,
                   std::vector<int>& displs);
   std::vector<float> gather_bias_gradients(std::size_t outputs);
