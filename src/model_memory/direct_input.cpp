@@ -1,9 +1,10 @@
 #include "model_memory/direct_input.hpp"
 
 #include <fcntl.h>
-#include <linux/aio_abi.h>
-#include <sys/syscall.h>
 #include <unistd.h>
+#ifdef SLUICE_HAVE_LIBURING
+#include <liburing.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -19,13 +20,13 @@
 namespace sluice::detail {
 namespace {
 
-/// A direct read is split into pieces of this size, kDepth of them in flight (Linux's
-/// asynchronous I/O, which with O_DIRECT does not block): the device reads ahead while the
-/// thread copies and checks what has come — the page cache's read-ahead did that before.
-/// 8 MiB in flight, as the VM's disk reads ahead (read_ahead_kb); a piece is small enough
-/// to stay in L2/L3 while it is copied out and checked.
+/// A direct read is split into pieces of this size, kDepth of them in flight (io_uring, with
+/// which O_DIRECT reads do not block the thread): the device reads ahead while the thread
+/// copies and checks what has come — the page cache's read-ahead did that before. 8 MiB in
+/// flight, as the VM's disk reads ahead (read_ahead_kb); a piece is small enough to stay in
+/// L2/L3 while it is copied out and checked.
 constexpr std::size_t kPieceBytes = std::size_t{2} << 20;
-constexpr int kDepth = 4;
+constexpr std::size_t kDepth = 4;
 /// Copy and CRC go by pieces of this size, so the CRC reads what the copy just wrote
 /// from L2 rather than from memory.
 constexpr std::size_t kCopyPiece = std::size_t{128} << 10;
@@ -37,34 +38,103 @@ std::uint64_t align_up(std::uint64_t x) {
   return align_down(x + kDirectAlign - 1);
 }
 
-/// A reading thread's asynchronous reads: an AIO context and the aligned buffers of the
-/// pieces in flight whose destination is not at the file's phase. Kept for the thread's
-/// life: new ones would fault in their pages on every file.
-struct AsyncReads {
-  aio_context_t context = 0;
-  bool usable = false;
+/// A reading thread's direct reads of pieces, each in a slot: kDepth in flight through the
+/// thread's io_uring (liburing), else — built without liburing, or the kernel refuses the
+/// thread a ring (seccomp or kernel.io_uring_disabled: ENOSYS, EPERM) — one at a time by
+/// pread. Kept for the thread's life with the aligned buffers of the slots: new ones would
+/// fault in their pages on every file.
+class PieceReads {
+ public:
+  PieceReads() {
+#ifdef SLUICE_HAVE_LIBURING
+    ring_ready_ = io_uring_queue_init(kDepth, &ring_, 0) == 0;
+#endif
+    buffers_.reset(static_cast<std::byte*>(
+        ::operator new (depth() * kPieceBytes, std::align_val_t{kDirectAlign})));
+  }
+  ~PieceReads() {
+#ifdef SLUICE_HAVE_LIBURING
+    if (ring_ready_) io_uring_queue_exit(&ring_);
+#endif
+  }
+  PieceReads(const PieceReads&) = delete;
+  PieceReads& operator=(const PieceReads&) = delete;
+
+  /// Reads in flight at once.
+  std::size_t depth() const {
+    return ring_ready_ ? kDepth : 1;
+  }
+  std::byte* buffer(std::size_t slot) {
+    return buffers_.get() + slot * kPieceBytes;
+  }
+
+  /// Starts the read of `size` bytes at `offset` of `fd` into `into` as slot `slot` (free);
+  /// false if it could not be started.
+  bool start(std::size_t slot, int fd, std::byte* into, std::size_t size, std::uint64_t offset) {
+    finished_[slot] = false;
+#ifdef SLUICE_HAVE_LIBURING
+    if (ring_ready_) return start_on_ring(slot, fd, into, size, offset);
+#endif
+    ssize_t n = 0;
+    while ((n = ::pread(fd, into, size, static_cast<off_t>(offset))) < 0 && errno == EINTR) {
+    }
+    results_[slot] = n < 0 ? -errno : n;
+    finished_[slot] = true;
+    return true;
+  }
+
+  /// Waits for slot `slot`'s read and sets `result` to its bytes read or -errno; returns 0,
+  /// or the errno of a failed wait (the read may then be in flight still).
+  int finish(std::size_t slot, std::int64_t& result) {
+#ifdef SLUICE_HAVE_LIBURING
+    while (!finished_[slot]) {
+      io_uring_cqe* cqe = nullptr;
+      const int waited = io_uring_wait_cqe(&ring_, &cqe);
+      if (waited == -EINTR) continue;
+      if (waited < 0) return -waited;
+      const std::uint64_t done = io_uring_cqe_get_data64(cqe);
+      if (done < kDepth) {  // else a stale no-op (start_on_ring)
+        results_[done] = cqe->res;
+        finished_[done] = true;
+      }
+      io_uring_cqe_seen(&ring_, cqe);
+    }
+#endif
+    result = results_[slot];
+    return 0;
+  }
+
+ private:
+#ifdef SLUICE_HAVE_LIBURING
+  bool start_on_ring(std::size_t slot, int fd, std::byte* into, std::size_t size,
+                     std::uint64_t offset) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) return false;  // not while every slot waited for is reaped
+    io_uring_prep_read(sqe, fd, into, static_cast<unsigned>(size), offset);
+    io_uring_sqe_set_data64(sqe, slot);
+    int submitted = 0;
+    while ((submitted = io_uring_submit(&ring_)) == -EINTR) {
+    }
+    if (submitted == 1) return true;
+    // The kernel did not take it: the entry stays queued and would go with the next
+    // submission, reading into memory that is by then someone else's — so as a no-op.
+    io_uring_prep_nop(sqe);
+    io_uring_sqe_set_data64(sqe, kDepth);
+    return false;
+  }
+  io_uring ring_{};
+#endif
+  bool ring_ready_ = false;
+  std::array<std::int64_t, kDepth> results_{};
+  std::array<bool, kDepth> finished_{};
   struct Free {
     void operator()(std::byte* p) const { ::operator delete (p, std::align_val_t{kDirectAlign}); }
   };
-  std::unique_ptr<std::byte, Free> buffers;
-
-  AsyncReads() {
-    usable = ::syscall(SYS_io_setup, kDepth, &context) == 0;
-    if (usable) {
-      buffers.reset(static_cast<std::byte*>(
-          ::operator new (kDepth* kPieceBytes, std::align_val_t{kDirectAlign})));
-    }
-  }
-  ~AsyncReads() {
-    if (usable) ::syscall(SYS_io_destroy, context);
-  }
-  AsyncReads(const AsyncReads&) = delete;
-  AsyncReads& operator=(const AsyncReads&) = delete;
-  std::byte* buffer(std::size_t slot) { return buffers.get() + slot * kPieceBytes; }
+  std::unique_ptr<std::byte, Free> buffers_;
 };
 
-AsyncReads& async_reads() {
-  thread_local AsyncReads reads;
+PieceReads& piece_reads() {
+  thread_local PieceReads reads;
   return reads;
 }
 
@@ -147,10 +217,6 @@ std::size_t DirectInput::read(std::uint64_t at, std::span<std::byte> out, std::u
     if (!opened_) {
       opened_ = true;
       direct_fd_ = ::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);  // -1: refused
-      if (direct_fd_ >= 0 && !async_reads().usable) {
-        ::close(direct_fd_);
-        direct_fd_ = -1;
-      }
     }
     if (direct_fd_ >= 0) done = read_direct(at, out, crc);
   }
@@ -182,49 +248,32 @@ void DirectInput::fail() const {
 
 std::size_t DirectInput::read_direct(std::uint64_t at, std::span<std::byte> out,
                                      std::uint32_t& crc) {
-  AsyncReads& reads = async_reads();
+  PieceReads& reads = piece_reads();
+  const std::size_t depth = reads.depth();
   const std::vector<Piece> pieces = plan_pieces(at, out);
   const std::uint64_t end = at + out.size();
-  std::array<iocb, kDepth> requests{};
-  std::array<std::int64_t, kDepth> results{};
-  std::array<bool, kDepth> finished{};
   std::size_t submitted = 0, waited = 0;
   auto submit = [&] {
-    const std::size_t slot = submitted % kDepth;
+    const std::size_t slot = submitted % depth;
     const Piece& p = pieces[submitted];
-    iocb& r = requests[slot];
-    r = iocb{};
-    r.aio_data = slot;
-    r.aio_lio_opcode = IOCB_CMD_PREAD;
-    r.aio_fildes = static_cast<std::uint32_t>(direct_fd_);
-    r.aio_buf = reinterpret_cast<std::uintptr_t>(p.into != nullptr ? p.into : reads.buffer(slot));
-    r.aio_nbytes = p.size;
-    r.aio_offset = static_cast<std::int64_t>(p.block);
-    iocb* list[1] = {&r};
-    while (::syscall(SYS_io_submit, reads.context, 1, list) != 1) {
-      if (errno != EINTR) return false;
+    if (!reads.start(slot, direct_fd_, p.into != nullptr ? p.into : reads.buffer(slot), p.size,
+                     p.block)) {
+      return false;
     }
-    finished[slot] = false;
     ++submitted;
     return true;
   };
-  auto wait_next = [&] {  // the result of piece `waited`, whose slot's request is done
-    const std::size_t slot = waited % kDepth;
-    while (!finished[slot]) {
-      std::array<io_event, kDepth> events{};
-      const long n = ::syscall(SYS_io_getevents, reads.context, 1, kDepth, events.data(), nullptr);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) fail();
-      for (long e = 0; e < n; ++e) {
-        results[events[e].data] = events[e].res;
-        finished[events[e].data] = true;
-      }
+  auto wait_next = [&] {  // the result of piece `waited`
+    std::int64_t n = 0;
+    if (const int error = reads.finish(waited % depth, n); error != 0) {
+      errno = error;
+      fail();
     }
     ++waited;
-    return results[slot];
+    return n;
   };
-  // The kernel writes into the buffers and `out` until every request is waited for, so
-  // every way out waits (a failure to wait then ends the process: noexcept destructor).
+  // The kernel writes into the buffers and `out` until every read is waited for, so every
+  // way out waits (a failure to wait then ends the process: noexcept destructor).
   struct Drain {
     std::size_t& submitted;
     std::size_t& waited;
@@ -236,10 +285,10 @@ std::size_t DirectInput::read_direct(std::uint64_t at, std::span<std::byte> out,
 
   std::uint64_t pos = at;  // the next file byte to deliver, into out[pos - at]
   bool refused = false;
-  while (submitted < pieces.size() && submitted < kDepth && submit()) {
+  while (submitted < pieces.size() && submitted < depth && submit()) {
   }
   while (waited < submitted) {
-    const std::size_t slot = waited % kDepth;
+    const std::size_t slot = waited % depth;
     const Piece& p = pieces[waited];
     const std::int64_t n = wait_next();
     if (n == -EINVAL || n == -EOPNOTSUPP) {

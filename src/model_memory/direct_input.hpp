@@ -4,9 +4,10 @@
 // eviction, then the caller's CRC in a second pass over memory; direct, the device writes
 // into an aligned buffer and each piece is copied out and checked while it is in cache —
 // or, where the destination lies at the file offset's place in a 4 KiB block, the device
-// writes straight into it — several pieces in flight (Linux AIO), so the device reads
-// ahead while the thread checks. A file system that refuses O_DIRECT (tmpfs before Linux
-// 6.6: EINVAL) and what a short direct read left go through the page cache as before.
+// writes straight into it — several pieces in flight (io_uring, where liburing is built
+// in), so the device reads ahead while the thread checks. A file system that refuses
+// O_DIRECT (tmpfs before Linux 6.6: EINVAL) and what a short direct read left go through
+// the page cache as before.
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -80,8 +81,7 @@ class DirectInput {
   /// Reads out.size() bytes from byte `at` into `out` and chains `crc` over them; returns
   /// the bytes read, fewer only where the file ends. IoError if the system call fails.
   std::size_t read(std::uint64_t at, std::span<std::byte> out, std::uint32_t& crc);
-  /// Whether large reads go direct (false before the first, or once O_DIRECT or Linux's
-  /// asynchronous I/O was refused).
+  /// Whether large reads go direct (false before the first, or once O_DIRECT was refused).
   bool direct() const { return direct_fd_ >= 0; }
 
  private:
