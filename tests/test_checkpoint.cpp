@@ -89,6 +89,9 @@ OptimizerConfig odd_config() {
   c.weight_decay = 0.07;
   c.clip_global_norm = 5.5;
   c.schedule = [](std::int64_t step) { return 1.0 / static_cast<double>(step); };
+  c.decay.warmup_steps = 3;  // data, saved: the round trips must bring it back
+  c.decay.decay_steps = 40;
+  c.decay.final_fraction = 0.25;
   return c;
 }
 
@@ -130,6 +133,7 @@ void expect_same(const ModelMemory& a, const ModelMemory& b) {
   EXPECT_EQ(x.epsilon, y.epsilon);
   EXPECT_EQ(x.weight_decay, y.weight_decay);
   EXPECT_EQ(x.clip_global_norm, y.clip_global_norm);
+  EXPECT_EQ(x.decay, y.decay);
   for (std::int32_t l = 0; l < a.layer_count(); ++l) {
     const CsrMatrix& p = a.weights(l);
     const CsrMatrix& q = b.weights(l);
@@ -287,14 +291,30 @@ class CorruptCheckpoint : public ::testing::Test {
     const std::uint32_t crc = crc32(payload);
     std::memcpy(bytes.data() + offset + 12, &crc, 4);
   }
-  // The good file as `version` (below 4) writes it: without the schedule section.
-  std::vector<char> without_schedule(std::uint32_t version) {
+  // The good file as `version` (below 5) writes it: without the decay section, and below
+  // 4 without the schedule section.
+  std::vector<char> as_version(std::uint32_t version) {
     std::vector<char> old = good;
     std::memcpy(old.data() + 8, &version, 4);
-    const std::size_t schedule = section(old, "DYNS");
-    old.erase(old.begin() + static_cast<long>(schedule),
-              old.begin() + static_cast<long>(schedule + 16 + 44));
+    const std::size_t decay = section(old, "LRDC");
+    old.erase(old.begin() + static_cast<long>(decay),
+              old.begin() + static_cast<long>(decay + 16 + 24));
+    if (version < 4) {
+      const std::size_t schedule = section(old, "DYNS");
+      old.erase(old.begin() + static_cast<long>(schedule),
+                old.begin() + static_cast<long>(schedule + 16 + 44));
+    }
     return old;
+  }
+  // What loading the good file throws with `value` at byte `field` of the payload of its
+  // section `tag` (the section's CRC fixed, so the field's check is what refuses it).
+  template <typename T>
+  std::string refused_at(const char* tag, std::size_t field, T value) {
+    const std::size_t at = section(good, tag);
+    std::vector<char> bad = good;
+    std::memcpy(bad.data() + at + 16 + field, &value, sizeof value);
+    fix_crc(bad, at);
+    return expect_refused(bad);
   }
   // Offset of the first section with this tag.
   std::size_t section(const std::vector<char>& bytes, const char* tag) {
@@ -349,10 +369,10 @@ TEST_F(CorruptCheckpoint, WrongMagic) {
 
 TEST_F(CorruptCheckpoint, WrongVersion) {
   std::vector<char> bad = good;
-  const std::uint32_t version = 5;
+  const std::uint32_t version = 6;
   std::memcpy(bad.data() + 8, &version, 4);
   const std::string message = expect_refused(bad);
-  EXPECT_NE(message.find("version 5, expected 1 to 4"), std::string::npos) << message;
+  EXPECT_NE(message.find("version 6, expected 1 to 5"), std::string::npos) << message;
 }
 
 TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
@@ -387,7 +407,7 @@ TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
 TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
   // Version 1: the same, less the model and schedule sections and the header's last 8
   // bytes (the epochs).
-  std::vector<char> old = without_schedule(1);
+  std::vector<char> old = as_version(1);
   const std::size_t model = section(old, "MODL");
   old.erase(old.begin() + static_cast<long>(model), old.begin() + static_cast<long>(model + 16));
   const std::size_t head = section(old, "HEAD");
@@ -410,10 +430,7 @@ TEST_F(CorruptCheckpoint, VersionOneFilesStillLoadWithNoEpochs) {
 TEST_F(CorruptCheckpoint, ScheduleFieldsOutOfRangeAreRefused) {
   const std::size_t at = section(good, "DYNS") + 16;  // its payload
   auto refused_with = [&](std::size_t field, auto value) {
-    std::vector<char> bad = good;
-    std::memcpy(bad.data() + at + field, &value, sizeof value);
-    fix_crc(bad, at - 16);
-    return expect_refused(bad);
+    return refused_at("DYNS", field, value);
   };
   EXPECT_NE(refused_with(0, std::uint32_t{3}).find("unknown dynamic sparsity rule 3"),
             std::string::npos);
@@ -438,12 +455,37 @@ TEST_F(CorruptCheckpoint, ScheduleFieldsOutOfRangeAreRefused) {
 
 TEST_F(CorruptCheckpoint, VersionThreeFilesStillLoadWithNoSchedule) {
   const fs::path p = temp_dir() / "v3.ck";
-  write_bytes(p, without_schedule(3));
+  write_bytes(p, as_version(3));
   HostModelMemory m;
   m.dynamic.rule = MaskUpdateRule::set;
   m.load(p);
   EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::none);
   EXPECT_EQ(m.step(), 2);
+}
+
+TEST_F(CorruptCheckpoint, VersionFourFilesStillLoadWithNoDecay) {
+  const fs::path p = temp_dir() / "v4.ck";
+  write_bytes(p, as_version(4));
+  HostModelMemory m;
+  m.load(p);
+  EXPECT_FALSE(m.optimizer().decay.active());
+  EXPECT_EQ(m.optimizer().decay, LearningRateDecay{});
+  EXPECT_EQ(m.step(), 2);
+}
+
+TEST_F(CorruptCheckpoint, DecayFieldsOutOfRangeAreRefused) {
+  auto refused_with = [&](std::size_t field, auto value) {
+    return refused_at("LRDC", field, value);
+  };
+  EXPECT_NE(refused_with(0, std::int64_t{-1}).find("warmup_steps -1"), std::string::npos);
+  EXPECT_NE(refused_with(0, std::int64_t{40}).find("decay_steps 40"),
+            std::string::npos);  // not after warmup
+  EXPECT_NE(refused_with(8, std::int64_t{-5}).find("decay_steps -5"), std::string::npos);
+  EXPECT_NE(refused_with(8, std::numeric_limits<std::int64_t>::max()).find("decay_steps"),
+            std::string::npos);
+  EXPECT_NE(refused_with(16, 1.5).find("final_fraction"), std::string::npos);
+  EXPECT_NE(refused_with(16, std::numeric_limits<double>::quiet_NaN()).find("final_fraction"),
+            std::string::npos);
 }
 
 TEST(Checkpoint, TheMaskUpdateScheduleRoundTrips) {

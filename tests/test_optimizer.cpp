@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <numbers>
 #include <random>
 #include <string>
 #include <thread>
@@ -123,6 +124,17 @@ struct Gradients {
   std::vector<std::vector<float>> weights, bias;  // per layer; empty weights = not submitted
 };
 
+// LearningRateDecay's multiplier, written from its documentation.
+double reference_decay(const LearningRateDecay& d, std::int64_t step) {
+  const auto s = static_cast<double>(step);
+  if (step <= d.warmup_steps) return s / static_cast<double>(d.warmup_steps);
+  if (d.decay_steps == 0) return 1.0;
+  if (step >= d.decay_steps) return d.final_fraction;
+  const double angle = std::numbers::pi * (s - static_cast<double>(d.warmup_steps)) /
+                       static_cast<double>(d.decay_steps - d.warmup_steps);
+  return d.final_fraction + (1 - d.final_fraction) * (1 + std::cos(angle)) / 2;
+}
+
 struct Reference {
   OptimizerConfig config;
   std::vector<RefLayer> layers;
@@ -140,7 +152,8 @@ struct Reference {
     const double scale =
         config.clip_global_norm > 0 ? std::min(1.0, config.clip_global_norm / (norm + 1e-6)) : 1.0;
     ++step;
-    const double lr = config.learning_rate * (config.schedule ? config.schedule(step) : 1.0);
+    const double lr = config.learning_rate * reference_decay(config.decay, step) *
+                      (config.schedule ? config.schedule(step) : 1.0);
     for (std::size_t l = 0; l < layers.size(); ++l) {
       if (!submitted(g, l)) continue;
       RefLayer& r = layers[l];
@@ -351,6 +364,52 @@ TEST(Optimizer, AdamWithScheduleMatchesReference) {
   c.schedule = [](std::int64_t step) { return std::min(1.0, static_cast<double>(step) / 3.0); };
   build(m, c);
   run_steps(m, 5, 450);
+}
+
+TEST(Optimizer, DecayWarmsUpThenFollowsHalfACosine) {
+  LearningRateDecay d;
+  EXPECT_FALSE(d.active());
+  EXPECT_EQ(d.factor(1), 1.0);
+  EXPECT_EQ(d.factor(1000), 1.0);
+  d.warmup_steps = 4;
+  d.decay_steps = 12;
+  d.final_fraction = 0.2;
+  EXPECT_TRUE(d.active());
+  EXPECT_DOUBLE_EQ(d.factor(1), 0.25);
+  EXPECT_DOUBLE_EQ(d.factor(4), 1.0);
+  EXPECT_DOUBLE_EQ(d.factor(8), 0.6);  // half way: the cosine's middle
+  EXPECT_DOUBLE_EQ(d.factor(12), 0.2);
+  EXPECT_DOUBLE_EQ(d.factor(13), 0.2);
+  for (std::int64_t step = 5; step < 12; ++step) EXPECT_LT(d.factor(step + 1), d.factor(step));
+  d.decay_steps = 0;  // warmup alone
+  EXPECT_DOUBLE_EQ(d.factor(2), 0.5);
+  EXPECT_EQ(d.factor(5), 1.0);
+}
+
+TEST(Optimizer, AdamWithDecayAndScheduleMatchesReference) {
+  Model m;
+  OptimizerConfig c;
+  c.kind = OptimizerKind::adam;
+  c.learning_rate = 0.05;
+  c.decay.warmup_steps = 2;
+  c.decay.decay_steps = 6;
+  c.decay.final_fraction = 0.3;
+  c.schedule = [](std::int64_t step) { return step % 2 == 0 ? 0.5 : 1.0; };  // on top of it
+  build(m, c);
+  run_steps(m, 8, 460);
+}
+
+TEST(Optimizer, BadDecaysAreRefused) {
+  HostModelMemory mm;
+  mm.add_layer(CsrMatrix::random(4, 4, 0.5, 1));
+  for (const LearningRateDecay& bad :
+       {LearningRateDecay{-1, 0, 0.1}, LearningRateDecay{5, 5, 0.1}, LearningRateDecay{0, -3, 0.1},
+        LearningRateDecay{0, 10, 1.5}, LearningRateDecay{0, 10, -0.5},
+        LearningRateDecay{0, 10, std::nan("")}}) {
+    OptimizerConfig c;
+    c.decay = bad;
+    EXPECT_THROW(mm.set_optimizer(c), ArgumentError);
+  }
 }
 
 TEST(Optimizer, GlobalNormClippingScalesAllLayersIncludingBias) {

@@ -414,16 +414,20 @@ TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
   EXPECT_EQ(m.optimizer().learning_rate, 0.003);
   EXPECT_EQ(m.optimizer().weight_decay, 0.01);
 }
-TEST_F(TieredStore, TheScheduleIsCommittedAndAVersionTwoManifestHasNone) {
+TEST_F(TieredStore, TheSchedulesAreCommittedAndOlderManifestsHaveNone) {
   make_store(1);
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
     EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::none);
+    EXPECT_FALSE(m.optimizer().decay.active());
     m.dynamic.rule = MaskUpdateRule::set;
     m.dynamic.drop = 0.25;
     m.dynamic.total_steps = 40;
     m.dynamic.seed = 8;
     m.commit_counters();
+    OptimizerConfig c = m.optimizer();
+    c.decay = {5, 30, 0.2};
+    m.set_optimizer(c);
   }
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
@@ -431,13 +435,25 @@ TEST_F(TieredStore, TheScheduleIsCommittedAndAVersionTwoManifestHasNone) {
     EXPECT_EQ(m.dynamic.drop, 0.25);
     EXPECT_EQ(m.dynamic.total_steps, 40);
     EXPECT_EQ(m.dynamic.seed, 8U);
+    EXPECT_EQ(m.optimizer().decay, (LearningRateDecay{5, 30, 0.2}));
   }
-  // Version 2 wrote no schedule section: it opens with none.
+  // Version 3 wrote no decay section: it opens with none; version 2 no schedule either.
   std::string bytes = files()["MANIFEST"];
+  const std::size_t decay = bytes.find("LRDC");
+  ASSERT_NE(decay, std::string::npos);
+  bytes.erase(decay, 16 + 24);
+  std::uint32_t version = 3;
+  std::memcpy(bytes.data() + 8, &version, 4);
+  write("MANIFEST", bytes);
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_EQ(m.optimizer().decay, LearningRateDecay{});
+    EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::set);
+  }
   const std::size_t at = bytes.find("DYNS");
   ASSERT_NE(at, std::string::npos);
   bytes.erase(at, 16 + 44);
-  const std::uint32_t version = 2;
+  version = 2;
   std::memcpy(bytes.data() + 8, &version, 4);
   write("MANIFEST", bytes);
   TieredModelMemory m(store(), std::int64_t{1} << 30);

@@ -1,11 +1,12 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 4; also in docs/checkpoint_format.md). Little-endian throughout.
+// File format (version 5; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
-//   version    u32      4 (versions 1 to 3 are still read: version 1 lacks the epoch count,
+//   version    u32      5 (versions 1 to 4 are still read: version 1 lacks the epoch count,
 //                       read as 0; versions 1 and 2 lack the model section, read as empty;
-//                       versions 1 to 3 lack the schedule section, read as rule none)
+//                       versions 1 to 3 lack the schedule section, read as rule none;
+//                       versions 1 to 4 lack the decay section, read as no decay)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -24,6 +25,7 @@
 //       most ModelMemory::kMaxModelDescription; empty for a stack of layers)
 //   "DYNS"  once (version 4 on): ModelMemory::dynamic, the mask-update schedule
 //       (model_memory/schedule_section.hpp)
+//   "LRDC"  once (version 5 on): the optimizer's LearningRateDecay (schedule_section.hpp)
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -79,7 +81,7 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
 
 constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
-constexpr std::uint32_t kFormatVersion = 4;
+constexpr std::uint32_t kFormatVersion = 5;
 constexpr std::uint32_t kOldestReadableVersion = 1;
 /// Counters (steps, updates, epochs) above this are refused: they count up by one and
 /// reach the optimizer as doubles, which count exactly only this far, and a file that
@@ -143,6 +145,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   model.arrays.push_back(std::as_bytes(std::span(counters.model)));
   write_section(out, model);
   write_section(out, detail::schedule_section(counters.dynamic));
+  write_section(out, detail::decay_section(c.decay));
 
   const int slots = detail::optimizer_slot_count(c.kind);
   for (std::size_t i = 0; i < st.layers.size(); ++i) {
@@ -319,6 +322,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
     if (!storable_model(counters.model)) model.fail("not printable ASCII");
   }
   if (version >= 4) counters.dynamic = detail::read_schedule_section(in);
+  if (version >= 5) c.decay = detail::read_decay_section(in);
   // Every layer section takes at least its header and fixed fields: a huge count in a
   // small file is refused before reserving anything.
   if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {

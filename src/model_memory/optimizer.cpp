@@ -1,6 +1,8 @@
 #include "sluice/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <string>
 
 #include "core/enum_names.hpp"
@@ -18,6 +20,32 @@ const char* to_string(OptimizerKind kind) {
 
 OptimizerKind parse_optimizer(const std::string& name) {
   return detail::parse_name(kOptimizerNames, name, "optimizer");
+}
+
+double LearningRateDecay::factor(std::int64_t step) const {
+  const auto warmup = static_cast<double>(warmup_steps);
+  if (warmup_steps > 0 && step <= warmup_steps) return static_cast<double>(step) / warmup;
+  if (decay_steps == 0) return 1.0;
+  const double done = std::min(
+      1.0, (static_cast<double>(step) - warmup) / (static_cast<double>(decay_steps) - warmup));
+  return final_fraction + (1 - final_fraction) * 0.5 * (1 + std::cos(std::numbers::pi * done));
+}
+
+void LearningRateDecay::validate() const {
+  constexpr std::int64_t kMaxSteps = std::int64_t{1} << 53;  // steps count exactly as doubles
+  if (warmup_steps < 0 || warmup_steps > kMaxSteps) {
+    throw ArgumentError("learning-rate decay: warmup_steps " + std::to_string(warmup_steps) +
+                        " out of range [0, 2^53]");
+  }
+  if (decay_steps != 0 && (decay_steps <= warmup_steps || decay_steps > kMaxSteps)) {
+    throw ArgumentError("learning-rate decay: decay_steps " + std::to_string(decay_steps) +
+                        " must be 0 (no decay) or in (warmup_steps " +
+                        std::to_string(warmup_steps) + ", 2^53]");
+  }
+  if (!(final_fraction >= 0 && final_fraction <= 1)) {
+    throw ArgumentError("learning-rate decay: final_fraction " + std::to_string(final_fraction) +
+                        " out of range [0, 1]");
+  }
 }
 
 namespace detail {
@@ -130,12 +158,13 @@ void validate_optimizer_config(const OptimizerConfig& c) {
           "finite and >= 0");
   require(std::isfinite(c.clip_global_norm) && c.clip_global_norm >= 0, "clip_global_norm",
           c.clip_global_norm, "finite and >= 0 (0 = no clipping)");
+  c.decay.validate();
   require_decay_below_one(c, c.learning_rate, "");
 }
 
 double scheduled_learning_rate(const OptimizerConfig& config, std::int64_t step) {
-  if (!config.schedule) return config.learning_rate;
-  const double factor = config.schedule(step);
+  if (!config.schedule && !config.decay.active()) return config.learning_rate;
+  const double factor = config.decay.factor(step) * (config.schedule ? config.schedule(step) : 1.0);
   if (!std::isfinite(factor) || factor < 0) {
     throw ArgumentError("learning-rate schedule returned " + std::to_string(factor) + " at step " +
                         std::to_string(step) + " (expected a finite multiplier >= 0)");

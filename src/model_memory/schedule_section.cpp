@@ -6,6 +6,7 @@ namespace sluice::detail {
 namespace {
 
 constexpr std::uint64_t kScheduleBytes = 4 + 8 + 8 + 8 + 8 + 8;
+constexpr std::uint64_t kDecayBytes = 8 + 8 + 8;
 /// As the CLI's --update-every bound: more steps than any run takes.
 constexpr std::int64_t kMaxUpdateEvery = std::int64_t{1} << 40;
 /// As the checkpoint's counters: steps count exactly as doubles only this far.
@@ -46,6 +47,33 @@ DynamicSparsity read_schedule_section(FileReader& in) {
   if (d.total_steps > kMaxTotalSteps) {
     s.fail("total_steps " + std::to_string(d.total_steps) + " out of range [0, 2^53]");
   }
+  try {
+    d.validate();
+  } catch (const ArgumentError& e) {
+    s.fail(e.what());
+  }
+  return d;
+}
+
+Section decay_section(const LearningRateDecay& decay) {
+  Section s;
+  s.tag = kDecayTag;
+  s.fields.put(decay.warmup_steps);
+  s.fields.put(decay.decay_steps);
+  s.fields.put(decay.final_fraction);
+  return s;
+}
+
+LearningRateDecay read_decay_section(FileReader& in) {
+  SectionReader s(in, kDecayTag, "learning-rate decay section");
+  if (s.length() != kDecayBytes) {
+    s.fail("length " + std::to_string(s.length()) + ", expected " + std::to_string(kDecayBytes));
+  }
+  LearningRateDecay d;
+  d.warmup_steps = s.get<std::int64_t>("warmup_steps");
+  d.decay_steps = s.get<std::int64_t>("decay_steps");
+  d.final_fraction = s.get<double>("final_fraction");
+  s.finish();
   try {
     d.validate();
   } catch (const ArgumentError& e) {

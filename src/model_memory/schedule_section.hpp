@@ -1,14 +1,18 @@
 #pragma once
-// Internal: the "DYNS" section that keeps ModelMemory::dynamic (the mask-update schedule)
-// in checkpoints (version 4 on) and in a model store's manifest (version 3 on), so a
-// resumed run updates its masks on the schedule it started with.
+// Internal: the sections that keep a model's schedules in checkpoints and model store
+// manifests, so a resumed run goes on along the schedules it started with: "DYNS",
+// ModelMemory::dynamic (the mask-update schedule; checkpoints from version 4, manifests
+// from version 3), and "LRDC", the optimizer's LearningRateDecay (checkpoints from
+// version 5, manifests from version 4).
 //
 //   "DYNS" payload: u32 rule (0 none, 1 set, 2 rigl), i64 update_every, f64 drop,
 //                   f64 update_until, i64 total_steps, u64 seed
+//   "LRDC" payload: i64 warmup_steps, i64 decay_steps, f64 final_fraction
 #include <cstdint>
 
 #include "model_memory/checkpoint_io.hpp"
 #include "sluice/dynamic_sparsity.hpp"
+#include "sluice/optimizer.hpp"
 
 namespace sluice::detail {
 
@@ -20,5 +24,13 @@ Section schedule_section(const DynamicSparsity& schedule);
 /// wrong length or CRC, an unknown rule or a field out of range (update_every above 2^40,
 /// total_steps above 2^53, or what DynamicSparsity::validate refuses).
 DynamicSparsity read_schedule_section(FileReader& in);
+
+constexpr std::uint32_t kDecayTag = fourcc("LRDC");
+
+/// The section holding `decay`.
+Section decay_section(const LearningRateDecay& decay);
+/// Reads the next section as a learning-rate decay; FormatError naming the file and the
+/// byte for a wrong length or CRC or what LearningRateDecay::validate refuses.
+LearningRateDecay read_decay_section(FileReader& in);
 
 }  // namespace sluice::detail
