@@ -35,8 +35,10 @@ int main(int argc, char** argv) try {
   build_gpt(memory, config, /*seed=*/1);
   OptimizerConfig adam;
   adam.kind = OptimizerKind::adam;
-  adam.learning_rate = 2e-3;
+  adam.learning_rate = 6e-3;
   adam.clip_global_norm = 1.0;
+  adam.decay.warmup_steps = std::min(50, steps / 10);  // then half a cosine down to 0.1x
+  adam.decay.decay_steps = steps;
   memory.set_optimizer(adam);
 
   LocalFabricOptions fabric_options;

@@ -140,6 +140,42 @@ TEST_F(CliGpt, DynamicSparsityReportsAndResumesItsSchedule) {
   expect_exit(run(gpt() + "--steps 2 --drop 0.2"), 2, "--drop needs --dynamic set or rigl");
 }
 
+// The learning-rate decay: its keys, and 3 + 3 resumed steps planned as the first half of 6
+// (--decay-steps 6) end with the checkpoint of 6 in one run, byte for byte (the decay is
+// kept by the checkpoint); without the plan the first run decays over its own 3 steps.
+TEST_F(CliGpt, TheCosineDecayIsReportedAndKeptByTheCheckpoint) {
+  const std::string whole = path("whole.ckpt"), half = path("half.ckpt"),
+                    resumed = path("resumed.ckpt"), short_plan = path("short.ckpt");
+  const json j = run_json(gpt() + "--steps 6 --warmup-steps 2 --checkpoint " + whole);
+  EXPECT_EQ(j.value("lr_schedule", ""), "cosine");
+  EXPECT_EQ(j.value("warmup_steps", -1), 2);
+  EXPECT_EQ(j.value("decay_steps", -1), 6);
+  run_json(gpt() + "--steps 3 --warmup-steps 2 --decay-steps 6 --checkpoint " + half);
+  const std::string resume = "train --model gpt --text " + path("text.txt") + " --batch 4 ";
+  const Outcome o =
+      run(resume + "--steps 3 --json --resume " + half + " --checkpoint " + resumed, true);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("learning rate: the checkpoint's, cosine, warmup 2 steps, to 0.1x at "
+                          "step 6"),
+            std::string::npos)
+      << o.output;
+  EXPECT_EQ(sluice::testing::read_file(resumed), sluice::testing::read_file(whole));
+  run_json(gpt() + "--steps 3 --warmup-steps 2 --checkpoint " + short_plan);
+  run_json(resume + "--steps 3 --resume " + short_plan + " --checkpoint " + short_plan);
+  EXPECT_NE(sluice::testing::read_file(short_plan), sluice::testing::read_file(whole));
+
+  const json constant = run_json(gpt() + "--steps 2 --lr-schedule constant");
+  EXPECT_EQ(constant.value("lr_schedule", ""), "constant");
+  EXPECT_EQ(constant.value("decay_steps", -1), 0);
+  expect_exit(run(gpt() + "--max-seconds 1 --lr-schedule cosine"), 2, "where the decay ends");
+  expect_exit(run(gpt() + "--steps 2 --lr-schedule constant --decay-steps 4"), 2,
+              "--decay-steps needs --lr-schedule cosine");
+  expect_exit(run(gpt() + "--steps 5 --warmup-steps 10"), 2, "must come after the warmup");
+  expect_exit(run(gpt() + "--steps 5 --lr-schedule linear"), 2, "linear");
+  expect_exit(run("train --dataset synthetic --steps 1 --warmup-steps 3"), 2,
+              "--warmup-steps needs --model gpt");
+}
+
 TEST_F(CliGpt, StepsAndMaxSecondsLimitTheMlpToo) {
   const json j = run_json("train --dataset synthetic --layers 64,16,10 --batch 64 --steps 7");
   EXPECT_EQ(j.value("steps", 0), 7);

@@ -91,6 +91,21 @@ GptConfig prepare_model(HostModelMemory& memory, GptTrainOptions& o) {
   return c;
 }
 
+/// The learning-rate decay of the run (lr_decay_option.hpp), set in the memory's optimizer:
+/// it ends where training is planned to, --horizon-steps (as the mask-update schedule's
+/// horizon) or else where this run's --steps end.
+void set_decay(ModelMemory& memory, const GptTrainOptions& o, std::ostream& progress) {
+  const bool horizon_given =
+      o.schedule.horizon_steps_option != nullptr && o.schedule.horizon_steps_option->count() > 0;
+  const std::int64_t first = memory.step();
+  const std::int64_t planned_end =
+      horizon_given ? o.schedule.horizon_steps : (o.steps > 0 ? first + o.steps : 0);
+  OptimizerConfig optimizer = memory.optimizer();
+  optimizer.decay =
+      resolve_decay(optimizer.decay, o.decay, !o.resume.empty(), first, planned_end, progress);
+  memory.set_optimizer(optimizer);
+}
+
 /// The held-out part's mean loss in nats per byte, in batches of whole windows per engine.
 double held_out_loss(GptModel& model, const TextCorpus& corpus, std::int64_t batch, int engines,
                      std::int64_t& tokens) {
@@ -185,6 +200,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   std::ostream& progress = o.json ? std::cerr : std::cout;
   HostModelMemory memory;
   const GptConfig config = prepare_model(memory, o);
+  set_decay(memory, o, progress);
   const std::filesystem::path path = text_path(o);
   const TextCorpus corpus = TextCorpus::load(path, config.context);
   std::unique_ptr<LocalFabric> local;
@@ -232,6 +248,9 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     j.field("engines", o.engines).field("fabric", o.fabric).field("path", o.path);
     j.field("optimizer", to_string(memory.optimizer().kind));
     j.field("learning_rate", memory.optimizer().learning_rate).field("seed", memory.seed);
+    const LearningRateDecay& decay = memory.optimizer().decay;
+    j.field("lr_schedule", decay_name(decay)).field("warmup_steps", decay.warmup_steps);
+    j.field("decay_steps", decay.decay_steps);
     j.field("held_out_tokens", held_out_tokens);
     j.field("peak_rss_bytes", peak_resident_bytes());
     j.end_object();

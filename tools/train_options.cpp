@@ -123,7 +123,7 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
       ->check(number_range(1, 1 << 24));
   auto* optimizer = cmd->add_option("--optimizer", o->optimizer, "sgd, adam or adamw")
                         ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
-  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate (default 2e-3; the GPT's 3e-3)")
+  auto* lr = cmd->add_option("--lr", o->lr, "Learning rate (default 2e-3; the GPT's 6e-3)")
                  ->check(positive_number());
   auto* seed = cmd->add_option("--seed", o->seed,
                                "Seed for weights, data split and shuffles (a resumed run "
@@ -164,6 +164,7 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
                       "exits (exit code 1) naming it (0: wait forever)")
           ->check(number_range(0.0, 1e6));
   add_schedule_options(*cmd, o->schedule);
+  add_decay_options(*cmd, o->gpt.decay);
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout (progress goes to stderr)");
   add_model_store_options(*cmd, o->store);
 
@@ -200,7 +201,8 @@ void check_train_options(TrainOptions& options, const TrainFlags& flags) {
     return;
   }
   const CLI::Option* sparsity = flags.sparsity;
-  for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
+  for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks",
+                           "--lr-schedule", "--warmup-steps", "--decay-steps"}) {
     if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
   }
   // A run limited by steps or time goes on over as many epochs as that takes.
