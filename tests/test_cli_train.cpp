@@ -297,7 +297,9 @@ TEST_F(CliTrain, KillingTheCliDuringACheckpointSaveKeepsTheOlderOne) {
       if (fs::exists(tmp)) {
         ::kill(pid, SIGKILL);
         ::waitpid(pid, &status, 0);
-        caught += WIFSIGNALED(status) ? 1 : 0;
+        // Caught in the act only if the kill came before the rename: on a busy machine the
+        // save can finish between seeing its file and the signal.
+        caught += WIFSIGNALED(status) && fs::exists(tmp) ? 1 : 0;
         break;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -307,7 +309,6 @@ TEST_F(CliTrain, KillingTheCliDuringACheckpointSaveKeepsTheOlderOne) {
     EXPECT_NO_THROW(loaded.load(ckpt));
     if (caught > 0) {
       EXPECT_TRUE(read_file(ckpt) == older) << "the killed save replaced the checkpoint";
-      EXPECT_TRUE(fs::exists(tmp)) << "the killed save's temporary file is expected behind";
       // The next save removes the dead process's leftover.
       ASSERT_EQ(run(train).exit_code, 0);
       EXPECT_FALSE(fs::exists(tmp)) << "a dead saver's temporary file was not cleaned up";
