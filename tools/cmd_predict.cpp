@@ -14,7 +14,6 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <ranges>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -210,11 +209,16 @@ std::string to_json(const Prediction& p) {
     w.field("activation_bytes", c.activation_bytes);
     w.field("activation_bytes_per_token_layer", c.activation_bytes_per_token_layer);
     w.field("saturation", c.saturation);
-    write_objects(w, "points", std::views::iota(std::size_t{0}, c.sparsities.size()),
-                  [&](std::size_t i) {
-                    w.field("sparsity", c.sparsities[i]);
-                    w.field("acceleration", c.accelerations[i]);
-                  });
+    // By index: the two arrays side by side (no std::views::iota, which clang cannot
+    // compile against GCC 12's <ranges>, as the fuzz build does).
+    w.key("points").begin_array();
+    for (std::size_t i = 0; i < c.sparsities.size(); ++i) {
+      w.begin_object();
+      w.field("sparsity", c.sparsities[i]);
+      w.field("acceleration", c.accelerations[i]);
+      w.end_object();
+    }
+    w.end_array();
   });
   // The headline: the largest model on one engine.
   w.field("saturation_acceleration", p.gpt3_single.saturation);
