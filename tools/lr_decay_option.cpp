@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <ostream>
+#include <sstream>
 
 #include "number_options.hpp"
 #include "sluice/error.hpp"
@@ -20,7 +21,11 @@ bool given(const CLI::Option* option) {
 std::string describe(const LearningRateDecay& d) {
   std::string text = decay_name(d);
   if (d.warmup_steps > 0) text += ", warmup " + std::to_string(d.warmup_steps) + " steps";
-  if (d.decay_steps > 0) text += ", to 0.1x at step " + std::to_string(d.decay_steps);
+  if (d.decay_steps > 0) {
+    std::ostringstream fraction;  // the stored one: a library user may have set another
+    fraction << d.final_fraction;
+    text += ", to " + fraction.str() + "x at step " + std::to_string(d.decay_steps);
+  }
   return text;
 }
 
