@@ -7,7 +7,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "engine/kernels/gradient_batch.hpp"
 #include "engine/kernels/lane_kernels_body.hpp"
@@ -167,37 +166,9 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
   }
 }
 
-template <typename PacketT>
-void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
-  if (tokens == 1) return forward_one_token(L, x, y);
-  for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
-    forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
-  });
-}
-
-template <typename PacketT, typename DyTile>
-void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
-              std::int64_t tokens) {
-  if constexpr (std::is_same_v<DyTile, Tile>) {
-    if (tokens == 1) return by_input_one_token(L, dy, x, dx, sums);
-  }
-  constexpr std::int64_t kGroup = 8 * 4;  // tokens per group of for_each_group<4>
-  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
-    for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __m256i tail) {
-      by_input_group<kData, kWeight, NV, kTail>(
-          L, dy.data + t0, dy.stride, kWeight ? x.data + t0 : nullptr, x.stride,
-          kData ? dx.data + t0 : nullptr, dx.stride,
-          for_group(sums, t0 == 0, t0 + kGroup >= tokens), tail);
-    });
-  });
-}
-
 }  // namespace
 
-const ByInputKernels kAvx2ByInput{by_input<Packet, Tile>, by_input<Bf16Packet, Tile>,
-                                  by_input<Bf16Packet, Bf16Tile>};
-
-const LaneKernels kAvx2Kernels{forward<Packet>, backward_data, backward_weight<Packet>,
-                               forward<Bf16Packet>, backward_weight<Bf16Packet>};
+const ByInputKernels kAvx2ByInput = kByInputKernels;
+const LaneKernels kAvx2Kernels = kLaneKernels;
 
 }  // namespace sluice::detail

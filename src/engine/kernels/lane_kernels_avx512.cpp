@@ -220,48 +220,9 @@ void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, con
   }
 }
 
-template <typename PacketT>
-void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
-  if (tokens == 1) {
-    // An fp32 packet's scalar dot (two loads, an FMA) beats taking 16 apart for a gather
-    // at every sparsity measured; a bf16 packet is one load, and its gathers stay
-    // (performance_notes.md, "One token: scalar dots or gathers").
-    if constexpr (std::is_same_v<PacketT, Packet>) {
-      return forward_one_token(L, x, y);
-    } else {
-      return forward_one_token_avx512(L, x, y);
-    }
-  }
-  for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
-    forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
-  });
-}
-
-template <typename PacketT, typename DyTile>
-void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
-              std::int64_t tokens) {
-  if constexpr (std::is_same_v<DyTile, Tile>) {
-    if (tokens == 1) return by_input_one_token_avx512(L, dy, x, dx, sums);
-  }
-  // bf16 rows are half the bytes: groups twice as wide, so each packet's fixed work (its
-  // weight, its dot's reduction) covers twice the tokens.
-  constexpr int kMaxNV = std::is_same_v<DyTile, Bf16Tile> ? 8 : 4;
-  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
-    for_each_group<kMaxNV>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, __mmask16 tail) {
-      by_input_group<kData, kWeight, NV, kTail>(
-          L, dy.data + t0, dy.stride, kWeight ? x.data + t0 : nullptr, x.stride,
-          kData ? dx.data + t0 : nullptr, dx.stride,
-          for_group(sums, t0 == 0, t0 + 16 * kMaxNV >= tokens), tail);
-    });
-  });
-}
-
 }  // namespace
 
-const ByInputKernels kAvx512ByInput{by_input<Packet, Tile>, by_input<Bf16Packet, Tile>,
-                                    by_input<Bf16Packet, Bf16Tile>};
-
-const LaneKernels kAvx512Kernels{forward<Packet>, backward_data, backward_weight<Packet>,
-                                 forward<Bf16Packet>, backward_weight<Bf16Packet>};
+const ByInputKernels kAvx512ByInput = kByInputKernels;
+const LaneKernels kAvx512Kernels = kLaneKernels;
 
 }  // namespace sluice::detail

@@ -11,13 +11,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
+#include "engine/kernels/bf16_block.hpp"
 #include "engine/kernels/lane_kernels.hpp"
-#if defined(__AVX512F__)
-#include "engine/kernels/bf16_block_avx512.hpp"
-#else
-#include "engine/kernels/bf16_block_avx2.hpp"
-#endif
 
 namespace sluice::detail {
 namespace {
@@ -33,17 +31,12 @@ struct Lanes {
     const std::int64_t rem = width - (width - 1) / 16 * 16;  // 1..16
     return static_cast<__mmask16>((1U << rem) - 1U);
   }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  /// A dX row's lines asked for ahead: one in four vectors (four lines of 64 tokens).
+  static constexpr int kDxPrefetchEvery = 4;
   static Vec load(const float* p, Tail tail) { return _mm512_maskz_loadu_ps(tail, p); }
-  static void store(float* p, Vec value) { _mm512_storeu_ps(p, value); }
   static void store(float* p, Vec value, Tail tail) { _mm512_mask_storeu_ps(p, tail, value); }
-  /// One block of a bf16 row (bf16_block_avx512.hpp): 32 tokens.
-  static __m512i load_block(const std::uint16_t* row) { return _mm512_loadu_si512(row); }
-  static Vec broadcast(float w) { return _mm512_set1_ps(w); }
   static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 };
-/// A dX row's lines asked for ahead: one in four vectors (four lines of 64 tokens).
-constexpr int kDxPrefetchEvery = 4;
 #else
 /// AVX2: 8 fp32 lanes; a group's last vector masked by a vector of all-ones lanes. A masked
 /// store is microcoded on AMD cores, so only a group that is not whole masks its last one.
@@ -56,24 +49,35 @@ struct Lanes {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lanes);
   }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  /// A dX row's first line only (a group is at most eight vectors).
+  static constexpr int kDxPrefetchEvery = 8;
   static Vec load(const float* p, Tail tail) { return _mm256_maskload_ps(p, tail); }
-  static void store(float* p, Vec value) { _mm256_storeu_ps(p, value); }
   static void store(float* p, Vec value, Tail tail) { _mm256_maskstore_ps(p, tail, value); }
-  /// One block of a bf16 row (bf16_block_avx2.hpp): 16 tokens.
-  static __m256i load_block(const std::uint16_t* row) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-  }
-  static Vec broadcast(float w) { return _mm256_set1_ps(w); }
   static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 };
-/// A dX row's first line only (a group is at most eight vectors).
-constexpr int kDxPrefetchEvery = 8;
 #endif
 
 using Vec = Lanes::Vec;
 using Tail = Lanes::Tail;
 constexpr int kWidth = Lanes::kWidth;
+
+/// A whole vector's unaligned load and store, written once for either width as GCC's
+/// _mm*_loadu_ps and _mm*_storeu_ps are: through a type of alignment 1.
+typedef Vec UnalignedVec __attribute__((aligned(1)));
+inline Vec load_whole(const float* p) {
+  return *reinterpret_cast<const UnalignedVec*>(p);
+}
+inline void store_whole(float* p, Vec value) {
+  *reinterpret_cast<UnalignedVec*>(p) = value;
+}
+/// `w` in every lane, as GCC's _mm*_set1_ps builds it.
+template <std::size_t... kLane>
+inline Vec splat(float w, std::index_sequence<kLane...>) {
+  return Vec{(static_cast<void>(kLane), w)...};
+}
+inline Vec broadcast(float w) {
+  return splat(w, std::make_index_sequence<kWidth>{});
+}
 /// Packets ahead for tile rows; only a row's first line is asked for (more requests only
 /// queue behind the misses that matter).
 constexpr std::uint32_t kPrefetch = 16;
@@ -82,19 +86,19 @@ constexpr std::int64_t kByOutputGroup = 64;
 
 template <int NV, bool kTail>
 inline Vec load(const float* p, int v, Tail tail) {
-  return kTail && v == NV - 1 ? Lanes::load(p + kWidth * v, tail) : Lanes::load(p + kWidth * v);
+  return kTail && v == NV - 1 ? Lanes::load(p + kWidth * v, tail) : load_whole(p + kWidth * v);
 }
 /// A gathered dY row's NV vectors, from fp32 rows.
 template <int NV, bool kTail>
 inline void load_row(const float* row, Vec dv[NV], Tail tail) {
   for (int v = 0; v < NV; ++v) dv[v] = load<NV, kTail>(row, v, tail);
 }
-/// ... from bf16 rows in the bf16 kernels' order (bf16_block_*.hpp), widened exactly.
+/// ... from bf16 rows in the bf16 kernels' order (bf16_block.hpp), widened exactly.
 /// Rows are padded with zeros to whole blocks, so no load is masked.
 template <int NV, bool kTail>
 inline void load_row(const std::uint16_t* row, Vec dv[NV], Tail /*tail*/) {
   for (int v = 0; v < NV; v += 2) {
-    const auto block = Lanes::load_block(row + kWidth * v);
+    const Bf16Words block = load_block(row + kWidth * v);
     dv[v] = first_half(block);
     if (v + 1 < NV) dv[v + 1] = second_half(block);
   }
@@ -105,7 +109,7 @@ inline void store(float* p, int v, Vec value, Tail tail) {
   if (kTail && v == NV - 1) {
     Lanes::store(p + kWidth * v, value, tail);
   } else {
-    Lanes::store(p + kWidth * v, value);
+    store_whole(p + kWidth * v, value);
   }
 }
 
@@ -177,7 +181,7 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
       if (k + kPrefetch + 4 <= e) {
         for (std::uint32_t j = 0; j < 4; ++j) {
           const float* next = dx + static_cast<std::int64_t>(p[k + kPrefetch + j].tag) * dxs;
-          for (int v = 0; v < NV; v += kDxPrefetchEvery) {
+          for (int v = 0; v < NV; v += Lanes::kDxPrefetchEvery) {
             __builtin_prefetch(next + kWidth * v, 1, 3);
           }
         }
@@ -189,7 +193,7 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
       Vec w[4];
       for (std::uint32_t j = 0; j < 4; ++j) {
         out[j] = dx + static_cast<std::int64_t>(p[k + j].tag) * dxs;
-        w[j] = Lanes::broadcast(p[k + j].value);
+        w[j] = broadcast(p[k + j].value);
       }
       for (std::uint32_t j = 0; j < 4; ++j) {
         for (int v = 0; v < NV; ++v) {
@@ -200,7 +204,7 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
     }
     for (; k < e; ++k) {
       float* out = dx + static_cast<std::int64_t>(p[k].tag) * dxs;
-      const Vec w = Lanes::broadcast(p[k].value);
+      const Vec w = broadcast(p[k].value);
       for (int v = 0; v < NV; ++v) {
         store<NV, kTail>(out, v, Lanes::fmadd(w, dv[v], load<NV, kTail>(out, v, tail)), tail);
       }
@@ -208,11 +212,72 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
   }
 }
 
-/// The weight gradient by output on one group of tokens: each including file's own (how
-/// a width reduces the dot products), for backward_weight below.
+// Each including file's own, for the kernels below: its group kernels of the forward, the
+// weight gradient by output (how a width reduces the dot products) and the backward by
+// input.
+template <int NV, bool kTail, typename PacketT>
+void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, float* y,
+                   std::int64_t ys, Tail tail);
 template <int NV, bool kTail, typename PacketT>
 void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
                            const float* x, std::int64_t xs, const GradientSums& sums, Tail tail);
+template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT, typename DyT>
+void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, const float* x,
+                    std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
+                    Tail tail);
+
+#if defined(__AVX512F__)
+// One token: AVX-512 has kernels of its own (one_token_avx512.cpp) for the backward by
+// input and a bf16 stream's forward; an fp32 packet's forward stays the scalar dot (two
+// loads, an FMA), which beats taking 16 apart for a gather at every sparsity measured,
+// where a bf16 packet is one load and its gathers stay (performance_notes.md, "One token:
+// scalar dots or gathers").
+constexpr bool kOwnOneTokenKernels = true;
+// Vectors of a by-input group from a bf16 dY: bf16 rows are half the bytes, so groups
+// twice as wide as from fp32, and each packet's fixed work (its weight, its dot's
+// reduction) covers twice the tokens.
+constexpr int kByInputBf16Vectors = 8;
+#else
+constexpr bool kOwnOneTokenKernels = false;
+constexpr int kByInputBf16Vectors = 4;
+#endif
+
+template <typename PacketT>
+void forward(const Runs<PacketT>& L, Tile x, MutableTile y, std::int64_t tokens) {
+  if (tokens == 1) {
+    if constexpr (kOwnOneTokenKernels && std::is_same_v<PacketT, Bf16Packet>) {
+      return forward_one_token_avx512(L, x, y);
+    } else {
+      return forward_one_token(L, x, y);
+    }
+  }
+  for_each_group<4>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, Tail tail) {
+    forward_group<NV, kTail>(L, x.data + t0, x.stride, y.data + t0, y.stride, tail);
+  });
+}
+
+template <typename PacketT, typename DyTile>
+void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const GradientSums& sums,
+              std::int64_t tokens) {
+  if constexpr (std::is_same_v<DyTile, Tile>) {
+    if (tokens == 1) {
+      if constexpr (kOwnOneTokenKernels) {
+        return by_input_one_token_avx512(L, dy, x, dx, sums);
+      } else {
+        return by_input_one_token(L, dy, x, dx, sums);
+      }
+    }
+  }
+  constexpr int kMaxNV = std::is_same_v<DyTile, Bf16Tile> ? kByInputBf16Vectors : 4;
+  with_by_input_products(x, dx, [&]<bool kData, bool kWeight>() {
+    for_each_group<kMaxNV>(tokens, [&]<int NV, bool kTail>(std::int64_t t0, Tail tail) {
+      by_input_group<kData, kWeight, NV, kTail>(
+          L, dy.data + t0, dy.stride, kWeight ? x.data + t0 : nullptr, x.stride,
+          kData ? dx.data + t0 : nullptr, dx.stride,
+          for_group(sums, t0 == 0, t0 + kWidth * kMaxNV >= tokens), tail);
+    });
+  });
+}
 
 void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
   if (tokens == 1) return backward_data_one_token(L, dy, dx);
@@ -232,6 +297,12 @@ void backward_weight(const Runs<PacketT>& L, Tile dy, Tile x, const GradientSums
                                      for_group(sums, t0 == 0, t0 + kByOutputGroup >= tokens), tail);
   });
 }
+
+/// This width's kernels, as lane_kernels.hpp's tables of them hold them.
+constexpr ByInputKernels kByInputKernels{by_input<Packet, Tile>, by_input<Bf16Packet, Tile>,
+                                         by_input<Bf16Packet, Bf16Tile>};
+constexpr LaneKernels kLaneKernels{forward<Packet>, backward_data, backward_weight<Packet>,
+                                   forward<Bf16Packet>, backward_weight<Bf16Packet>};
 
 }  // namespace
 }  // namespace sluice::detail
