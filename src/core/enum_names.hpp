@@ -1,6 +1,7 @@
 #pragma once
 // An enum's names, listed once: to_string and its parse_* read the same table, so nothing
-// is printed that parsing refuses, and the message for an unknown name lists them all.
+// is printed that parsing refuses, and the message for an unknown name lists them all; the
+// macros at the end define both from the table, the same for every enum.
 #include <cstddef>
 #include <string>
 
@@ -37,3 +38,18 @@ E parse_name(const EnumName<E> (&names)[N], const std::string& name, const char*
 }
 
 }  // namespace sluice::detail
+
+/// Defines `const char* to_string(E)` over NAMES, a table of EnumName<E>: where used, in the
+/// namespace whose public header declares it.
+#define SLUICE_ENUM_TO_STRING(E, NAMES)             \
+  const char* to_string(E value) {                  \
+    return ::sluice::detail::name_of(NAMES, value); \
+  }
+
+/// The same, and `E PARSE(const std::string&)`, WHAT naming the kind of name in the message
+/// for an unknown one.
+#define SLUICE_ENUM_NAMES(E, NAMES, PARSE, WHAT)            \
+  SLUICE_ENUM_TO_STRING(E, NAMES)                           \
+  E PARSE(const std::string& name) {                        \
+    return ::sluice::detail::parse_name(NAMES, name, WHAT); \
+  }

@@ -11,13 +11,7 @@ namespace sluice {
 constexpr detail::EnumName<Isa> kIsaNames[] = {
     {Isa::scalar, "scalar"}, {Isa::avx2, "avx2"}, {Isa::avx512, "avx512"}};
 
-const char* to_string(Isa isa) {
-  return detail::name_of(kIsaNames, isa);
-}
-
-Isa parse_isa(const std::string& name) {
-  return detail::parse_name(kIsaNames, name, "ISA");
-}
+SLUICE_ENUM_NAMES(Isa, kIsaNames, parse_isa, "ISA")
 
 bool cpu_supports(Isa isa) {
   // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).

@@ -26,9 +26,7 @@ std::int64_t widest(const PassSpec& spec) {
 constexpr detail::EnumName<Activation> kActivationNames[] = {
     {Activation::none, "none"}, {Activation::relu, "relu"}, {Activation::gelu, "gelu"}};
 
-const char* to_string(Activation activation) {
-  return detail::name_of(kActivationNames, activation);
-}
+SLUICE_ENUM_TO_STRING(Activation, kActivationNames)
 
 LossSums& LossSums::operator+=(const LossSums& o) {
   loss += o.loss;

@@ -57,9 +57,7 @@ void check_positive(std::int64_t value, const char* what) {
 
 }  // namespace
 
-const char* to_string(BlockOp op) {
-  return detail::name_of(kBlockOpNames, op);
-}
+SLUICE_ENUM_TO_STRING(BlockOp, kBlockOpNames)
 
 bool is_projection(BlockOp op) {
   switch (op) {

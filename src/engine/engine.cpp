@@ -179,12 +179,6 @@ constexpr detail::EnumName<ProductPath> kProductPathNames[] = {{ProductPath::aut
                                                                {ProductPath::sparse, "sparse"},
                                                                {ProductPath::dense, "dense"}};
 
-const char* to_string(ProductPath path) {
-  return detail::name_of(kProductPathNames, path);
-}
-
-ProductPath parse_product_path(const std::string& name) {
-  return detail::parse_name(kProductPathNames, name, "path");
-}
+SLUICE_ENUM_NAMES(ProductPath, kProductPathNames, parse_product_path, "path")
 
 }  // namespace sluice

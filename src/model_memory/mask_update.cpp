@@ -19,13 +19,8 @@ namespace sluice {
 constexpr detail::EnumName<MaskUpdateRule> kMaskUpdateRuleNames[] = {
     {MaskUpdateRule::none, "none"}, {MaskUpdateRule::set, "set"}, {MaskUpdateRule::rigl, "rigl"}};
 
-const char* to_string(MaskUpdateRule rule) {
-  return detail::name_of(kMaskUpdateRuleNames, rule);
-}
-
-MaskUpdateRule parse_mask_update_rule(const std::string& name) {
-  return detail::parse_name(kMaskUpdateRuleNames, name, "dynamic sparsity rule");
-}
+SLUICE_ENUM_NAMES(MaskUpdateRule, kMaskUpdateRuleNames, parse_mask_update_rule,
+                  "dynamic sparsity rule")
 
 void DynamicSparsity::validate() const {
   if (rule != MaskUpdateRule::none && rule != MaskUpdateRule::set && rule != MaskUpdateRule::rigl) {

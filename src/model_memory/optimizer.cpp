@@ -14,13 +14,7 @@ namespace sluice {
 constexpr detail::EnumName<OptimizerKind> kOptimizerNames[] = {
     {OptimizerKind::sgd, "sgd"}, {OptimizerKind::adam, "adam"}, {OptimizerKind::adamw, "adamw"}};
 
-const char* to_string(OptimizerKind kind) {
-  return detail::name_of(kOptimizerNames, kind);
-}
-
-OptimizerKind parse_optimizer(const std::string& name) {
-  return detail::parse_name(kOptimizerNames, name, "optimizer");
-}
+SLUICE_ENUM_NAMES(OptimizerKind, kOptimizerNames, parse_optimizer, "optimizer")
 
 double LearningRateDecay::factor(std::int64_t step) const {
   const auto warmup = static_cast<double>(warmup_steps);

@@ -7,16 +7,12 @@ constexpr detail::EnumName<StreamKind> kStreamKindNames[] = {{StreamKind::weight
                                                              {StreamKind::mask, "mask"},
                                                              {StreamKind::gradient, "gradient"}};
 
-const char* to_string(StreamKind kind) {
-  return detail::name_of(kStreamKindNames, kind);
-}
+SLUICE_ENUM_TO_STRING(StreamKind, kStreamKindNames)
 
 constexpr detail::EnumName<StreamOrder> kStreamOrderNames[] = {
     {StreamOrder::by_output, "by_output"}, {StreamOrder::by_input, "by_input"}};
 
-const char* to_string(StreamOrder order) {
-  return detail::name_of(kStreamOrderNames, order);
-}
+SLUICE_ENUM_TO_STRING(StreamOrder, kStreamOrderNames)
 
 std::uint64_t WeightStream::packet_count() const {
   std::uint64_t n = 0;
