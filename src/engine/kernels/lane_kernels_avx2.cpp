@@ -46,7 +46,7 @@ void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, floa
 
 /// dot(dy, x) over the group, left as eight partial sums.
 template <int NV, bool kTail>
-inline __m256 dot_partial(const __m256* dv, const float* x, __m256i tail) {
+__m256 dot_partial(const __m256* dv, const float* x, __m256i tail) {
   // Two chains: half the FMA latency on the critical path.
   __m256 a = _mm256_mul_ps(dv[0], load<NV, kTail>(x, 0, tail));
   if constexpr (NV == 1) {
@@ -59,43 +59,6 @@ inline __m256 dot_partial(const __m256* dv, const float* x, __m256i tail) {
     }
     if constexpr (NV % 2 == 1) a = _mm256_fmadd_ps(dv[NV - 1], load<NV, kTail>(x, NV - 1, tail), a);
     return _mm256_add_ps(a, b);
-  }
-}
-
-template <int NV, bool kTail, typename PacketT>
-void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
-                           const float* x, std::int64_t xs, const GradientSums& sums,
-                           __m256i tail) {
-  const PacketT* p = L.packets;
-  for (std::int64_t r = 0; r < L.runs; ++r) {
-    __m256 dv[NV];
-    load_output_row<NV, kTail>(L, dy, dys, r, dv, tail);
-    std::uint32_t k = L.begin[r];
-    const std::uint32_t e = L.end[r];
-    // A run's packets are contiguous, so eight in a row have their gradients in a row.
-    for (; k + 8 <= e; k += 8) {
-      __m256 part[8];
-      for (int j = 0; j < 8; ++j) {
-        if (k + j + kPrefetch < e) {
-          _mm_prefetch(
-              reinterpret_cast<const char*>(row_of(x, weight_tag(p[k + j + kPrefetch]), xs)),
-              _MM_HINT_T0);
-        }
-        part[j] = dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k + j]), xs), tail);
-      }
-      leave_sums8(sums, p, k, hsum8(part));
-    }
-    if (k < e) {
-      __m256 part[8];
-      const int n = static_cast<int>(e - k);
-      for (int j = 0; j < 8; ++j) {
-        part[j] = j < n ? dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k + j]), xs), tail)
-                        : _mm256_setzero_ps();
-      }
-      alignas(32) float each[8];
-      _mm256_store_ps(each, hsum8(part));
-      for (int j = 0; j < n; ++j) leave_sum(sums, p, k + j, each[j]);
-    }
   }
 }
 

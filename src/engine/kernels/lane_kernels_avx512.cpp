@@ -27,14 +27,6 @@
 namespace sluice::detail {
 namespace {
 
-constexpr std::uint32_t kStreamAhead = 256;  // packets ahead, for the stream itself
-
-// always_inline: GCC 12 was seen to drop the prefetch from a plain inline helper.
-template <typename PacketT>
-[[gnu::always_inline]] inline void prefetch_stream(const PacketT* packet) {
-  _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
-}
-
 // PacketT: an fp32 stream's packets, or a bf16 one's read as they are (X in fp32).
 // kSets packets are in flight, each adding into its own accumulators, so enough FMA
 // chains hide the FMA latency: two sets of four vectors, but four sets of a group of one
@@ -109,32 +101,10 @@ inline __m512 dot_registers(const __m512* a, const __m512* b) {
 
 /// dot(dy, x) over the group with x's row loaded here (the loads fuse into the FMAs).
 template <int NV, bool kTail>
-inline __m512 dot_partial(const __m512* dv, const float* x, __mmask16 tail) {
+__m512 dot_partial(const __m512* dv, const float* x, __mmask16 tail) {
   __m512 xv[NV];
   for (int v = 0; v < NV; ++v) xv[v] = load<NV, kTail>(x, v, tail);
   return dot_registers<NV>(dv, xv);
-}
-
-template <int NV, bool kTail, typename PacketT>
-void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
-                           const float* x, std::int64_t xs, const GradientSums& sums,
-                           __mmask16 tail) {
-  const PacketT* p = L.packets;
-  for (std::int64_t r = 0; r < L.runs; ++r) {
-    __m512 dv[NV];
-    load_output_row<NV, kTail>(L, dy, dys, r, dv, tail);
-    const std::uint32_t e = L.end[r];
-    add_run_sums(sums, p, L.begin[r], e, [&](std::uint32_t k) {
-      if ((k & 7) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
-      if (k + kPrefetch < e) {
-        const float* next = row_of(x, weight_tag(p[k + kPrefetch]), xs);
-        for (int v = 0; v < NV; v += 4) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + 16 * v), _MM_HINT_T0);
-        }
-      }
-      return dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k]), xs), tail);
-    });
-  }
 }
 
 /// The backward of a stream by input (see ByInputKernel) on one group of tokens. Per run,

@@ -2,11 +2,11 @@
 // What the AVX2 and AVX-512 lane kernels (lane_kernels_avx2.cpp, lane_kernels_avx512.cpp)
 // do alike, written once over the vector width of the file that includes it: a tile's
 // tokens walked in groups of whole vectors (the last one masked only where the group is
-// not whole), the gathered rows' loads and stores, and the gradients by output (the
-// weight gradient's group kernel is each file's: the widths reduce dot products
-// differently). Internal. As blocks/block_kernels_body.hpp, everything here is in an
-// unnamed namespace, so each file keeps its own copy and no ISA's code can stand in for
-// another's at link time (tests/isa_objects_share_nothing.sh).
+// not whole), the gathered rows' loads and stores, and the gradients by output (each
+// file's own: how a width takes a dot product's partial sums; each width reduces eight
+// weights' partials together, add_run_sums). Internal. As blocks/block_kernels_body.hpp, everything
+// here is in an unnamed namespace, so each file keeps its own copy and no ISA's code can stand in
+// for another's at link time (tests/isa_objects_share_nothing.sh).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,6 +16,11 @@
 
 #include "engine/kernels/bf16_block.hpp"
 #include "engine/kernels/lane_kernels.hpp"
+#if defined(__AVX512F__)
+#include "engine/kernels/reduce8.hpp"
+#else
+#include "engine/kernels/gradient_batch.hpp"
+#endif
 
 namespace sluice::detail {
 namespace {
@@ -81,6 +86,41 @@ inline Vec broadcast(float w) {
 /// Packets ahead for tile rows; only a row's first line is asked for (more requests only
 /// queue behind the misses that matter).
 constexpr std::uint32_t kPrefetch = 16;
+#if defined(__AVX512F__)
+/// Packets ahead that the stream itself is asked for: it is read once per tile, and with a
+/// non-temporal hint it passes without evicting tile rows.
+constexpr std::uint32_t kStreamAhead = 256;
+#else
+constexpr std::uint32_t kStreamAhead = 0;  // not asked for
+
+/// add_run_sums (reduce8.hpp) at this width: for every packet k of a run [begin, end), its
+/// dot product's eight partial sums, partial(k), eight packets' reduced together (hsum8)
+/// and left as `g` says.
+template <typename PacketT, typename Partial>
+void add_run_sums(const GradientSums& g, const PacketT* packets, std::uint32_t begin,
+                  std::uint32_t end, Partial&& partial) {
+  __m256 part[8];
+  std::uint32_t k = begin;
+  for (; k + 8 <= end; k += 8) {
+    for (std::uint32_t j = 0; j < 8; ++j) part[j] = partial(k + j);
+    leave_sums8(g, packets, k, hsum8(part));
+  }
+  if (k < end) {
+    const auto n = static_cast<int>(end - k);
+#pragma GCC unroll 8  // left rolled, GCC 12 spilled in the loop above too
+    for (int j = 0; j < 8; ++j) part[j] = j < n ? partial(k + j) : _mm256_setzero_ps();
+    alignas(32) float each[8];
+    _mm256_store_ps(each, hsum8(part));
+    for (int j = 0; j < n; ++j) leave_sum(g, packets, k + j, each[j]);
+  }
+}
+#endif
+
+// always_inline: GCC 12 was seen to drop the prefetch from a plain inline helper.
+template <typename PacketT>
+[[gnu::always_inline]] inline void prefetch_stream(const PacketT* packet) {
+  _mm_prefetch(reinterpret_cast<const char*>(packet), _MM_HINT_NTA);
+}
 /// Tokens per group of the by-output gradients.
 constexpr std::int64_t kByOutputGroup = 64;
 
@@ -212,15 +252,11 @@ void backward_data_group(const LaneRuns& L, const float* dy, std::int64_t dys, f
   }
 }
 
-// Each including file's own, for the kernels below: its group kernels of the forward, the
-// weight gradient by output (how a width reduces the dot products) and the backward by
-// input.
+// Each including file's own, for the kernels below: its group kernels of the forward and
+// the backward by input.
 template <int NV, bool kTail, typename PacketT>
 void forward_group(const Runs<PacketT>& L, const float* x, std::int64_t xs, float* y,
                    std::int64_t ys, Tail tail);
-template <int NV, bool kTail, typename PacketT>
-void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
-                           const float* x, std::int64_t xs, const GradientSums& sums, Tail tail);
 template <bool kData, bool kWeight, int NV, bool kTail, typename PacketT, typename DyT>
 void by_input_group(const Runs<PacketT>& L, const DyT* dy, std::int64_t dys, const float* x,
                     std::int64_t xs, float* dx, std::int64_t dxs, const GradientSums& sums,
@@ -277,6 +313,34 @@ void by_input(const Runs<PacketT>& L, DyTile dy, Tile x, MutableTile dx, const G
           for_group(sums, t0 == 0, t0 + kWidth * kMaxNV >= tokens), tail);
     });
   });
+}
+
+/// dot(dy, x) over a group, left as partial sums: each including file's own.
+template <int NV, bool kTail>
+Vec dot_partial(const Vec* dv, const float* x, Tail tail);
+
+/// The weight gradient by output on one group of tokens: output r's dY row in registers,
+/// each packet's dot product with its X row, the row kPrefetch packets ahead asked for
+/// (its first line: a group is at most four vectors of AVX-512, eight of AVX2).
+template <int NV, bool kTail, typename PacketT>
+void backward_weight_group(const Runs<PacketT>& L, const float* dy, std::int64_t dys,
+                           const float* x, std::int64_t xs, const GradientSums& sums, Tail tail) {
+  const PacketT* p = L.packets;
+  for (std::int64_t r = 0; r < L.runs; ++r) {
+    Vec dv[NV];
+    load_output_row<NV, kTail>(L, dy, dys, r, dv, tail);
+    const std::uint32_t e = L.end[r];
+    add_run_sums(sums, p, L.begin[r], e, [&](std::uint32_t k) {
+      if constexpr (kStreamAhead > 0) {
+        if ((k & 7) == 0) prefetch_stream(p + k + kStreamAhead);  // once per line
+      }
+      if (k + kPrefetch < e) {
+        _mm_prefetch(reinterpret_cast<const char*>(row_of(x, weight_tag(p[k + kPrefetch]), xs)),
+                     _MM_HINT_T0);
+      }
+      return dot_partial<NV, kTail>(dv, row_of(x, weight_tag(p[k]), xs), tail);
+    });
+  }
 }
 
 void backward_data(const LaneRuns& L, Tile dy, MutableTile dx, std::int64_t tokens) {
