@@ -94,11 +94,12 @@ std::int64_t tight_budget() {
 }
 
 struct Trainer {
-  Trainer(ModelMemory& m, int engines, Precision precision, DynamicSparsity dynamic = {})
+  Trainer(ModelMemory& m, int engines, Precision precision, DynamicSparsity dynamic = {},
+          std::size_t layers = kSizes.size() - 1)
       : fabric(fabric_options(engines)) {
     ExecutorOptions eo;
     eo.dynamic = dynamic;
-    eo.precisions.assign(kSizes.size() - 1, precision);
+    eo.precisions.assign(layers, precision);
     eo.chunk_packets = 64;
     eo.prefetch_depth = 2;
     exec = std::make_unique<LayerStreamingExecutor>(m, fabric, eo);
@@ -199,6 +200,35 @@ TEST_F(TempDirTest, ALayerOfSeveralUpdateChunksTrainsLikeHost) {
   }
 }
 
+// Layers of one shape under a budget that holds a layer's working set: every load after
+// the first evictions reads into the arrays of a piece just evicted (of the same kind, or
+// the other kind's offsets and indices), and the pattern is checked by its CRCs alone.
+TEST_F(TempDirTest, LayersReadIntoEvictedPiecesTrainLikeHost) {
+  const std::vector<std::int64_t> sizes{12, 48, 48, 48, 48, 10};
+  const Data data = make_data(4, 21);
+  const LayerShape big{48, 48, 48 * 48, 48};
+  std::vector<std::uint64_t> reads;
+  for (const std::int64_t budget :
+       {TieredModelMemory::working_set_bytes(big), std::int64_t{1} << 30}) {
+    HostModelMemory host;
+    host.set_optimizer(config_of(OptimizerKind::adam));
+    build_sparse_mlp(host, sizes, 0.3, 11);
+    TieredModelMemory tiered(dir_ / ("store" + std::to_string(budget)), budget);
+    tiered.set_optimizer(config_of(OptimizerKind::adam));
+    build_sparse_mlp(tiered, sizes, 0.3, 11);
+    Trainer th(host, 1, Precision::fp32, {}, sizes.size() - 1);
+    Trainer tt(tiered, 1, Precision::fp32, {}, sizes.size() - 1);
+    for (int s = 0; s < 4; ++s) {
+      const StepResult a = th.step(data, s), b = tt.step(data, s);
+      EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
+      expect_bitwise_equal(snapshot(host), snapshot(tiered),
+                           "budget " + std::to_string(budget) + ", step " + std::to_string(s + 1));
+    }
+    reads.push_back(tiered.counters().read_bytes);
+  }
+  EXPECT_GT(reads[0], reads[1]);  // the tight budget read patterns again: it evicted
+}
+
 /// Every layer's mask (row offsets and columns) and values, decoded from its stream.
 std::vector<std::vector<std::int64_t>> masks(const ModelMemory& m) {
   std::vector<std::vector<std::int64_t>> out;
@@ -286,6 +316,15 @@ class TieredStore : public TempDirTest {
   void write(const std::string& name, const std::string& bytes) const {
     std::ofstream(store() / name, std::ios::binary | std::ios::trunc) << bytes;
   }
+  /// Writes `bytes` as `name` with one bit flipped at random; returns the byte's offset.
+  std::size_t write_flipped(const std::string& name, const std::string& bytes,
+                            std::mt19937_64& rng) const {
+    std::string bad = bytes;
+    const std::size_t at = rng() % bad.size();
+    bad[at] = static_cast<char>(bad[at] ^ (1 << (rng() % 8)));
+    write(name, bad);
+    return at;
+  }
 };
 
 TEST_F(TieredStore, EveryCorruptByteIsRefusedNamingTheFileAndNothingChanges) {
@@ -295,10 +334,7 @@ TEST_F(TieredStore, EveryCorruptByteIsRefusedNamingTheFileAndNothingChanges) {
   std::mt19937_64 rng(5);
   for (const auto& [name, bytes] : good) {
     for (int trial = 0; trial < 12; ++trial) {
-      std::string bad = bytes;
-      const std::size_t at = rng() % bad.size();
-      bad[at] = static_cast<char>(bad[at] ^ (1 << (rng() % 8)));
-      write(name, bad);
+      const std::size_t at = write_flipped(name, bytes, rng);
       std::string message;
       try {
         TieredModelMemory m(store(), std::int64_t{1} << 30);
@@ -331,6 +367,39 @@ TEST_F(TieredStore, EveryCorruptByteIsRefusedNamingTheFileAndNothingChanges) {
   }
   TieredModelMemory m(store(), std::int64_t{1} << 30);
   EXPECT_EQ(m.step(), 2);
+}
+
+// A pattern file is checked in full when the store opens; a layer evicted and read again
+// is checked by its CRCs, which still refuse any changed byte, naming the file and the byte,
+// and leave the layer to be read again once the file is whole.
+TEST_F(TieredStore, APatternCorruptedAfterTheOpenIsRefusedWhenReadAgain) {
+  const CsrMatrix layer = CsrMatrix::random(64, 64, 0.5, 1);
+  const LayerShape shape{64, 64, layer.nnz(), 64};
+  TieredModelMemory m(store(), TieredModelMemory::working_set_bytes(shape));
+  for (int l = 0; l < 4; ++l) m.add_layer(layer, std::vector<float>(64));
+  auto by_input = [&](std::int32_t l) {
+    return m.stream(l, StreamKind::weights, Precision::fp32, StreamOrder::by_input);
+  };
+  const WeightStream expected = by_input(0);
+  for (std::int32_t l = 1; l < 4; ++l) by_input(l);  // layer 0's pieces are evicted
+  const std::string name = "layer-000000.pattern";
+  const std::string bytes = files().at(name);
+  std::mt19937_64 rng(8);
+  for (int trial = 0; trial < 24; ++trial) {
+    const std::size_t at = write_flipped(name, bytes, rng);
+    std::string message;
+    try {
+      by_input(0);
+      ADD_FAILURE() << "byte " << at << " flipped, and the layer was read";
+    } catch (const FormatError& e) {
+      message = e.what();
+    }
+    EXPECT_CONTAINS(message, name);
+    EXPECT_CONTAINS(message, "byte");
+  }
+  write(name, bytes);
+  EXPECT_EQ(decode_stream(by_input(0)).values(), decode_stream(expected).values());
+  EXPECT_EQ(decode_stream(by_input(0)).col_indices(), decode_stream(expected).col_indices());
 }
 
 TEST_F(TieredStore, ABudgetSmallerThanALayerIsRefused) {

@@ -10,6 +10,10 @@
 
 namespace sluice {
 
+namespace detail {
+struct CsrMatrixAccess;  // internal (src/core/csr_matrix_access.hpp)
+}  // namespace detail
+
 /// How the non-zeros of a random matrix are spread over its rows.
 enum class RowDistribution {
   uniform,   ///< every entry is non-zero with the same probability (Bernoulli)
@@ -58,6 +62,7 @@ class CsrMatrix {
   void fill_values(std::uint64_t seed, float scale = 1.0F);
 
  private:
+  friend struct detail::CsrMatrixAccess;
   std::int64_t rows_ = 0, cols_ = 0;
   std::vector<std::int64_t> row_offsets_{0};
   std::vector<std::uint32_t> col_indices_;

@@ -302,8 +302,13 @@ class SectionReader {
   template <typename T>
   std::vector<T> get_array(std::uint64_t count, const char* what) {
     std::vector<T> v(static_cast<std::size_t>(count));
-    read(std::as_writable_bytes(std::span<T>(v)), what);
+    get_into(std::span<T>(v), what);
     return v;
+  }
+  /// Reads `out.size()` elements into `out`; the caller has checked the count.
+  template <typename T>
+  void get_into(std::span<T> out, const char* what) {
+    read(std::as_writable_bytes(out), what);
   }
 
   /// Checks that the payload was read exactly and that its CRC matches.

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/csr_matrix_access.hpp"
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/schedule_section.hpp"
 
@@ -230,64 +231,82 @@ void write_pattern(const std::filesystem::path& path, const CsrMatrix& mask,
   out.commit();
 }
 
+namespace {
+// The transposed pattern's invariants, beyond its sections' lengths and CRCs.
+void check_transposed(const FileReader& in, const TransposedPattern& t, const LayerShape& shape) {
+  const auto nnz = static_cast<std::uint64_t>(shape.nnz);
+  if (t.row_offsets.front() != 0 || t.row_offsets.back() != shape.nnz) {
+    in.fail("the transposed pattern's offsets do not cover the mask");
+  }
+  for (std::size_t r = 0; r + 1 < t.row_offsets.size(); ++r) {
+    if (t.row_offsets[r + 1] < t.row_offsets[r]) {
+      in.fail("the transposed pattern's offsets decrease at input " + std::to_string(r));
+    }
+  }
+  for (std::uint64_t k = 0; k < nnz; ++k) {
+    if (t.source[k] >= nnz || t.col_indices[k] >= static_cast<std::uint64_t>(shape.rows)) {
+      in.fail("the transposed pattern's entry " + std::to_string(k) + " is out of range");
+    }
+  }
+}
+}  // namespace
+
 std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& shape,
-                           CsrMatrix* mask, TransposedPattern* transposed) {
+                           CsrMatrix* mask, TransposedPattern* transposed, PatternCheck check) {
   FileReader in(path, "model store: pattern");
   read_prefix(in, kPatternMagic, "model store pattern file");
   const auto rows = static_cast<std::uint64_t>(shape.rows);
   const auto cols = static_cast<std::uint64_t>(shape.cols);
   const auto nnz = static_cast<std::uint64_t>(shape.nnz);
   std::uint64_t bytes = 0;
-  auto array = [&](int i, std::uint64_t count, std::uint64_t size, bool want, const char* name,
-                   auto tag) {
+  // Reads section i into `out` (its memory kept where it fits: resize_for_overwrite), or
+  // skips it if not wanted.
+  auto array = [&](int i, auto& out, std::uint64_t count, bool want, const char* name) {
+    using T = typename std::remove_reference_t<decltype(out)>::value_type;
     SectionReader s(in, kPatternTags[static_cast<std::size_t>(i)], name);
-    if (s.length() != count * size) {
+    if (s.length() != count * sizeof(T)) {
       s.fail("holds " + std::to_string(s.length()) + " bytes, the manifest's shape needs " +
-             std::to_string(count * size));
+             std::to_string(count * sizeof(T)));
     }
     if (!want) {
       in.skip(s.length(), name);
-      return std::vector<decltype(tag)>();
+      return;
     }
-    auto v = s.template get_array<decltype(tag)>(count, name);
+    resize_for_overwrite(out, static_cast<std::size_t>(count));
+    s.get_into(std::span<T>(out), name);
     s.finish();
-    bytes += count * size;
-    return v;
+    bytes += count * sizeof(T);
   };
-  auto offsets = array(0, rows + 1, 8, mask != nullptr, "ROWS section", std::int64_t{});
-  auto indices = array(1, nnz, 4, mask != nullptr, "COLS section", std::uint32_t{});
+  std::vector<std::int64_t> skipped_offsets;
+  std::vector<std::uint32_t> skipped_indices;
+  array(0, mask != nullptr ? CsrMatrixAccess::row_offsets(*mask) : skipped_offsets, rows + 1,
+        mask != nullptr, "ROWS section");
+  array(1, mask != nullptr ? CsrMatrixAccess::col_indices(*mask) : skipped_indices, nnz,
+        mask != nullptr, "COLS section");
   if (mask != nullptr) {
-    try {
-      *mask = CsrMatrix(shape.rows, shape.cols, std::move(offsets), std::move(indices),
-                        std::vector<float>(nnz, 0.0F));
-    } catch (const Error& e) {
-      in.fail(std::string("the mask is not a valid pattern: ") + e.what());
+    CsrMatrixAccess::set_shape(*mask, shape.rows, shape.cols);
+    resize_for_overwrite(mask->values(), static_cast<std::size_t>(nnz));
+    if (check == PatternCheck::full) {
+      std::fill(mask->values().begin(), mask->values().end(), 0.0F);
+      try {
+        mask->validate();
+      } catch (const Error& e) {
+        in.fail(std::string("the mask is not a valid pattern: ") + e.what());
+      }
     }
   }
   if (transposed != nullptr) {
     TransposedPattern& t = *transposed;
     t.rows = shape.cols;
     t.cols = shape.rows;
-    t.row_offsets = array(2, cols + 1, 8, true, "TROW section", std::int64_t{});
-    t.col_indices = array(3, nnz, 4, true, "TCOL section", std::uint32_t{});
-    t.source = array(4, nnz, 4, true, "TSRC section", std::uint32_t{});
+    array(2, t.row_offsets, cols + 1, true, "TROW section");
+    array(3, t.col_indices, nnz, true, "TCOL section");
+    array(4, t.source, nnz, true, "TSRC section");
     SectionReader end(in, kEndTag, "END section");
     end.finish();
     if (in.remaining() != 0)
       in.fail("at byte " + std::to_string(in.position()) + ": bytes after the END section");
-    if (t.row_offsets.front() != 0 || t.row_offsets.back() != shape.nnz) {
-      in.fail("the transposed pattern's offsets do not cover the mask");
-    }
-    for (std::uint64_t r = 0; r < cols; ++r) {
-      if (t.row_offsets[r + 1] < t.row_offsets[r]) {
-        in.fail("the transposed pattern's offsets decrease at input " + std::to_string(r));
-      }
-    }
-    for (std::uint64_t k = 0; k < nnz; ++k) {
-      if (t.source[k] >= nnz || t.col_indices[k] >= rows) {
-        in.fail("the transposed pattern's entry " + std::to_string(k) + " is out of range");
-      }
-    }
+    if (check == PatternCheck::full) check_transposed(in, t, shape);
   }
   in.drop_cache();
   return bytes;

@@ -66,11 +66,20 @@ Manifest read_manifest(const std::filesystem::path& dir);
 /// Writes (and fsyncs) a layer's pattern file: its mask and transposed pattern.
 void write_pattern(const std::filesystem::path& path, const CsrMatrix& mask,
                    const TransposedPattern& transposed);
-/// Reads the pattern file into `mask` (values zero) and/or `transposed` (either may be
-/// null: its sections are skipped), checking their CRCs and the shape against `shape`.
-/// Returns the bytes read.
+/// What read_pattern checks beside every section's length and CRC.
+enum class PatternCheck {
+  full,  ///< every invariant of the mask and the transpose: a file not checked before
+  /// none more: a file this store checked in full when it opened, or wrote from a checked
+  /// pattern, whose CRCs prove its bytes unchanged since (a cache reload)
+  crc_only,
+};
+
+/// Reads the pattern file into `mask` and/or `transposed` (either may be null: its
+/// sections are skipped), checking their CRCs and the shape against `shape`. Their arrays'
+/// memory is kept where it fits (a piece the cache evicted); the mask's values are left
+/// for the caller to read (zero under PatternCheck::full). Returns the bytes read.
 std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& shape,
-                           CsrMatrix* mask, TransposedPattern* transposed);
+                           CsrMatrix* mask, TransposedPattern* transposed, PatternCheck check);
 
 /// Byte counts and times of the store's file I/O, summed by every thread.
 struct IoCounters {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 
+#include "core/csr_matrix_access.hpp"
 #include "model_memory/layer_streams.hpp"
 #include "model_memory/tiered_model_memory_state.hpp"
 
@@ -22,7 +23,8 @@ using detail::transposed_bytes;
 
 // Frees unused pieces of other layers, least recently used first, until `need` more
 // bytes fit under `limit`; false if they do not.
-bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep, std::int64_t limit) {
+bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep, std::int64_t limit,
+                                         detail::EvictedPieces* evicted) {
   while (used + need > limit) {
     detail::TieredLayer* victim = nullptr;
     bool transposed = false;
@@ -42,9 +44,11 @@ bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep, s
                                                [&](const auto& p) { return p.get() == victim; }) -
                                   layers.begin()));
     if (transposed) {
+      if (evicted != nullptr) evicted->transposed.push_back(std::move(victim->transposed));
       victim->transposed.reset();
       used -= transposed_bytes(s);
     } else {
+      if (evicted != nullptr) evicted->forward.push_back(std::move(victim->forward));
       victim->forward.reset();
       used -= forward_bytes(s);
     }
@@ -58,6 +62,7 @@ TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
                                                                 bool between_steps) {
   const auto start = Clock::now();
   bool waited = false;
+  detail::EvictedPieces evicted;  // freed after the lock (declared before it)
   std::unique_lock lock(mutex);
   detail::TieredLayer& c = *layers[l];
   const LayerShape& s = shape(l);
@@ -87,7 +92,8 @@ TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
                           std::to_string(limit) + " of the budget of " + std::to_string(budget) +
                           " it may take (the rest is the trainer's, see reserve_ram_bytes)");
     }
-    if (!make_room(need, l, limit)) {
+    if (!make_room(need, l, limit, &evicted)) {
+      evicted = {};  // freed now: no memory outside the count while waiting
       waited = true;
       changed.wait(lock);
       continue;
@@ -97,7 +103,7 @@ TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
       c.loading = true;
       lock.unlock();
       try {
-        load(l, need_mask, need_mask || stale, need_t);
+        load(l, need_mask, need_mask || stale, need_t, evicted);
       } catch (...) {
         lock.lock();
         c.loading = false;
@@ -122,16 +128,58 @@ TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
   }
 }
 
+namespace {
+// Takes the pieces a load reads into out of what the cache evicted for it: an evicted piece
+// of the same kind whole, else the arrays of the same type of a piece of the other kind
+// (offsets and column indices), else new. What is not reused is freed here, before the
+// reads allocate.
+void reuse_evicted(detail::EvictedPieces& evicted, std::shared_ptr<CsrMatrix>* w,
+                   std::shared_ptr<TransposedPattern>* t) {
+  using detail::CsrMatrixAccess;
+  if (w != nullptr && !evicted.forward.empty()) {
+    *w = std::move(evicted.forward.back());
+    evicted.forward.pop_back();
+  }
+  if (t != nullptr && !evicted.transposed.empty()) {
+    *t = std::move(evicted.transposed.back());
+    evicted.transposed.pop_back();
+  }
+  if (w != nullptr && !*w) {
+    *w = std::make_shared<CsrMatrix>();
+    if (!evicted.transposed.empty()) {
+      TransposedPattern& donor = *evicted.transposed.back();
+      CsrMatrixAccess::row_offsets(**w) = std::move(donor.row_offsets);
+      CsrMatrixAccess::col_indices(**w) = std::move(donor.col_indices);
+      evicted.transposed.pop_back();
+    }
+  }
+  if (t != nullptr && !*t) {
+    *t = std::make_shared<TransposedPattern>();
+    if (!evicted.forward.empty()) {
+      CsrMatrix& donor = *evicted.forward.back();
+      (*t)->row_offsets = std::move(CsrMatrixAccess::row_offsets(donor));
+      (*t)->col_indices = std::move(CsrMatrixAccess::col_indices(donor));
+      evicted.forward.pop_back();
+    }
+  }
+  evicted.forward.clear();
+  evicted.transposed.clear();
+}
+}  // namespace
+
 // Reads the pieces asked for into the layer's cache slots (marked loading, so no other
 // thread touches them).
-void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool transposed) {
+void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool transposed,
+                                    detail::EvictedPieces& evicted) {
   detail::TieredLayer& c = *layers[l];
   const LayerShape& s = shape(l);
   const auto start = Clock::now();
   if (mask || transposed) {
-    auto w = mask ? std::make_shared<CsrMatrix>() : nullptr;
-    auto t = transposed ? std::make_shared<TransposedPattern>() : nullptr;
-    io.read_bytes += detail::read_pattern(pattern_file(l), s, w.get(), t.get());
+    std::shared_ptr<CsrMatrix> w;
+    std::shared_ptr<TransposedPattern> t;
+    reuse_evicted(evicted, mask ? &w : nullptr, transposed ? &t : nullptr);
+    io.read_bytes +=
+        detail::read_pattern(pattern_file(l), s, w.get(), t.get(), detail::PatternCheck::full);
     io.read_seconds = io.read_seconds + seconds_since(start);
     if (w) c.forward = std::move(w);
     if (t) c.transposed = std::move(t);
@@ -152,7 +200,8 @@ void TieredModelMemory::State::verify_layer(std::int32_t l) {
   const LayerShape& s = shape(l);
   auto w = std::make_shared<CsrMatrix>();
   auto t = std::make_shared<TransposedPattern>();
-  io.read_bytes += detail::read_pattern(pattern_file(l), s, w.get(), t.get());
+  io.read_bytes +=
+      detail::read_pattern(pattern_file(l), s, w.get(), t.get(), detail::PatternCheck::full);
   c.column_counts.resize(static_cast<std::size_t>(s.cols));
   for (std::int64_t i = 0; i < s.cols; ++i)
     c.column_counts[i] = t->row_offsets[i + 1] - t->row_offsets[i];

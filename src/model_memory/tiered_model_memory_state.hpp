@@ -73,6 +73,14 @@ struct TieredPending {
   std::array<std::vector<float>, kMaxOptimizerSlots> new_bias_state;
 };
 
+/// Pieces the cache evicted to make room for a load: the load reads into their arrays
+/// (memory already allocated and faulted in) rather than new zero-filled ones; what it does
+/// not reuse is freed before it reads.
+struct EvictedPieces {
+  std::vector<std::shared_ptr<CsrMatrix>> forward;
+  std::vector<std::shared_ptr<TransposedPattern>> transposed;
+};
+
 struct TieredLayer {
   std::vector<float> bias;  ///< committed; biases stay in RAM (one float per output)
   std::array<std::vector<float>, kMaxOptimizerSlots> bias_state;
@@ -157,11 +165,14 @@ struct TieredModelMemory::State {
 
   /// Frees unused pieces of other layers, least recently used first, until `need` more
   /// bytes fit under `limit`; false if they do not.
-  bool make_room(std::int64_t need, std::int32_t keep, std::int64_t limit);
+  /// The pieces freed go to `evicted` where given (for the load to reuse).
+  bool make_room(std::int64_t need, std::int32_t keep, std::int64_t limit,
+                 detail::EvictedPieces* evicted = nullptr);
   /// `between_steps`: no trainer's stream is in flight (a mask change), so the pin may
   /// take the trainer's reserve too.
   Pin acquire(std::int32_t l, bool want_transposed, std::int64_t extra, bool between_steps = false);
-  void load(std::int32_t l, bool mask, bool values, bool transposed);
+  void load(std::int32_t l, bool mask, bool values, bool transposed,
+            detail::EvictedPieces& evicted);
   void write_update(std::int32_t l, std::span<const float> values, const float* gradient,
                     double learning_rate, double scale);
   /// Writes the state file of `generation` for the layer's new mask: its new values, its
