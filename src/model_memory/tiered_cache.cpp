@@ -168,7 +168,9 @@ void reuse_evicted(detail::EvictedPieces& evicted, std::shared_ptr<CsrMatrix>* w
 }  // namespace
 
 // Reads the pieces asked for into the layer's cache slots (marked loading, so no other
-// thread touches them).
+// thread touches them). The pattern file was checked in full when the store opened
+// (verify_layer) or was written from a checked pattern (add_layer, a mask change): its
+// CRCs prove the bytes unchanged, so a reload does not validate the pattern again.
 void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool transposed,
                                     detail::EvictedPieces& evicted) {
   detail::TieredLayer& c = *layers[l];
@@ -179,7 +181,7 @@ void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool
     std::shared_ptr<TransposedPattern> t;
     reuse_evicted(evicted, mask ? &w : nullptr, transposed ? &t : nullptr);
     io.read_bytes +=
-        detail::read_pattern(pattern_file(l), s, w.get(), t.get(), detail::PatternCheck::full);
+        detail::read_pattern(pattern_file(l), s, w.get(), t.get(), detail::PatternCheck::crc_only);
     io.read_seconds = io.read_seconds + seconds_since(start);
     if (w) c.forward = std::move(w);
     if (t) c.transposed = std::move(t);
