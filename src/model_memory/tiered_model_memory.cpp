@@ -207,8 +207,10 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
   const LayerShape& s = st.shape(layer);
   const bool by_input = gradient.header.by_input();
   State::Pin pin = st.acquire(layer, by_input, update_bytes(s));
-  std::vector<float> g(static_cast<std::size_t>(s.nnz));
-  double sum_of_squares = detail::scan_gradient(layer, gradient, *pin.w, pin.t.get(), g.data());
+  // Not zero-filled: the scan writes every element or throws (the layer's mask is checked).
+  const auto n = static_cast<std::size_t>(s.nnz);
+  const auto g = std::make_unique_for_overwrite<float[]>(n);
+  double sum_of_squares = detail::scan_gradient(layer, gradient, *pin.w, pin.t.get(), g.get());
   pin.release_transposed();
   p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
   for (float x : bias_gradient) sum_of_squares += static_cast<double>(x) * x;
@@ -220,12 +222,12 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
     if (p.finite && st.config.clip_global_norm == 0) {
       // No clipping: this layer's update does not depend on the others, so compute it now,
       // while the engines work on the next layer.
-      st.write_update(layer, pin.w->values(), g.data(),
+      st.write_update(layer, pin.w->values(), g.get(),
                       detail::scheduled_learning_rate(st.config, st.manifest.step + 1), 1.0);
     } else if (p.finite) {
       detail::StateWriter out(spill_path(st.dir, layer), detail::StateLayout::of(s.nnz, 0, 0),
                               st.io);
-      out.write(0, 0, g);
+      out.write(0, 0, {g.get(), n});
       out.finish();
       p.spilled = true;
     }
