@@ -371,8 +371,9 @@ TEST_F(TieredStore, EveryCorruptByteIsRefusedNamingTheFileAndNothingChanges) {
 
 // A pattern file is checked in full when the store opens; a layer evicted and read again
 // is checked by its CRCs, which still refuse any changed byte, naming the file and the byte,
-// and leave the layer to be read again once the file is whole.
-TEST_F(TieredStore, APatternCorruptedAfterTheOpenIsRefusedWhenReadAgain) {
+// and leave the layer to be read again once the file is whole — also when its values (from
+// the state file) are what fails: the failed load keeps none of what it read.
+TEST_F(TieredStore, AFileCorruptedAfterTheOpenIsRefusedWhenReadAgain) {
   const CsrMatrix layer = CsrMatrix::random(64, 64, 0.5, 1);
   const LayerShape shape{64, 64, layer.nnz(), 64};
   TieredModelMemory m(store(), TieredModelMemory::working_set_bytes(shape));
@@ -398,6 +399,26 @@ TEST_F(TieredStore, APatternCorruptedAfterTheOpenIsRefusedWhenReadAgain) {
     EXPECT_CONTAINS(message, "byte");
   }
   write(name, bytes);
+  // The values come from the state file: a changed byte of them is refused the same way,
+  // and the load that failed leaves nothing behind in the cache.
+  std::string state;
+  for (const auto& [file, content] : files()) {
+    if (file.rfind("layer-000000.", 0) == 0 && file.ends_with(".state")) state = file;
+  }
+  ASSERT_FALSE(state.empty());
+  const std::string state_bytes = files().at(state);
+  const std::size_t values_at = state_bytes.find("VALS") + 16;  // tag, length, CRC
+  ASSERT_LT(values_at + 4 * static_cast<std::size_t>(layer.nnz()), state_bytes.size());
+  for (int trial = 0; trial < 4; ++trial) {
+    std::string bad = state_bytes;
+    const std::size_t at = values_at + rng() % (4 * static_cast<std::size_t>(layer.nnz()));
+    bad[at] = static_cast<char>(bad[at] ^ 0x10);
+    for (std::int32_t l = 1; l < 4; ++l) by_input(l);  // layer 0's pieces are evicted
+    write(state, bad);
+    EXPECT_CONTAINS(thrown_message<FormatError>([&] { by_input(0); }), state);
+    write(state, state_bytes);
+    ASSERT_EQ(decode_stream(by_input(0)).values(), decode_stream(expected).values()) << trial;
+  }
   EXPECT_EQ(decode_stream(by_input(0)).values(), decode_stream(expected).values());
   EXPECT_EQ(decode_stream(by_input(0)).col_indices(), decode_stream(expected).col_indices());
 }

@@ -176,23 +176,25 @@ void TieredModelMemory::State::load(std::int32_t l, bool mask, bool values, bool
   detail::TieredLayer& c = *layers[l];
   const LayerShape& s = shape(l);
   const auto start = Clock::now();
+  std::shared_ptr<CsrMatrix> w;
+  std::shared_ptr<TransposedPattern> t;
   if (mask || transposed) {
-    std::shared_ptr<CsrMatrix> w;
-    std::shared_ptr<TransposedPattern> t;
     reuse_evicted(evicted, mask ? &w : nullptr, transposed ? &t : nullptr);
     io.read_bytes +=
         detail::read_pattern(pattern_file(l), s, w.get(), t.get(), detail::PatternCheck::crc_only);
     io.read_seconds = io.read_seconds + seconds_since(start);
-    if (w) c.forward = std::move(w);
-    if (t) c.transposed = std::move(t);
   }
   if (values) {
     detail::StateReader in(state_file(l), committed_layout(l), io);
     std::uint32_t crc = 0;
-    in.read(committed_layout(l).values, 0, c.forward->values(), crc);
+    in.read(committed_layout(l).values, 0, (w ? *w : *c.forward).values(), crc);
     in.check_crc(committed_layout(l).values, crc, "VALS");
     in.drop_cache();
   }
+  // Only now, every read checked: a failed load leaves no piece in the cache (its bytes are
+  // no longer counted) nor one whose values are a reused piece's or half read.
+  if (w) c.forward = std::move(w);
+  if (t) c.transposed = std::move(t);
 }
 
 // Reads every byte of the layer's committed files, checking each CRC, and takes its bias
