@@ -214,6 +214,33 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            AttentionCase{12, 3, 5, 2, 6.0},     // sharp softmax
                                            AttentionCase{40, 2, 37, 1, 1.0}));  // whole tiles
 
+TEST(AttentionSoftmax, SharesBelowTwoToTheMinus64AreZeroAndNoneSubnormal) {
+  // Scores far apart: a sharp softmax's small shares would otherwise be subnormal factors
+  // in the attention's products (slow in vector units). Shares below 2^-64 are zero,
+  // larger ones match the float64 softmax, and the output still matches the reference.
+  const std::int64_t d = 16, context = 24;
+  const AttentionShape shape{context, 2};
+  const DenseMatrix q = random_matrix(d, context, 31, 12.0),
+                    k = random_matrix(d, context, 32, 12.0), v = random_matrix(d, context, 33);
+  DenseMatrix out(d, context);
+  std::vector<float> p(attention_probabilities_size(context, shape));
+  causal_attention_forward(q, k, v, shape, out, p);
+  std::vector<double> p64;
+  const Grid reference = attention_reference(to_grid(q), to_grid(k), to_grid(v), shape, &p64);
+  std::int64_t zeroed = 0;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    ASSERT_NE(std::fpclassify(p[i]), FP_SUBNORMAL) << "probability " << i;
+    if (p64[i] < 0x1p-66) {
+      EXPECT_EQ(p[i], 0.0F) << "probability " << i << " (float64 " << p64[i] << ")";
+      ++zeroed;
+    } else if (p64[i] > 0x1p-62) {
+      EXPECT_NEAR(p[i], p64[i], 1e-3 * p64[i] + 1e-6) << "probability " << i;
+    }
+  }
+  EXPECT_GT(zeroed, 0) << "the case has no share below 2^-64: it tests nothing";
+  expect_close(out, reference, kForwardTolerance * 144.0, "out");
+}
+
 TEST(AttentionParallel, BatchEqualsSequenceBySequence) {
   // Enough (sequence, head) tasks to run in parallel; each sequence alone runs serially.
   const std::int64_t d = 32, context = 16, sequences = 40, tokens = context * sequences;

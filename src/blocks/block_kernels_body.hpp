@@ -91,14 +91,25 @@ void times_lower(RowMajor x, const float* m, const HeadTask& task, MutableRowMaj
   }
 }
 
-/// p[0..n) = softmax(scale * p[0..n)), max-subtracted.
+/// ln 2^-64: a probability below 2^-64 of its row's largest is taken as zero. Its share of
+/// any sum is far below a float's resolution, but left in, a sharp softmax fills P (and dS)
+/// with such factors, their products in the attention's matrix products come out
+/// subnormal, and vector units take subnormal results in microcode: a model whose
+/// attention sharpens would slow down as it trains.
+constexpr float kNegligibleScore = -44.3614195558365F;
+
+/// p[0..n) = softmax(scale * p[0..n)), max-subtracted; shares below 2^-64 of the largest are
+/// exactly zero.
 void softmax_row(float* p, std::int64_t n, float scale) {
   float max_score = -INFINITY;
   for (std::int64_t j = 0; j < n; ++j) {
     p[j] *= scale;
     max_score = p[j] > max_score ? p[j] : max_score;
   }
-  for (std::int64_t j = 0; j < n; ++j) p[j] = exp_bounded(p[j] - max_score);
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float y = p[j] - max_score;
+    p[j] = y < kNegligibleScore ? 0.0F : exp_bounded(y);
+  }
   double sum = 0;
   for (std::int64_t j = 0; j < n; ++j) sum += p[j];
   const auto inv_sum = static_cast<float>(1.0 / sum);
