@@ -1,12 +1,17 @@
-// The executor's StreamQueue: which streams are opened ahead of the engines, and when.
+// The executor's StreamQueue: which streams are opened ahead of the engines, and when;
+// and a LayerStream's producer, counted as background work while it runs.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 
+#include "core/background_work.hpp"
 #include "executor/layer_stream.hpp"
+#include "sluice/model_memory.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -58,6 +63,26 @@ TEST(StreamQueue, WithoutABudgetOpensOneAheadAndOnlyWhenAsked) {
   q.take(false);
   q.take(false);  // nothing ahead: opened when taken
   EXPECT_EQ(r.opened, (std::vector<std::size_t>{0, 1, 2, 3}));
+}
+
+// An MPI fabric's waits sleep rather than yield while ModelMemory's producers run
+// (link.cpp): a producer blocked on its full channel is still running.
+TEST(LayerStream, ItsProducerCountsAsBackgroundWorkUntilItEnds) {
+  HostModelMemory memory;
+  memory.add_layer(CsrMatrix::random(64, 64, 0.5, 7));
+  ASSERT_FALSE(background_work_running());
+  Producers idle;
+  {
+    LayerStream stream(memory, 0, StreamKind::weights, /*depth=*/1, /*chunk_packets=*/16,
+                       Precision::fp32, StreamOrder::by_output, idle);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!background_work_running() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_TRUE(background_work_running());
+    ASSERT_NE(stream.metered.next(), nullptr);
+  }  // drains the channel and waits for the producer
+  EXPECT_FALSE(background_work_running());
 }
 
 }  // namespace

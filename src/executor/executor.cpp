@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 
+#include "core/background_work.hpp"
 #include "engine/clock.hpp"
 #include "executor/layer_stream.hpp"
 #include "model_memory/mask_update.hpp"
@@ -385,6 +386,7 @@ struct LayerStreamingExecutor::Impl {
         // The job's lambda lives in the future's shared state until `submits` goes: the
         // gradient is moved out of it so that it is freed when its submission returns.
         submits.push_back(submitter->post([&sink, l, gradient = std::move(g)]() mutable {
+          const detail::BackgroundWork counted;
           ReducedGradient taken = std::move(gradient);
           sink(l, std::move(taken));
         }));

@@ -1,5 +1,6 @@
 #include "executor/layer_stream.hpp"
 
+#include "core/background_work.hpp"
 #include "engine/clock.hpp"
 
 namespace sluice::detail {
@@ -30,6 +31,7 @@ LayerStream::LayerStream(const ModelMemory& memory, std::int32_t layer, StreamKi
     idle_.pop_back();
   }
   produced_ = producer_->post([&memory, this, layer, kind, chunk_packets, precision, order] {
+    const BackgroundWork counted;
     memory.stream_to(layer, kind, channel, chunk_packets, precision, order);
   });
 }

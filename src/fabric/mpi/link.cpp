@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/background_work.hpp"
 #include "fabric/mpi/wire.hpp"
 #include "sluice/mpi_fabric.hpp"
 
@@ -17,7 +18,9 @@ using Seconds = std::chrono::duration<double>;
 // How long a wait yields between polls before it sleeps. A frame's wait is shorter, and a
 // sleep's wake-up would add to each; a wait for an engine's whole pass is longer, and a
 // rank that yields for all of it stays runnable beside the engine's threads, taking turns
-// with them where ranks share cores.
+// with them where ranks share cores. While this process's own background work runs
+// (ModelMemory's producers and optimizer, background_work.hpp) a wait sleeps at once:
+// yielding would take turns with that work, which the engines are waiting for.
 constexpr Seconds kYieldFor{0.001};
 // How long ranks have to answer a roll call.
 constexpr double kMaxGraceSeconds = 2.0;
@@ -65,7 +68,7 @@ void Link::pause(Clock::time_point& since, const char* what) {
     since = Clock::now();  // every rank answered: slow, not stalled
     return;
   }
-  if (waited < kYieldFor) {
+  if (waited < kYieldFor && !detail::background_work_running()) {
     std::this_thread::yield();
   } else {
     std::this_thread::sleep_for(waited < Seconds(1) ? std::chrono::microseconds(100)
