@@ -353,6 +353,12 @@ TEST(Fabric, DriverBytesPerStepDoNotGrowWithTheBatch) {
   EXPECT_LT(small.driver_bytes_sent, small.stream_bytes + 64 * 1024);
   EXPECT_GE(large.overlap(), 0.0);
   EXPECT_LE(large.overlap(), 1.0);
+  // The passes are part of the step: timed, and no longer than it.
+  for (const StepMetrics& m : {small, large}) {
+    EXPECT_GT(m.pass_seconds, 0.0);
+    EXPECT_LE(m.pass_seconds, m.wall_seconds);
+    EXPECT_GE(m.step_over_passes(), 1.0);
+  }
 }
 
 TEST(Fabric, LayerOperationsKeepEachEnginesShardAndRefuseBadCalls) {

@@ -361,6 +361,7 @@ void report(const TrainOptions* o, const std::string& dataset_name, const Evalua
     j.field("driver_bytes_sent_per_step", total.driver_bytes_sent_per_step());
     j.field("driver_bytes_received_per_step", total.driver_bytes_received_per_step());
     j.field("overlap", total.overlap());
+    j.field("step_over_passes", total.step_over_passes());
     j.field("peak_rss_bytes", peak_resident_bytes());
     add_model_store_fields(j, memory);
     j.end_object();

@@ -92,6 +92,10 @@ struct StepMetrics {
   /// EngineCounters::stream_arrival_seconds and overlapped_seconds over all engines.
   double stream_arrival_seconds = 0;
   double overlapped_seconds = 0;
+  /// Wall time of the fabric's layer operations (each layer's forward and backward, all
+  /// engines together): the engines' passes. The rest of wall_seconds is the step's own
+  /// work between them (loading the batch, the loss, opening streams, the commit).
+  double pass_seconds = 0;
 
   double engine_busy() const {
     return engine_thread_seconds > 0 ? engine_busy_seconds / engine_thread_seconds : 0;
@@ -109,6 +113,8 @@ struct StepMetrics {
   double overlap() const {
     return stream_arrival_seconds > 0 ? overlapped_seconds / stream_arrival_seconds : 0;
   }
+  /// wall_seconds over pass_seconds: how much longer a step takes than its passes.
+  double step_over_passes() const { return pass_seconds > 0 ? wall_seconds / pass_seconds : 0; }
   StepMetrics& operator+=(const StepMetrics& other);
 };
 

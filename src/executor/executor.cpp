@@ -47,6 +47,7 @@ StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   driver_bytes_received += o.driver_bytes_received;
   stream_arrival_seconds += o.stream_arrival_seconds;
   overlapped_seconds += o.overlapped_seconds;
+  pass_seconds += o.pass_seconds;
   return *this;
 }
 
@@ -261,7 +262,10 @@ struct LayerStreamingExecutor::Impl {
   void forward(StreamQueue& queue) {
     for (std::int32_t l = 0; l < layers(); ++l) {
       std::unique_ptr<LayerStream> current = queue.take();
-      fabric.forward_layer(current->metered, placements_of(l), l, memory.bias(l));
+      const std::vector<const Placement*> placements = placements_of(l);
+      const auto t0 = Clock::now();
+      fabric.forward_layer(current->metered, placements, l, memory.bias(l));
+      metrics.pass_seconds += seconds_since(t0);
       account(*current);
     }
   }
@@ -376,8 +380,11 @@ struct LayerStreamingExecutor::Impl {
       for (std::int32_t l = layers() - 1; l >= 0; --l) {
         std::unique_ptr<LayerStream> current = queue.take(!bounded);
         const bool with_bias = !memory.bias(l).empty();
+        const std::vector<const Placement*> placements = placements_of(l);
+        const auto t0 = Clock::now();
         ReducedGradient g =
-            fabric.backward_layer(current->metered, placements_of(l), l, l > 0, with_bias);
+            fabric.backward_layer(current->metered, placements, l, l > 0, with_bias);
+        metrics.pass_seconds += seconds_since(t0);
         account(*current);
         current.reset();
         if (growth != nullptr) score_growth(l);
