@@ -82,6 +82,21 @@ TEST_F(CliModelStore, ACreatedThenResumedStoreTrainsAsOneRunAndAsTheModelInRam) 
   EXPECT_GT(second["peak_rss_bytes"].get<double>(), 0);
 }
 
+// Under a budget below the model (80 kB for a 116 kB store) the transposed patterns would
+// be read from disk every step: the backward streams by output, and trains as the model in
+// RAM does in that order. In RAM the default is by input.
+TEST_F(CliModelStore, ABudgetBelowTheModelStreamsTheBackwardByOutput) {
+  const std::string train =
+      "train --dataset synthetic --layers 64,128,128,128,10 --threads 1 --epochs 1 ";
+  const json store = run_json(train + "--model-memory-budget 80000 --model-store " + path("s"));
+  const json ram = run_json(train + "--backward-order by_output");
+  EXPECT_EQ(store["backward_order"], "by_output");
+  EXPECT_EQ(ram["backward_order"], "by_output");
+  for (const char* key : {"test_loss", "final_loss"}) EXPECT_EQ(store[key], ram[key]) << key;
+  EXPECT_EQ(run_json(train)["backward_order"], "by_input");
+  expect_exit(run(train + "--backward-order sideways"), 2, "--backward-order");
+}
+
 TEST_F(CliModelStore, AResumedStoreKeepsItsMaskUpdateSchedule) {
   const std::string rigl = kTrain + "--dynamic rigl --update-every 2 --drop 0.5 ";
   const json whole = run_json(rigl + "--epochs 2 --model-store " + path("whole"));

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -94,11 +95,14 @@ std::int64_t tight_budget() {
 }
 
 struct Trainer {
+  /// `backward_order` unset: the executor's own choice (ExecutorOptions::backward_order).
   Trainer(ModelMemory& m, int engines, Precision precision, DynamicSparsity dynamic = {},
-          std::size_t layers = kSizes.size() - 1)
+          std::size_t layers = kSizes.size() - 1,
+          std::optional<StreamOrder> backward_order = std::nullopt)
       : fabric(fabric_options(engines)) {
     ExecutorOptions eo;
     eo.dynamic = dynamic;
+    eo.backward_order = backward_order;
     eo.precisions.assign(layers, precision);
     eo.chunk_packets = 64;
     eo.prefetch_depth = 2;
@@ -110,6 +114,9 @@ struct Trainer {
     fo.engine.threads = 1;
     return fo;
   }
+  /// The order this trainer's backward takes: a trainer compared with it bit for bit
+  /// takes it too (the orders sum dX in different orders).
+  StreamOrder order() const { return exec->backward_order(exec->layer_count() - 1); }
   StepResult step(const Data& d, int s) {
     const auto i = static_cast<std::size_t>(s) % d.x.size();
     return exec->train_step({d.x[i].view(), d.labels[i], {}});
@@ -139,7 +146,8 @@ TEST_P(TrainsLikeHost, BitForBitAcrossStepsAndAReopen) {
     tiered.set_optimizer(config_of(c.kind, c.clip));  // before the layers: no state to reset
     build_sparse_mlp(tiered, kSizes, 0.5, 3);
     expect_bitwise_equal(snapshot(host), snapshot(tiered), "built");
-    Trainer th(host, c.engines, c.precision), tt(tiered, c.engines, c.precision);
+    Trainer tt(tiered, c.engines, c.precision);
+    Trainer th(host, c.engines, c.precision, {}, kSizes.size() - 1, tt.order());
     for (int s = 0; s < 3; ++s) {
       const StepResult a = th.step(data, s), b = tt.step(data, s);
       ASSERT_TRUE(a.report.applied);
@@ -158,7 +166,8 @@ TEST_P(TrainsLikeHost, BitForBitAcrossStepsAndAReopen) {
   EXPECT_EQ(reopened.step(), 3);
   EXPECT_EQ(reopened.optimizer().kind, c.kind);
   expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
-  Trainer th(host, c.engines, c.precision), tt(reopened, c.engines, c.precision);
+  Trainer tt(reopened, c.engines, c.precision);
+  Trainer th(host, c.engines, c.precision, {}, kSizes.size() - 1, tt.order());
   for (int s = 3; s < 5; ++s) {
     th.step(data, s);
     tt.step(data, s);
@@ -190,7 +199,8 @@ TEST_F(TempDirTest, ALayerOfSeveralUpdateChunksTrainsLikeHost) {
     tiered.set_optimizer(config_of(OptimizerKind::adamw, clip));
     build_sparse_mlp(tiered, sizes, 0.5, 5);
     ASSERT_GT(tiered.layer_shape(1).nnz, std::int64_t{1} << 21);
-    Trainer th(host, 1, Precision::fp32), tt(tiered, 1, Precision::fp32);
+    Trainer tt(tiered, 1, Precision::fp32);
+    Trainer th(host, 1, Precision::fp32, {}, sizes.size() - 1, tt.order());
     for (int s = 0; s < 3; ++s) {
       th.step(data, s);
       tt.step(data, s);
@@ -216,8 +226,8 @@ TEST_F(TempDirTest, LayersReadIntoEvictedPiecesTrainLikeHost) {
     TieredModelMemory tiered(dir_ / ("store" + std::to_string(budget)), budget);
     tiered.set_optimizer(config_of(OptimizerKind::adam));
     build_sparse_mlp(tiered, sizes, 0.3, 11);
-    Trainer th(host, 1, Precision::fp32, {}, sizes.size() - 1);
     Trainer tt(tiered, 1, Precision::fp32, {}, sizes.size() - 1);
+    Trainer th(host, 1, Precision::fp32, {}, sizes.size() - 1, tt.order());
     for (int s = 0; s < 4; ++s) {
       const StepResult a = th.step(data, s), b = tt.step(data, s);
       EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
@@ -227,6 +237,39 @@ TEST_F(TempDirTest, LayersReadIntoEvictedPiecesTrainLikeHost) {
     reads.push_back(tiered.counters().read_bytes);
   }
   EXPECT_GT(reads[0], reads[1]);  // the tight budget read patterns again: it evicted
+}
+
+// A budget that holds one layer's working set, not the model's transposed patterns: the
+// executor streams the backward by output, and the store reads no pattern for it, so a
+// step reads fewer bytes than by input. With room for the model, or in a HostModelMemory,
+// by input.
+TEST_F(TempDirTest, ABudgetWithoutRoomForTheTransposesStreamsTheBackwardByOutput) {
+  const std::vector<std::int64_t> sizes{12, 48, 48, 48, 48, 10};
+  const std::size_t layers = sizes.size() - 1;
+  const Data data = make_data(2, 9);
+  const std::int64_t tight = TieredModelMemory::working_set_bytes({48, 48, 48 * 48, 48});
+  std::vector<std::uint64_t> reads;
+  for (const std::optional<StreamOrder> order :
+       {std::optional<StreamOrder>(), std::optional<StreamOrder>(StreamOrder::by_input)}) {
+    TieredModelMemory tiered(dir_ / (order ? "by_input" : "auto"), tight);
+    build_sparse_mlp(tiered, sizes, 0.3, 11);
+    Trainer t(tiered, 1, Precision::fp32, {}, layers, order);
+    EXPECT_FALSE(tiered.by_input_from_ram());
+    EXPECT_EQ(t.exec->backward_order(0), StreamOrder::by_output);  // the mask alone
+    EXPECT_EQ(t.order(), order ? StreamOrder::by_input : StreamOrder::by_output);
+    const std::uint64_t before = tiered.counters().read_bytes;
+    for (int s = 0; s < 2; ++s) ASSERT_TRUE(t.step(data, s).report.applied);
+    reads.push_back(tiered.counters().read_bytes - before);
+  }
+  EXPECT_LT(reads[0], reads[1]);
+
+  TieredModelMemory roomy(dir_ / "roomy", std::int64_t{1} << 30);
+  build_sparse_mlp(roomy, sizes, 0.3, 11);
+  EXPECT_EQ(Trainer(roomy, 1, Precision::fp32, {}, layers).order(), StreamOrder::by_input);
+  HostModelMemory host;
+  build_sparse_mlp(host, sizes, 0.3, 11);
+  EXPECT_TRUE(host.by_input_from_ram());
+  EXPECT_EQ(Trainer(host, 1, Precision::fp32, {}, layers).order(), StreamOrder::by_input);
 }
 
 /// Every layer's mask (row offsets and columns) and values, decoded from its stream.
@@ -264,7 +307,8 @@ TEST_P(MaskUpdatesLikeHost, BitForBitAcrossUpdatesAndAReopen) {
     TieredModelMemory tiered(store, tight_budget());
     tiered.set_optimizer(config_of(OptimizerKind::adam));
     build_sparse_mlp(tiered, kSizes, 0.6, 3);
-    Trainer th(host, 2, Precision::fp32, d), tt(tiered, 2, Precision::fp32, d);
+    Trainer tt(tiered, 2, Precision::fp32, d);
+    Trainer th(host, 2, Precision::fp32, d, kSizes.size() - 1, tt.order());
     for (int s = 0; s < 7; ++s) {
       const StepResult a = th.step(data, s), b = tt.step(data, s);
       EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
@@ -278,7 +322,8 @@ TEST_P(MaskUpdatesLikeHost, BitForBitAcrossUpdatesAndAReopen) {
   TieredModelMemory reopened(store, std::int64_t{1} << 30);
   ASSERT_EQ(masks(host), masks(reopened));
   expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
-  Trainer th(host, 1, Precision::fp32), tt(reopened, 1, Precision::fp32);
+  Trainer tt(reopened, 1, Precision::fp32);
+  Trainer th(host, 1, Precision::fp32, {}, kSizes.size() - 1, tt.order());
   for (int s = 7; s < 9; ++s) {
     th.step(data, s);
     tt.step(data, s);

@@ -313,8 +313,8 @@ Command add_spmm_command(CLI::App& app) {
   cmd->add_flag("--backward", o->backward, "Also time (and check) backward-data and -weight");
   cmd->add_option("--backward-order", o->backward_order,
                   "How the backward reads the layer: by_input (its transpose: dY gathered once "
-                  "for both gradients, as training does) or by_output (dX scattered, then a "
-                  "pass for dW)")
+                  "for both gradients, as training does with the model in RAM) or by_output "
+                  "(dX scattered, then a pass for dW)")
       ->check(CLI::IsMember({"by_input", "by_output"}));
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
 

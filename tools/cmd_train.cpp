@@ -335,9 +335,20 @@ int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
 }
 
 /// What a run reports: one JSON object, or lines of text.
+/// "by_input" or "by_output" as every layer past the first streams its backward (see
+/// ExecutorOptions::backward_order), "mixed" if they differ.
+std::string backward_orders(const LayerStreamingExecutor& executor) {
+  std::string orders = to_string(executor.backward_order(executor.layer_count() - 1));
+  for (std::int32_t l = 1; l < executor.layer_count() - 1; ++l) {
+    if (orders != to_string(executor.backward_order(l))) orders = "mixed";
+  }
+  return orders;
+}
+
 void report(const TrainOptions* o, const std::string& dataset_name, const Evaluation& e,
-            const TrainTotals& t, const StepMetrics& total, const ModelMemory& memory,
+            const TrainTotals& t, const LayerStreamingExecutor& executor, const ModelMemory& memory,
             bool resuming) {
+  const StepMetrics& total = executor.totals();
   if (o->json) {
     JsonWriter j(2);
     j.begin_object();
@@ -362,6 +373,7 @@ void report(const TrainOptions* o, const std::string& dataset_name, const Evalua
     j.field("driver_bytes_received_per_step", total.driver_bytes_received_per_step());
     j.field("overlap", total.overlap());
     j.field("step_over_passes", total.step_over_passes());
+    j.field("backward_order", backward_orders(executor));
     j.field("peak_rss_bytes", peak_resident_bytes());
     add_model_store_fields(j, memory);
     j.end_object();
@@ -531,6 +543,10 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   eo.prefetch_bytes = o->prefetch_bytes;
   eo.memory_budget_bytes = o->memory_budget;
   eo.precisions = parse_precisions(o->precision, memory.layer_count());
+  if (o->backward_order != "auto") {
+    eo.backward_order =
+        o->backward_order == "by_input" ? StreamOrder::by_input : StreamOrder::by_output;
+  }
   const std::int64_t n = train.samples();
   const std::int64_t steps_per_epoch = n >= o->engines ? (n - o->engines) / o->batch + 1 : 0;
   const std::int64_t run_steps =
@@ -550,9 +566,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   if (!o->checkpoint.empty()) memory.save(o->checkpoint);
   // In batches of --batch tokens, so --memory-budget holds here too.
   const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}}, o->batch);
-  const StepMetrics& total = executor.totals();
-
-  report(o, dataset_name, e, t, total, memory, resuming);
+  report(o, dataset_name, e, t, executor, memory, resuming);
 
   return 0;
 }

@@ -15,9 +15,9 @@ namespace {
 
 /// `--model gpt`: the options it would ignore refused.
 void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
-  for (const char* name :
-       {"--dataset", "--data", "--layers", "--epochs", "--precision", "--memory-budget",
-        "--prefetch", "--prefetch-bytes", "--model-store", "--model-memory-budget"}) {
+  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--precision",
+                           "--memory-budget", "--prefetch", "--prefetch-bytes", "--backward-order",
+                           "--model-store", "--model-memory-budget"}) {
     if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
   }
   if (cmd.count("--horizon-epochs") > 0) {
@@ -151,6 +151,12 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
   cmd->add_option("--prefetch-bytes", o->prefetch_bytes,
                   "Stream bytes prefetched ahead of the engines (0: the whole next layer)")
       ->check(non_negative_number());
+  cmd->add_option("--backward-order", o->backward_order,
+                  "How a layer's weights stream in the backward pass: by_input (the transpose: "
+                  "dY gathered once for both gradients), by_output (as in the forward pass), "
+                  "or auto: by_input, unless a --model-store whose budget cannot keep the "
+                  "model's transposed patterns would read them from disk every step")
+      ->check(CLI::IsMember({"auto", "by_input", "by_output"}));
   cmd->add_option("--precision", o->precision,
                   "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
                   "and master weights), or one per layer: bf16,bf16,fp32");

@@ -33,6 +33,7 @@ struct TrainOptions {
   std::int64_t memory_budget = 0;
   std::size_t prefetch = 0;
   std::int64_t prefetch_bytes = 0;
+  std::string backward_order = "auto";
   std::string fabric = "local";
   double peer_timeout = 60;
   std::string precision = "fp32";

@@ -70,6 +70,13 @@ struct ExecutorOptions {
   /// commit, every layer is pruned and regrown (ModelMemory::regrow). RigL's scores are
   /// taken from that step's activations during its backward pass.
   DynamicSparsity dynamic;
+  /// The order of the backward streams of the layers past the first. By input, the
+  /// engines gather dY once for both gradients (the faster product); by output, the
+  /// layer streams as in the forward pass, from the mask and values alone. Unset: by input
+  /// where ModelMemory::by_input_from_ram(), else by output, which spares a bounded
+  /// ModelMemory reading each layer's transposed pattern from storage every step. A
+  /// layer that cannot stream by input (see backward_order()) streams by output.
+  std::optional<StreamOrder> backward_order;
 };
 
 /// Counters of one step, or summed over all steps (see LayerStreamingExecutor::totals).
@@ -160,6 +167,11 @@ class LayerStreamingExecutor {
   /// Bytes of resident activations (Z and A of every layer, two backward buffers) that a
   /// batch of `tokens` needs over all engines' stores.
   std::int64_t activation_bytes(std::int64_t tokens, bool training = true) const;
+
+  /// The order layer `layer`'s backward stream takes (the first layer's: by output, its
+  /// mask alone). By input needs at most 65535 outputs in bf16 (the tags' range) and at
+  /// most 2^32 non-zeros (transposed positions are 32-bit).
+  StreamOrder backward_order(std::int32_t layer) const;
 
   const StepMetrics& totals() const { return totals_; }
   std::int32_t layer_count() const;

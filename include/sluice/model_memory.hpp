@@ -129,6 +129,12 @@ class ModelMemory {
   /// as each layer's working set still fits, so that the process, not only the model,
   /// stays within the budget. The last call counts; ignored by an unbounded one.
   void reserve_ram_bytes(std::int64_t bytes) { reserve_ram_bytes_impl(bytes); }
+  /// Whether every layer's by-input stream is encoded from RAM, as its by-output stream
+  /// is: true for a HostModelMemory. False where a bounded ModelMemory cannot keep the
+  /// model's transposed patterns (8 bytes per non-zero, as much as the weights) beside it,
+  /// so that each by-input stream would read one from storage again; a trainer then
+  /// streams its backward by output (LayerStreamingExecutor).
+  bool by_input_from_ram() const { return by_input_from_ram_impl(); }
 
   /// Crash-safe checkpoint of everything: layers, masks, values, biases, optimizer
   /// config and state, step, seed. Written to a temporary file, flushed, then renamed
@@ -190,6 +196,7 @@ class ModelMemory {
   /// Default: 0, not bounded.
   virtual std::int64_t ram_budget_bytes_impl() const { return 0; }
   virtual void reserve_ram_bytes_impl(std::int64_t /*bytes*/) {}
+  virtual bool by_input_from_ram_impl() const { return true; }
 
   void check_layer(std::int32_t layer) const;
 

@@ -78,6 +78,8 @@ class TieredModelMemory final : public ModelMemory {
   /// The cache then holds at most the budget less the reserve; the reserve shrinks to what
   /// leaves the largest layer's working set room.
   void reserve_ram_bytes_impl(std::int64_t bytes) override;
+  /// Whether the cache holds every layer's pieces beside the largest update.
+  bool by_input_from_ram_impl() const override;
 
  private:
   struct State;

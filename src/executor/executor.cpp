@@ -201,20 +201,26 @@ struct LayerStreamingExecutor::Impl {
         options.precisions[static_cast<std::size_t>(layer)], order, producers);
   }
 
-  // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by
-  // output. The others by input, where the engines gather dY once for both gradients
-  // instead of scattering into dX and then passing over the stream again for dW, unless
-  // the layer cannot be streamed so (bf16 tags hold 65535 outputs at most; transposed
-  // positions are 32-bit).
-  std::unique_ptr<LayerStream> open_backward(std::int32_t layer) {
-    if (layer == 0) return open(layer, StreamKind::mask);
+  // The order of a layer's backward stream (see ExecutorOptions::backward_order). By
+  // input, where the layer can: bf16 tags hold 65535 outputs at most, transposed
+  // positions are 32-bit.
+  StreamOrder backward_order(std::int32_t layer) const {
+    if (layer == 0) return StreamOrder::by_output;
+    const StreamOrder wanted = options.backward_order.value_or(
+        memory.by_input_from_ram() ? StreamOrder::by_input : StreamOrder::by_output);
     const LayerShape w = memory.layer_shape(layer);
-    const bool by_input =
+    const bool can_by_input =
         static_cast<std::uint64_t>(w.nnz) <= std::numeric_limits<std::uint32_t>::max() &&
         (options.precisions[static_cast<std::size_t>(layer)] == Precision::fp32 ||
          w.rows <= static_cast<std::int64_t>(kMaxBf16Inputs));
-    return open(layer, StreamKind::weights,
-                by_input ? StreamOrder::by_input : StreamOrder::by_output);
+    return can_by_input ? wanted : StreamOrder::by_output;
+  }
+
+  // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by
+  // output. The others in backward_order.
+  std::unique_ptr<LayerStream> open_backward(std::int32_t layer) {
+    if (layer == 0) return open(layer, StreamKind::mask);
+    return open(layer, StreamKind::weights, backward_order(layer));
   }
 
   // What the step holds beside a bounded ModelMemory at most, for its largest layer: the
@@ -460,6 +466,11 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   }
   if (m.options.prefetch_bytes < 0) throw ArgumentError("executor: negative prefetch budget");
   m.options.dynamic.validate();
+  if (m.options.backward_order && *m.options.backward_order != StreamOrder::by_input &&
+      *m.options.backward_order != StreamOrder::by_output) {
+    throw ArgumentError("executor: unknown backward order " +
+                        std::to_string(static_cast<int>(*m.options.backward_order)));
+  }
   if (m.options.chunk_packets < 1) throw ArgumentError("executor: chunk_packets must be >= 1");
   if (m.options.memory_budget_bytes < 0) throw ArgumentError("executor: negative memory budget");
   m.engines = fabric.engine_count();
@@ -476,6 +487,14 @@ std::int64_t LayerStreamingExecutor::input_features() const {
 }
 std::int64_t LayerStreamingExecutor::output_features() const {
   return impl_->sizes.back();
+}
+
+StreamOrder LayerStreamingExecutor::backward_order(std::int32_t layer) const {
+  if (layer < 0 || layer >= impl_->layers()) {
+    throw ArgumentError("backward_order: layer " + std::to_string(layer) + " is not in [0, " +
+                        std::to_string(impl_->layers()) + ")");
+  }
+  return impl_->backward_order(layer);
 }
 
 std::int64_t LayerStreamingExecutor::activation_bytes(std::int64_t tokens, bool training) const {

@@ -93,6 +93,17 @@ void TieredModelMemory::reserve_ram_bytes_impl(std::int64_t bytes) {
   st.make_room(0, -1, st.capacity());  // what is cached beyond the new capacity goes now
 }
 
+bool TieredModelMemory::by_input_from_ram_impl() const {
+  State& st = *state_;
+  std::int64_t pieces = 0, largest_update = 0;
+  for (const detail::ManifestLayer& m : st.manifest.layers) {
+    pieces += forward_bytes(m.shape) + transposed_bytes(m.shape);
+    largest_update = std::max(largest_update, update_bytes(m.shape));
+  }
+  std::lock_guard lock(st.mutex);
+  return pieces + largest_update <= st.capacity();
+}
+
 std::int64_t TieredModelMemory::working_set_bytes(const LayerShape& shape) {
   return forward_bytes(shape) + transposed_bytes(shape) + update_bytes(shape);
 }

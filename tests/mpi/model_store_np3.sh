@@ -3,7 +3,8 @@
 # (2 engine ranks) into a store whose budget is below the model (80 kB for a 116 kB store:
 # layers come and go from files), and the same store trained 1 epoch then resumed for 1
 # more (--epochs counts this run's), each give the losses of 2 local engines with the
-# model in RAM.
+# model in RAM. Below the model, the store's backward streams by output (it would read the
+# transposed patterns from its files every step): the run in RAM is told to do the same.
 # Usage: model_store_np3.sh MPIEXEC "FLAGS" SLUICE
 set -u
 mpiexec=$1
@@ -14,7 +15,7 @@ trap 'rm -rf "$dir"' EXIT
 args=(train --dataset synthetic --layers 64,128,128,128,10 --threads 1 --optimizer adam --json)
 store=(--fabric mpi --model-memory-budget 80000)
 losses() { grep -oE '"(test_loss|final_loss)": [^,}]*' | tr '\n' ' '; }
-in_ram=$("$sluice" "${args[@]}" --epochs 2 --engines 2 | losses)
+in_ram=$("$sluice" "${args[@]}" --epochs 2 --engines 2 --backward-order by_output | losses)
 # shellcheck disable=SC2086
 whole=$("$mpiexec" -np 3 $flags "$sluice" "${args[@]}" --epochs 2 "${store[@]}" \
   --model-store "$dir/whole" | losses)
