@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/heap_trim.hpp"
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/layer_streams.hpp"
 #include "model_memory/placement_cache.hpp"
@@ -206,6 +207,9 @@ void TieredModelMemory::stream_to_impl(std::int32_t layer, StreamKind kind, Stre
 
 void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                              std::span<const float> bias_gradient) {
+  struct ReleaseAfter {  // once the gradient's copy and the update's buffers are freed
+    ~ReleaseAfter() { detail::release_free_heap(); }
+  } release_after;
   const auto start = Clock::now();
   State& st = *state_;
   detail::TieredLayer& l = *st.layers[layer];
@@ -293,6 +297,7 @@ StepReport TieredModelMemory::commit_step_impl() {
       for (std::int32_t i : submitted) {
         const State::Pin pin = st.acquire(i, false, update_bytes(st.shape(i)));
         st.write_update(i, pin.w->values(), nullptr, learning_rate, scale);
+        detail::release_free_heap();  // the update's buffers
       }
     }
     for (std::int32_t i : submitted) {
