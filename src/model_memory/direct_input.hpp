@@ -58,6 +58,9 @@ class PhasedBuffer {
   const T* data() const { return data_; }
   std::size_t size() const { return size_; }
   std::span<T> span() { return {data_, size_}; }
+  /// Moves the first element to `phase` bytes into a block (phase < kDirectAlign, a
+  /// multiple of sizeof(T)): a buffer kept for ranges of several files.
+  void set_phase(std::size_t phase) { data_ = reinterpret_cast<T*>(memory_.get() + phase); }
 
  private:
   struct Free {

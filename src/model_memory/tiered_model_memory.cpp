@@ -207,7 +207,7 @@ void TieredModelMemory::stream_to_impl(std::int32_t layer, StreamKind kind, Stre
 
 void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                              std::span<const float> bias_gradient) {
-  struct ReleaseAfter {  // once the gradient's copy and the update's buffers are freed
+  struct ReleaseAfter {  // what this update and the cache's evictions freed (heap_trim.hpp)
     ~ReleaseAfter() { detail::release_free_heap(); }
   } release_after;
   const auto start = Clock::now();
@@ -221,11 +221,13 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
   }
   const LayerShape& s = st.shape(layer);
   const bool by_input = gradient.header.by_input();
-  State::Pin pin = st.acquire(layer, by_input, update_bytes(s));
+  std::lock_guard update_lock(st.update_mutex);
+  State::Pin pin = st.acquire(layer, by_input, st.update_room(layer));
+  detail::UpdateBuffers& buffers = st.update_buffers_for(layer, pin);
   // Not zero-filled: the scan writes every element or throws (the layer's mask is checked).
   const auto n = static_cast<std::size_t>(s.nnz);
-  const auto g = std::make_unique_for_overwrite<float[]>(n);
-  double sum_of_squares = detail::scan_gradient(layer, gradient, *pin.w, pin.t.get(), g.get());
+  float* const g = buffers.gradient.data();
+  double sum_of_squares = detail::scan_gradient(layer, gradient, *pin.w, pin.t.get(), g);
   pin.release_transposed();
   p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
   for (float x : bias_gradient) sum_of_squares += static_cast<double>(x) * x;
@@ -237,12 +239,12 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
     if (p.finite && st.config.clip_global_norm == 0) {
       // No clipping: this layer's update does not depend on the others, so compute it now,
       // while the engines work on the next layer.
-      st.write_update(layer, pin.w->values(), g.get(),
+      st.write_update(layer, pin.w->values(), buffers, true,
                       detail::scheduled_learning_rate(st.config, st.manifest.step + 1), 1.0);
     } else if (p.finite) {
       detail::StateWriter out(spill_path(st.dir, layer), detail::StateLayout::of(s.nnz, 0, 0),
                               st.io);
-      out.write(0, 0, {g.get(), n});
+      out.write(0, 0, {g, n});
       out.finish();
       p.spilled = true;
     }
@@ -295,9 +297,10 @@ StepReport TieredModelMemory::commit_step_impl() {
           std::min(1.0, st.config.clip_global_norm / (report.gradient_norm + 1e-6));
       const double learning_rate = detail::scheduled_learning_rate(st.config, st.manifest.step + 1);
       for (std::int32_t i : submitted) {
-        const State::Pin pin = st.acquire(i, false, update_bytes(st.shape(i)));
-        st.write_update(i, pin.w->values(), nullptr, learning_rate, scale);
-        detail::release_free_heap();  // the update's buffers
+        std::lock_guard update_lock(st.update_mutex);
+        State::Pin pin = st.acquire(i, false, st.update_room(i));
+        st.write_update(i, pin.w->values(), st.update_buffers_for(i, pin), false, learning_rate,
+                        scale);
       }
     }
     for (std::int32_t i : submitted) {

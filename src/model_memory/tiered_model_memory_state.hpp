@@ -43,12 +43,28 @@ inline std::int64_t forward_bytes(const LayerShape& s) {
 inline std::int64_t transposed_bytes(const LayerShape& s) {
   return 8 * (s.cols + 1) + 8 * s.nnz;  // offsets, indices, positions
 }
-inline std::int64_t update_bytes(const LayerShape& s) {
+/// What UpdateBuffers hold for a layer: its gradient and the chunk arrays.
+inline std::int64_t update_buffer_bytes(const LayerShape& s) {
   const std::int64_t chunk = std::min(s.nnz, kUpdateChunk);
-  // The gradient, the chunk buffers, and the state file writer's aligned buffer.
-  return 4 * s.nnz + 4 * chunk * (2 + 2 * detail::kMaxOptimizerSlots) +
+  return 4 * s.nnz + 4 * chunk * (2 + 2 * detail::kMaxOptimizerSlots);
+}
+inline std::int64_t update_bytes(const LayerShape& s) {
+  // The update's buffers and the state file writer's aligned buffer.
+  return update_buffer_bytes(s) +
          direct_write_buffer_bytes(StateLayout::of(s.nnz, s.bias, kMaxOptimizerSlots));
 }
+
+/// The buffers of a layer's update — its gradient's copy, and the chunk arrays
+/// write_update reads into and writes from — kept from one update to the next: fresh
+/// ones would be faulted in by every update, and glibc keeps freed blocks of some of these
+/// sizes resident. Sized for the largest layer updated yet; from the update that grew
+/// them on, their bytes stay in the cache's `used`.
+struct UpdateBuffers {
+  PhasedBuffer<float> gradient;
+  /// The spill file's gradient, the new values, state[k], new_state[k].
+  std::array<PhasedBuffer<float>, 2 + 2 * kMaxOptimizerSlots> chunks;
+  std::int64_t bytes = 0;  ///< update_buffer_bytes of the layer they were sized for
+};
 
 inline std::filesystem::path spill_path(const std::filesystem::path& dir, std::int32_t l) {
   char name[64];
@@ -110,6 +126,11 @@ struct TieredModelMemory::State {
   std::vector<std::unique_ptr<detail::TieredLayer>> layers;
   detail::IoCounters io;
   std::atomic<double> wait_seconds{0};
+
+  /// One layer's update at a time: they share `update_buffers`. Taken before the pin
+  /// (an update waiting for it holds no room in the cache).
+  std::mutex update_mutex;
+  detail::UpdateBuffers update_buffers;
 
   std::mutex mutex;  ///< the cache: pieces, `used`, `loading`, `last_use`
   std::condition_variable changed;
@@ -173,8 +194,16 @@ struct TieredModelMemory::State {
   Pin acquire(std::int32_t l, bool want_transposed, std::int64_t extra, bool between_steps = false);
   void load(std::int32_t l, bool mask, bool values, bool transposed,
             detail::EvictedPieces& evicted);
-  void write_update(std::int32_t l, std::span<const float> values, const float* gradient,
-                    double learning_rate, double scale);
+  /// Room an update of layer l asks of the cache beside its pieces (under update_mutex):
+  /// the growth of update_buffers it needs and the state file writer's buffer.
+  std::int64_t update_room(std::int32_t l) const;
+  /// update_buffers grown for layer l where needed (under update_mutex, `pin` holding
+  /// update_room(l)): the growth moves from the pin's reserve into `used` for good.
+  detail::UpdateBuffers& update_buffers_for(std::int32_t l, Pin& pin);
+  /// The update of layer l from `buffers` (`gradient`: its gradient is buffers.gradient;
+  /// else in its spill file).
+  void write_update(std::int32_t l, std::span<const float> values, detail::UpdateBuffers& buffers,
+                    bool gradient, double learning_rate, double scale);
   /// Writes the state file of `generation` for the layer's new mask: its new values, its
   /// bias, and its committed optimizer state carried over (zero where grown).
   void write_mask_change(std::int32_t l, const detail::MaskChange& change, std::int64_t generation);

@@ -17,12 +17,43 @@ static_assert(4 * kUpdateChunk % detail::kDirectAlign == 0,
               "a chunk's file range keeps its place in a block from chunk to chunk");
 }  // namespace
 
+std::int64_t TieredModelMemory::State::update_room(std::int32_t l) const {
+  const LayerShape& s = shape(l);
+  return std::max<std::int64_t>(0, detail::update_buffer_bytes(s) - update_buffers.bytes) +
+         detail::update_bytes(s) - detail::update_buffer_bytes(s);
+}
+
+detail::UpdateBuffers& TieredModelMemory::State::update_buffers_for(std::int32_t l, Pin& pin) {
+  const LayerShape& s = shape(l);
+  const std::int64_t need = detail::update_buffer_bytes(s);
+  detail::UpdateBuffers& b = update_buffers;
+  if (need > b.bytes) {
+    const std::int64_t growth = need - b.bytes;
+    const std::int64_t old = std::exchange(b, {}).bytes;  // freed before the new are taken
+    try {
+      const auto chunk = static_cast<std::size_t>(std::min(s.nnz, kUpdateChunk));
+      b.gradient = detail::PhasedBuffer<float>(static_cast<std::size_t>(s.nnz), 0);
+      for (auto& c : b.chunks) c = detail::PhasedBuffer<float>(chunk, 0);
+    } catch (...) {
+      b = {};
+      std::lock_guard lock(mutex);
+      used -= old;
+      changed.notify_all();
+      throw;
+    }
+    b.bytes = need;
+    std::lock_guard lock(mutex);
+    pin.reserved -= growth;
+  }
+  return b;
+}
+
 // Computes the layer's update chunk by chunk — values from `values`, gradient from
-// `gradient` (or the layer's spill file if null), optimizer state from its committed
+// buffers.gradient (or the layer's spill file), optimizer state from its committed
 // file — into a state file of the next generation. Sets the pending update's flags.
 void TieredModelMemory::State::write_update(std::int32_t l, std::span<const float> values,
-                                            const float* gradient, double learning_rate,
-                                            double scale) {
+                                            detail::UpdateBuffers& buffers, bool gradient,
+                                            double learning_rate, double scale) {
   detail::TieredLayer& c = *layers[l];
   detail::TieredPending& p = c.pending;
   const detail::ManifestLayer& m = manifest.layers[l];
@@ -33,29 +64,29 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
   if (m.has_state) in.emplace(detail::state_path(dir, l, m.generation), in_layout, io);
   std::optional<detail::StateReader> spill;
   detail::StateLayout spill_layout = detail::StateLayout::of(nnz, 0, 0);
-  if (gradient == nullptr) {
-    spill.emplace(spill_path(dir, l), spill_layout, io);
-  }
+  if (!gradient) spill.emplace(spill_path(dir, l), spill_layout, io);
   const detail::StateLayout out_layout = detail::StateLayout::of(nnz, m.shape.bias, n_slots);
   detail::StateWriter out(detail::state_path(dir, l, manifest.next_generation), out_layout, io);
   const detail::UpdateScalars scalars =
       detail::make_update_scalars(config, learning_rate, m.updates + 1, scale);
 
-  // Each chunk buffer lies at its file range's place in a 4 KiB block (chunks are whole
+  // Each chunk array lies at its file range's place in a 4 KiB block (chunks are whole
   // blocks long), so direct reads and writes go straight between it and the device; none
   // is zero-filled but the state a layer without any starts from.
-  const auto chunk = static_cast<std::size_t>(std::min(nnz, kUpdateChunk));
-  using Buffer = detail::PhasedBuffer<float>;
   using detail::direct_phase;
-  Buffer grad = gradient == nullptr ? Buffer(chunk, direct_phase(spill_layout.values)) : Buffer();
-  Buffer new_values(chunk, direct_phase(out_layout.values));
-  std::array<Buffer, detail::kMaxOptimizerSlots> state, new_state;
+  auto& [grad, new_values, s0, s1, n0, n1] = buffers.chunks;
+  std::array<detail::PhasedBuffer<float>*, detail::kMaxOptimizerSlots> state{&s0, &s1},
+      new_state{&n0, &n1};
+  static_assert(detail::kMaxOptimizerSlots == 2, "the chunk arrays name two slots");
+  const auto chunk = static_cast<std::size_t>(std::min(nnz, kUpdateChunk));
+  grad.set_phase(direct_phase(spill_layout.values));
+  new_values.set_phase(direct_phase(out_layout.values));
   std::array<std::uint32_t, detail::kMaxOptimizerSlots> crcs{};
   std::uint32_t spill_crc = 0;
   for (int k = 0; k < n_slots; ++k) {
-    state[k] = Buffer(chunk, direct_phase(in_layout.state[k]));
-    if (!in) std::fill_n(state[k].data(), chunk, 0.0F);
-    new_state[k] = Buffer(chunk, direct_phase(out_layout.state[k]));
+    state[k]->set_phase(direct_phase(in_layout.state[k]));
+    if (!in) std::fill_n(state[k]->data(), chunk, 0.0F);
+    new_state[k]->set_phase(direct_phase(out_layout.state[k]));
   }
   std::atomic<bool> finite{true};
   for (std::int64_t lo = 0; lo < nnz; lo += kUpdateChunk) {
@@ -66,19 +97,19 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
       spill->read(spill_layout.values, lo, {grad.data(), n}, spill_crc);
       a.gradient = grad.data();
     } else {
-      a.gradient = gradient + lo;
+      a.gradient = buffers.gradient.data() + lo;
     }
     a.new_weights = new_values.data();
     for (int k = 0; k < n_slots; ++k) {
-      if (in) in->read(in_layout.state[k], lo, {state[k].data(), n}, crcs[k]);
-      a.state[k] = state[k].data();
-      a.new_state[k] = new_state[k].data();
+      if (in) in->read(in_layout.state[k], lo, {state[k]->data(), n}, crcs[k]);
+      a.state[k] = state[k]->data();
+      a.new_state[k] = new_state[k]->data();
     }
     detail::parallel_for_ranges(0, n, kOptimizerGrain, [&](std::size_t b, std::size_t e) {
       if (!detail::optimizer_update(scalars, a, b, e)) finite.store(false);
     });
     out.write(0, lo, {new_values.data(), n});
-    for (int k = 0; k < n_slots; ++k) out.write(2 + k, lo, {new_state[k].data(), n});
+    for (int k = 0; k < n_slots; ++k) out.write(2 + k, lo, {new_state[k]->data(), n});
   }
   for (int k = 0; in && k < n_slots; ++k) {
     in->check_crc(in_layout.state[k], crcs[k], k == 0 ? "STA0" : "STA1");
