@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "optimizer_reference.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
@@ -270,6 +271,47 @@ TEST_F(TempDirTest, ABudgetWithoutRoomForTheTransposesStreamsTheBackwardByOutput
   build_sparse_mlp(host, sizes, 0.3, 11);
   EXPECT_TRUE(host.by_input_from_ram());
   EXPECT_EQ(Trainer(host, 1, Precision::fp32, {}, layers).order(), StreamOrder::by_input);
+}
+
+// With room for the model, an update leaves its new values in the cache: the steps after
+// the first read each layer's optimizer state from the store and nothing else (no values
+// read back after the commit), and train as HostModelMemory does. A discarded step's
+// values are not kept.
+TEST_F(TempDirTest, AStoreWithRoomReadsOnlyTheOptimizerStateAfterItsFirstStep) {
+  const Data data = make_data(4, 5);
+  for (const OptimizerKind kind : {OptimizerKind::sgd, OptimizerKind::adam}) {
+    HostModelMemory host;
+    host.set_optimizer(config_of(kind));
+    build_sparse_mlp(host, kSizes, 0.5, 3);
+    TieredModelMemory tiered(dir_ / to_string(kind), std::int64_t{1} << 30);
+    tiered.set_optimizer(config_of(kind));
+    build_sparse_mlp(tiered, kSizes, 0.5, 3);
+    Trainer tt(tiered, 1, Precision::fp32);
+    Trainer th(host, 1, Precision::fp32, {}, kSizes.size() - 1, tt.order());
+    th.step(data, 0);
+    tt.step(data, 0);
+    std::uint64_t state_bytes = 0;
+    for (std::int32_t l = 0; l < tiered.layer_count(); ++l) {
+      state_bytes += 4 * static_cast<std::uint64_t>(tiered.layer_shape(l).nnz) *
+                     (kind == OptimizerKind::sgd ? 1 : 2);
+    }
+    for (int s = 1; s < 3; ++s) {
+      const std::uint64_t before = tiered.counters().read_bytes;
+      th.step(data, s);
+      tt.step(data, s);
+      EXPECT_EQ(tiered.counters().read_bytes - before, state_bytes) << "step " << s + 1;
+      expect_bitwise_equal(snapshot(host), snapshot(tiered), "step " + std::to_string(s + 1));
+    }
+    // Updates discarded: the values they left in the cache are dropped, the committed
+    // ones read back.
+    for (std::int32_t l = 0; l < tiered.layer_count(); ++l) {
+      const CsrMatrix mask = decode_stream(tiered.stream(l, StreamKind::mask));
+      const std::vector<float> g(static_cast<std::size_t>(mask.nnz()), 0.5F);
+      tiered.submit_gradient(l, optimizer_reference::gradient_stream(mask, g), tiered.bias(l));
+    }
+    tiered.discard_step();
+    expect_bitwise_equal(snapshot(host), snapshot(tiered), "discarded");
+  }
 }
 
 /// Every layer's mask (row offsets and columns) and values, decoded from its stream.

@@ -104,8 +104,8 @@ struct TieredLayer {
   std::mutex placement_mutex;
   std::map<std::int32_t, Placement> placements;
   // The cache (under State::mutex): pieces are shared while a stream or update uses them.
-  std::shared_ptr<CsrMatrix> forward;  ///< mask and values of generation values_generation
-  std::int64_t values_generation = -1;
+  std::shared_ptr<CsrMatrix> forward;   ///< mask and values of generation values_generation
+  std::int64_t values_generation = -1;  ///< -1: none (being overwritten, or a step's discarded)
   std::shared_ptr<TransposedPattern> transposed;
   std::uint64_t last_use = 0;
   bool loading = false;
@@ -200,8 +200,13 @@ struct TieredModelMemory::State {
   /// update_buffers grown for layer l where needed (under update_mutex, `pin` holding
   /// update_room(l)): the growth moves from the pin's reserve into `used` for good.
   detail::UpdateBuffers& update_buffers_for(std::int32_t l, Pin& pin);
+  /// The layer's cached values for its update to overwrite with the new ones (so that a
+  /// commit leaves them cached), where `values` are the cached piece's and only the
+  /// update's pin and the cache hold it; null otherwise. Until the update marks them the
+  /// next generation's, a reader finds them stale and reloads.
+  float* values_to_overwrite(std::int32_t l, std::span<const float> values);
   /// The update of layer l from `buffers` (`gradient`: its gradient is buffers.gradient;
-  /// else in its spill file).
+  /// else in its spill file). Leaves the new values in the cache where it can.
   void write_update(std::int32_t l, std::span<const float> values, detail::UpdateBuffers& buffers,
                     bool gradient, double learning_rate, double scale);
   /// Writes the state file of `generation` for the layer's new mask: its new values, its

@@ -83,6 +83,9 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
   new_values.set_phase(direct_phase(out_layout.values));
   std::array<std::uint32_t, detail::kMaxOptimizerSlots> crcs{};
   std::uint32_t spill_crc = 0;
+  // The new values go into the cached piece too, where this update holds it alone: the
+  // next step's forward then finds them in RAM instead of reading them back.
+  float* const cached = values_to_overwrite(l, values);
   for (int k = 0; k < n_slots; ++k) {
     state[k]->set_phase(direct_phase(in_layout.state[k]));
     if (!in) std::fill_n(state[k]->data(), chunk, 0.0F);
@@ -110,6 +113,7 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
     });
     out.write(0, lo, {new_values.data(), n});
     for (int k = 0; k < n_slots; ++k) out.write(2 + k, lo, {new_state[k]->data(), n});
+    if (cached != nullptr) std::copy_n(new_values.data(), n, cached + lo);
   }
   for (int k = 0; in && k < n_slots; ++k) {
     in->check_crc(in_layout.state[k], crcs[k], k == 0 ? "STA0" : "STA1");
@@ -135,6 +139,22 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
   if (!p.finite) return;  // `out` removes its file
   out.finish();
   p.computed = true;
+  if (cached != nullptr) {
+    std::lock_guard lock(mutex);
+    c.values_generation = manifest.next_generation;
+  }
+}
+
+float* TieredModelMemory::State::values_to_overwrite(std::int32_t l,
+                                                     std::span<const float> values) {
+  std::lock_guard lock(mutex);
+  detail::TieredLayer& c = *layers[l];
+  if (!c.forward || c.loading || c.forward->values().data() != values.data() ||
+      c.forward.use_count() != 2) {
+    return nullptr;
+  }
+  c.values_generation = -1;  // neither generation's until the update is done
+  return c.forward->values().data();
 }
 
 // The carried-over state is read in order: a kept weight's old index grows with its new
