@@ -190,7 +190,18 @@ std::int64_t peak_rss_bytes() {
 
 }  // namespace
 
+int run(int argc, char** argv);
+
 int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // a budget too small for the model, a full disk
+    std::fprintf(stderr, "bench_model_store: %s\n", e.what());
+    return 1;
+  }
+}
+
+int run(int argc, char** argv) {
   using namespace sluice;
   if (argc < 2) {
     std::fprintf(stderr,

@@ -82,13 +82,14 @@ TEST_F(CliModelStore, ACreatedThenResumedStoreTrainsAsOneRunAndAsTheModelInRam) 
   EXPECT_GT(second["peak_rss_bytes"].get<double>(), 0);
 }
 
-// Under a budget below the model (80 kB for a 116 kB store) the transposed patterns would
-// be read from disk every step: the backward streams by output, and trains as the model in
-// RAM does in that order. In RAM the default is by input.
+// Under a budget whose cache (what the trainer's streams leave of 280 kB) is below the
+// model (a 116 kB store) the transposed patterns would be read from disk every step: the
+// backward streams by output, and trains as the model in RAM does in that order. In RAM
+// the default is by input.
 TEST_F(CliModelStore, ABudgetBelowTheModelStreamsTheBackwardByOutput) {
   const std::string train =
       "train --dataset synthetic --layers 64,128,128,128,10 --threads 1 --epochs 1 ";
-  const json store = run_json(train + "--model-memory-budget 80000 --model-store " + path("s"));
+  const json store = run_json(train + "--model-memory-budget 280000 --model-store " + path("s"));
   const json ram = run_json(train + "--backward-order by_output");
   EXPECT_EQ(store["backward_order"], "by_output");
   EXPECT_EQ(ram["backward_order"], "by_output");
@@ -126,6 +127,29 @@ TEST_F(CliModelStore, ABudgetTooSmallIsAUsageErrorThatLeavesNoModel) {
   expect_exit(run(kTrain + "--epochs 1 --model-store " + store + " --model-memory-budget 4096"), 2,
               "is too small");
   EXPECT_EQ(files(store), before);
+}
+
+// A budget that holds the largest layer's working set but not the streams and gradients
+// training holds beside the store would leave the process over it: refused before the
+// store is built, naming the least budget, which then trains.
+TEST_F(CliModelStore, ABudgetWithoutRoomForTheStepsStreamsIsAUsageError) {
+  const std::string store = path("tight");
+  const std::string train =
+      "train --dataset synthetic --layers 64,128,128,128,10 --threads 1 --epochs 1 --engines 2 ";
+  const Outcome refused = run(train + "--model-memory-budget 100000 --model-store " + store);
+  expect_exit(refused, 2, "layer 1's working set (");
+  for (const auto& [name, bytes] : files(store)) EXPECT_EQ(name, "MANIFEST");
+  const std::string least = "need at least ";
+  const std::size_t at = refused.output.find(least);
+  ASSERT_NE(at, std::string::npos) << refused.output;
+  const std::int64_t budget = std::stoll(refused.output.substr(at + least.size()));
+  EXPECT_GT(budget, 100000);
+  expect_exit(run(train + "--model-memory-budget " + std::to_string(budget - 1) +
+                  " --model-store " + store),
+              2, least + std::to_string(budget));
+  const json trained = run_json(train + "--model-memory-budget " + std::to_string(budget) +
+                                " --model-store " + store);
+  EXPECT_EQ(trained["epochs_total"], 1);
 }
 
 TEST_F(CliModelStore, ACorruptStoreFileIsRefusedNamingFileAndByteAndNothingChanges) {

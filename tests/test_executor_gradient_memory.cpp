@@ -13,10 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "sluice/error.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/model_memory.hpp"
 #include "sluice/optimizer.hpp"
+#include "test_support.hpp"
 
 namespace sluice {
 namespace {
@@ -91,9 +93,13 @@ class LoggingMemory final : public ModelMemory {
   void load_impl(const std::filesystem::path& path) override { inner_.load(path); }
   std::int64_t ram_budget_bytes_impl() const override { return ram_budget_; }
   void reserve_ram_bytes_impl(std::int64_t bytes) override { reserved = bytes; }
+  std::int64_t reservable_ram_bytes_impl() const override {
+    return reservable >= 0 ? reservable : ram_budget_;
+  }
 
  public:
-  std::int64_t reserved = -1;  ///< what the executor reserved, -1 if it did not
+  std::int64_t reserved = -1;    ///< what the executor reserved, -1 if it did not
+  std::int64_t reservable = -1;  ///< what it may reserve, -1: the whole budget
 
  private:
   void log(Event e) const {
@@ -185,6 +191,37 @@ TEST(ExecutorGradientMemory, ReservesItsStreamsOutOfABoundedBudgetOnly) {
     largest = std::max(largest, (w.nnz + w.rows + w.cols + 1) * std::int64_t{8});
   }
   EXPECT_GE(bounded.reserved, 3 * largest);
+}
+
+// A budget without room for what the step holds beside the memory is refused, naming the
+// least budget that has: the memory keeps as much as it keeps now for its own layers,
+// and the executor's reserve at that budget fits beside it (and not one byte below).
+TEST(ExecutorGradientMemory, ABudgetWithoutRoomForItsStreamsIsRefusedNamingTheLeast) {
+  const std::int64_t budget = std::int64_t{1} << 20;
+  LoggingMemory memory(budget);
+  build_sparse_mlp(memory, kSizes, 0.4, 11);
+  memory.reservable = 100;
+  LocalFabric fabric(LocalFabricOptions{});
+  ExecutorOptions options;
+  options.chunk_packets = 16;
+  const std::string message = testing::thrown_message<ResourceError>(
+      [&] { LayerStreamingExecutor(memory, fabric, options); });
+  EXPECT_EQ(memory.reserved, -1);
+  const std::string least_words = "a budget of at least ";
+  const std::size_t at = message.find(least_words);
+  ASSERT_NE(at, std::string::npos) << message;
+  const std::int64_t least = std::stoll(message.substr(at + least_words.size()));
+  std::vector<LayerShape> shapes;
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) shapes.push_back(memory.layer_shape(l));
+  const std::int64_t own = budget - memory.reservable;
+  const auto beside = [&](std::int64_t b) {
+    return executor_ram_beside_memory(shapes, options, fabric.engine_count(), b);
+  };
+  EXPECT_LE(own + beside(least), least);
+  EXPECT_GT(own + beside(least - 1), least - 1);
+  memory.reservable = beside(budget);  // exactly enough
+  LayerStreamingExecutor fits(memory, fabric, options);
+  EXPECT_EQ(memory.reserved, beside(budget));
 }
 
 TEST(ExecutorGradientMemory, BoundedRamTrainsBitForBitAsUnbounded) {

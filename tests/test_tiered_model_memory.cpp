@@ -85,14 +85,42 @@ void expect_bitwise_equal(const std::vector<std::vector<float>>& a,
   }
 }
 
-/// The least budget that holds the largest layer: the store must evict between layers.
-std::int64_t tight_budget() {
+/// The options of a Trainer (below).
+ExecutorOptions trainer_options(Precision precision, DynamicSparsity dynamic, std::size_t layers,
+                                std::optional<StreamOrder> backward_order) {
+  ExecutorOptions eo;
+  eo.dynamic = dynamic;
+  eo.backward_order = backward_order;
+  eo.precisions.assign(layers, precision);
+  eo.chunk_packets = 64;
+  eo.prefetch_depth = 2;
+  return eo;
+}
+
+/// The least budget that trains layers of `shapes` with `engines` engines: the largest
+/// working set and what the Trainer holds beside the store. The store must evict between
+/// layers.
+std::int64_t tight_budget(const std::vector<LayerShape>& shapes, int engines) {
   std::int64_t most = 0;
+  for (const LayerShape& s : shapes) most = std::max(most, TieredModelMemory::working_set_bytes(s));
+  const ExecutorOptions eo = trainer_options(Precision::fp32, {}, shapes.size(), std::nullopt);
+  return executor_least_ram_budget(shapes, eo, engines, most);
+}
+
+/// The same for kSizes' layers taken dense, the most they hold, and two engines at most.
+std::int64_t tight_budget() {
+  std::vector<LayerShape> shapes;
   for (std::size_t l = 0; l + 1 < kSizes.size(); ++l) {
-    const LayerShape s{kSizes[l + 1], kSizes[l], kSizes[l + 1] * kSizes[l], kSizes[l + 1]};
-    most = std::max(most, TieredModelMemory::working_set_bytes(s));
+    shapes.push_back({kSizes[l + 1], kSizes[l], kSizes[l + 1] * kSizes[l], kSizes[l + 1]});
   }
-  return most;
+  return tight_budget(shapes, 2);
+}
+
+/// The shapes of the layers of `memory`.
+std::vector<LayerShape> shapes_of(const ModelMemory& memory) {
+  std::vector<LayerShape> shapes;
+  for (std::int32_t l = 0; l < memory.layer_count(); ++l) shapes.push_back(memory.layer_shape(l));
+  return shapes;
 }
 
 struct Trainer {
@@ -101,13 +129,8 @@ struct Trainer {
           std::size_t layers = kSizes.size() - 1,
           std::optional<StreamOrder> backward_order = std::nullopt)
       : fabric(fabric_options(engines)) {
-    ExecutorOptions eo;
-    eo.dynamic = dynamic;
-    eo.backward_order = backward_order;
-    eo.precisions.assign(layers, precision);
-    eo.chunk_packets = 64;
-    eo.prefetch_depth = 2;
-    exec = std::make_unique<LayerStreamingExecutor>(m, fabric, eo);
+    exec = std::make_unique<LayerStreamingExecutor>(
+        m, fabric, trainer_options(precision, dynamic, layers, backward_order));
   }
   static LocalFabricOptions fabric_options(int engines) {
     LocalFabricOptions fo;
@@ -217,10 +240,10 @@ TEST_F(TempDirTest, ALayerOfSeveralUpdateChunksTrainsLikeHost) {
 TEST_F(TempDirTest, LayersReadIntoEvictedPiecesTrainLikeHost) {
   const std::vector<std::int64_t> sizes{12, 48, 48, 48, 48, 10};
   const Data data = make_data(4, 21);
-  const LayerShape big{48, 48, 48 * 48, 48};
   std::vector<std::uint64_t> reads;
-  for (const std::int64_t budget :
-       {TieredModelMemory::working_set_bytes(big), std::int64_t{1} << 30}) {
+  HostModelMemory model;
+  build_sparse_mlp(model, sizes, 0.3, 11);
+  for (const std::int64_t budget : {tight_budget(shapes_of(model), 1), std::int64_t{1} << 30}) {
     HostModelMemory host;
     host.set_optimizer(config_of(OptimizerKind::adam));
     build_sparse_mlp(host, sizes, 0.3, 11);
@@ -248,7 +271,9 @@ TEST_F(TempDirTest, ABudgetWithoutRoomForTheTransposesStreamsTheBackwardByOutput
   const std::vector<std::int64_t> sizes{12, 48, 48, 48, 48, 10};
   const std::size_t layers = sizes.size() - 1;
   const Data data = make_data(2, 9);
-  const std::int64_t tight = TieredModelMemory::working_set_bytes({48, 48, 48 * 48, 48});
+  HostModelMemory model;
+  build_sparse_mlp(model, sizes, 0.3, 11);
+  const std::int64_t tight = tight_budget(shapes_of(model), 1);
   std::vector<std::uint64_t> reads;
   for (const std::optional<StreamOrder> order :
        {std::optional<StreamOrder>(), std::optional<StreamOrder>(StreamOrder::by_input)}) {
@@ -529,7 +554,7 @@ TEST_F(TieredStore, ABudgetSmallerThanALayerIsRefused) {
 // The trainer's reserve (ModelMemory::reserve_ram_bytes) comes out of the cache: a layer
 // that fitted beside the others is evicted and read again. It never takes a layer's
 // working set: a reserve of everything still streams every layer.
-TEST_F(TieredStore, TheTrainersReserveComesOutOfTheCacheAsFarAsALayerFits) {
+TEST_F(TieredStore, TheTrainersReserveComesOutOfTheCacheAndOneLeavingNoLayerRoomIsRefused) {
   const CsrMatrix layer = CsrMatrix::random(64, 64, 0.5, 1);
   const LayerShape shape{64, 64, layer.nnz(), 64};
   const std::int64_t ws = TieredModelMemory::working_set_bytes(shape);
@@ -553,9 +578,22 @@ TEST_F(TieredStore, TheTrainersReserveComesOutOfTheCacheAsFarAsALayerFits) {
   const std::uint64_t again = reads();
   stream_all();
   EXPECT_EQ(reads(), again);
-  m.reserve_ram_bytes(std::int64_t{1} << 40);  // as much as leaves one working set
+  // A reserve that leaves no layer's working set room would put the process over the
+  // budget: refused, naming the least budget that holds both, and the old one stays.
+  const std::string message =
+      thrown_message<ResourceError>([&] { m.reserve_ram_bytes(2 * ws + 1); });
+  EXPECT_CONTAINS(message, "needs at least " + std::to_string(3 * ws + 1));
+  EXPECT_CONTAINS(message, "layer 0's working set (" + std::to_string(ws) + " bytes)");
+  stream_all();
+  EXPECT_EQ(reads(), again);
+  m.reserve_ram_bytes(2 * ws);  // exactly what leaves one working set
   EXPECT_NO_THROW(stream_all());
   EXPECT_EQ(m.ram_budget_bytes(), 3 * ws);
+  // A layer added later must fit beside the reserve too: a denser one does not.
+  const std::string denser = thrown_message<ResourceError>(
+      [&] { m.add_layer(CsrMatrix::random(64, 64, 0.25, 2), std::vector<float>(64)); });
+  EXPECT_CONTAINS(denser, "of which a trainer holds " + std::to_string(2 * ws));
+  EXPECT_EQ(m.layer_count(), 3);
 }
 
 TEST_F(TieredStore, SaveAndLoadSayTheStoreIsTheCheckpoint) {

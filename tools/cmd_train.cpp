@@ -442,6 +442,21 @@ std::vector<std::int64_t> model_sizes(const TrainOptions& options, const Dataset
   return sizes;
 }
 
+/// What the flags say of the executor over `layers` layers (its mask-update schedule
+/// comes from the model and the run, see resolve_schedule).
+ExecutorOptions executor_options(const TrainOptions& o, std::int32_t layers) {
+  ExecutorOptions eo;
+  eo.prefetch_depth = o.prefetch;
+  eo.prefetch_bytes = o.prefetch_bytes;
+  eo.memory_budget_bytes = o.memory_budget;
+  eo.precisions = parse_precisions(o.precision, layers);
+  if (o.backward_order != "auto") {
+    eo.backward_order =
+        o.backward_order == "by_input" ? StreamOrder::by_input : StreamOrder::by_output;
+  }
+  return eo;
+}
+
 /// `--model mlp`: the fabric, the data, the model (new or resumed), the epochs, the report.
 int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   CLI::Option *sparsity = flags.sparsity, *seed = flags.seed, *optimizer = flags.optimizer,
@@ -524,7 +539,9 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
     require_mlp_memory(sizes, o->sparsity, o->batch,
                        classes_from_file ? largest_label_source(o->dataset, all) : "",
                        o->layers.empty() ? "the default layers" : "--layers " + o->layers);
-    check_model_store_budget(o->store, sizes, o->sparsity);
+    check_model_store_budget(o->store, sizes, o->sparsity,
+                             executor_options(*o, static_cast<std::int32_t>(sizes.size()) - 1),
+                             o->engines);
     build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
     memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
   }
@@ -538,15 +555,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
     fabric_owner = std::make_unique<LocalFabric>(fo);
   }
   Fabric& fabric = *fabric_owner;
-  ExecutorOptions eo;
-  eo.prefetch_depth = o->prefetch;
-  eo.prefetch_bytes = o->prefetch_bytes;
-  eo.memory_budget_bytes = o->memory_budget;
-  eo.precisions = parse_precisions(o->precision, memory.layer_count());
-  if (o->backward_order != "auto") {
-    eo.backward_order =
-        o->backward_order == "by_input" ? StreamOrder::by_input : StreamOrder::by_output;
-  }
+  ExecutorOptions eo = executor_options(*o, memory.layer_count());
   const std::int64_t n = train.samples();
   const std::int64_t steps_per_epoch = n >= o->engines ? (n - o->engines) / o->batch + 1 : 0;
   const std::int64_t run_steps =
@@ -554,7 +563,9 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   eo.dynamic = resolve_schedule(memory, o->schedule, resuming, steps_per_epoch, run_steps,
                                 o->resume.empty() ? "the store's" : "the checkpoint's", progress);
   o->schedule.dynamic = to_string(eo.dynamic.rule);  // what the report says
-  LayerStreamingExecutor executor(memory, fabric, eo);
+  const std::unique_ptr<LayerStreamingExecutor> executor_owner =
+      make_executor(memory, fabric, eo, o->store);
+  LayerStreamingExecutor& executor = *executor_owner;
 
   // The engines take batches by sample index from the training set (over MPI each engine
   // rank from its own copy, which it has unless the run resumed).

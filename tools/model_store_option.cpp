@@ -44,24 +44,61 @@ std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o) {
 }
 
 void check_model_store_budget(const ModelStoreOptions& o, const std::vector<std::int64_t>& sizes,
-                              double sparsity) {
+                              double sparsity, const ExecutorOptions& executor,
+                              std::int32_t engines) {
   if (o.directory.empty()) return;
+  const std::string too_small =
+      "--model-memory-budget " + std::to_string(o.budget) + " is too small: ";
+  const std::string untouched = "; the store " + o.directory + " was left without a model";
+  std::vector<LayerShape> shapes;
+  std::int64_t largest = 0;
+  std::size_t largest_layer = 0;
   for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
     LayerShape s;
     s.rows = sizes[l + 1];
     s.cols = sizes[l];
-    // CsrMatrix::random's expected count; the store refuses the exact one when it is added.
-    s.nnz =
-        std::llround((1.0 - sparsity) * static_cast<double>(s.rows) * static_cast<double>(s.cols));
+    // CsrMatrix::random's count, which varies around its mean, with six standard deviations
+    // to spare: a budget this passes is not refused once the model is built (the store and
+    // the executor check the exact count then).
+    const double cells = static_cast<double>(s.rows) * static_cast<double>(s.cols);
+    const double density = 1.0 - sparsity;
+    s.nnz = std::min<std::int64_t>(
+        static_cast<std::int64_t>(s.rows) * s.cols,
+        std::llround(density * cells + 6.0 * std::sqrt(cells * density * sparsity)) + 1);
     s.bias = s.rows;
+    shapes.push_back(s);
     const std::int64_t need = TieredModelMemory::working_set_bytes(s);
     if (need > o.budget) {
-      throw UsageError(
-          "--model-memory-budget " + std::to_string(o.budget) + " is too small: layer " +
-          std::to_string(l) + " (" + std::to_string(s.rows) + "x" + std::to_string(s.cols) +
-          ", about " + std::to_string(s.nnz) + " non-zeros) needs " + std::to_string(need) +
-          " bytes of RAM at once; the store " + o.directory + " was left without a model");
+      throw UsageError(too_small + "layer " + std::to_string(l) + " (" + std::to_string(s.rows) +
+                       "x" + std::to_string(s.cols) + ", up to " + std::to_string(s.nnz) +
+                       " non-zeros) needs " + std::to_string(need) + " bytes of RAM at once" +
+                       untouched);
     }
+    if (need > largest) {
+      largest = need;
+      largest_layer = l;
+    }
+  }
+  const std::int64_t beside = executor_ram_beside_memory(shapes, executor, engines, o.budget);
+  if (largest + beside > o.budget) {
+    throw UsageError(too_small + "layer " + std::to_string(largest_layer) + "'s working set (" +
+                     std::to_string(largest) +
+                     " bytes) and what training holds beside the "
+                     "store (the layer's stream and its gradients) need at least " +
+                     std::to_string(executor_least_ram_budget(shapes, executor, engines, largest)) +
+                     untouched);
+  }
+}
+
+std::unique_ptr<LayerStreamingExecutor> make_executor(ModelMemory& memory, Fabric& fabric,
+                                                      const ExecutorOptions& executor,
+                                                      const ModelStoreOptions& o) {
+  try {
+    return std::make_unique<LayerStreamingExecutor>(memory, fabric, executor);
+  } catch (const ResourceError& e) {
+    if (o.directory.empty()) throw;
+    throw UsageError("--model-memory-budget " + std::to_string(o.budget) +
+                     " is too small: " + e.what());
   }
 }
 

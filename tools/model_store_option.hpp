@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "json_writer.hpp"
+#include "sluice/executor.hpp"
 #include "sluice/model_memory.hpp"
 
 namespace sluice::cli {
@@ -26,9 +27,17 @@ void check_model_store_options(const ModelStoreOptions& o, bool resume, bool che
 /// A budget too small for one of the store's layers is a UsageError naming it.
 std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o);
 /// UsageError, before a new store is built, if a layer of the MLP `sizes` at `sparsity`
-/// would need more RAM at once than the budget (nothing for a ModelMemory in RAM).
+/// would need more RAM at once than the budget, or the largest layer's working set and
+/// what an executor with `executor` over `engines` engines holds beside the store would
+/// (nothing for a ModelMemory in RAM).
 void check_model_store_budget(const ModelStoreOptions& o, const std::vector<std::int64_t>& sizes,
-                              double sparsity);
+                              double sparsity, const ExecutorOptions& executor,
+                              std::int32_t engines);
+/// The executor over `memory`, a ResourceError of a store whose budget cannot hold what
+/// the executor holds beside it made a UsageError naming the budget.
+std::unique_ptr<LayerStreamingExecutor> make_executor(ModelMemory& memory, Fabric& fabric,
+                                                      const ExecutorOptions& executor,
+                                                      const ModelStoreOptions& o);
 /// Commits ModelMemory::seed and epochs to a model store (nothing for one in RAM).
 void commit_store_counters(ModelMemory& memory);
 /// model_store_bytes, disk_read_bytes_per_s, disk_write_bytes_per_s, disk_wait_seconds

@@ -188,6 +188,24 @@ class LayerStreamingExecutor {
   StepMetrics totals_;
 };
 
+/// The most RAM a LayerStreamingExecutor with `options` over `engines` engines holds beside
+/// a ModelMemory in bounded RAM (ModelMemory::ram_budget_bytes, here `ram_budget_bytes`)
+/// whose layers have `shapes`: the largest layer's stream, kept whole for its pass, the
+/// engines' gradients of it and the reduced one, two channels' prefetch, and the freed
+/// stream buffers kept for reuse (kChunkMemoryKeptBytes at most). The executor
+/// asks the ModelMemory to keep that much of its budget free (reserve_ram_bytes); a budget
+/// that cannot, beside its largest layer's working set, is refused there.
+std::int64_t executor_ram_beside_memory(std::span<const LayerShape> shapes,
+                                        const ExecutorOptions& options, std::int32_t engines,
+                                        std::int64_t ram_budget_bytes);
+/// The least budget B that holds `working_set_bytes` (a ModelMemory's largest layer's,
+/// e.g. TieredModelMemory::working_set_bytes) and executor_ram_beside_memory(..., B)
+/// beside it; the prefetch grows with the budget, so this is a little more than the sum at
+/// the working set alone.
+std::int64_t executor_least_ram_budget(std::span<const LayerShape> shapes,
+                                       const ExecutorOptions& options, std::int32_t engines,
+                                       std::int64_t working_set_bytes);
+
 /// The sizes of the network `memory`'s layers make: its inputs, then each layer's
 /// outputs. ShapeError, naming the layer, unless there is at least one layer and each
 /// takes the outputs of the one below (what a LayerStreamingExecutor needs).

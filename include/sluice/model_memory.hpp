@@ -125,10 +125,15 @@ class ModelMemory {
   /// process, not only the model, stays near the budget.
   std::int64_t ram_budget_bytes() const { return ram_budget_bytes_impl(); }
   /// Bytes a trainer holds beside a bounded ModelMemory at most (the streams in flight,
-  /// the engines' gradients): the ModelMemory keeps that much of its budget free, as far
-  /// as each layer's working set still fits, so that the process, not only the model,
-  /// stays within the budget. The last call counts; ignored by an unbounded one.
+  /// the engines' gradients): the ModelMemory keeps that much of its budget free, so that
+  /// the process, not only the model, stays within the budget; ResourceError if the
+  /// budget cannot, beside each layer's working set (nothing changes then). The last call
+  /// counts; ignored by an unbounded one.
   void reserve_ram_bytes(std::int64_t bytes) { reserve_ram_bytes_impl(bytes); }
+  /// The most reserve_ram_bytes accepts: a bounded ModelMemory's budget less what its
+  /// largest layer needs at once (TieredModelMemory), by default the whole budget; 0 for
+  /// an unbounded one.
+  std::int64_t reservable_ram_bytes() const { return reservable_ram_bytes_impl(); }
   /// Whether every layer's by-input stream is encoded from RAM, as its by-output stream
   /// is: true for a HostModelMemory. False where a bounded ModelMemory cannot keep the
   /// model's transposed patterns (8 bytes per non-zero, as much as the weights) beside it,
@@ -196,6 +201,7 @@ class ModelMemory {
   /// Default: 0, not bounded.
   virtual std::int64_t ram_budget_bytes_impl() const { return 0; }
   virtual void reserve_ram_bytes_impl(std::int64_t /*bytes*/) {}
+  virtual std::int64_t reservable_ram_bytes_impl() const { return ram_budget_bytes_impl(); }
   virtual bool by_input_from_ram_impl() const { return true; }
 
   void check_layer(std::int32_t layer) const;

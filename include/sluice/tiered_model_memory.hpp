@@ -75,9 +75,11 @@ class TieredModelMemory final : public ModelMemory {
   void load_impl(const std::filesystem::path& path) override;
   /// The budget: the executor bounds its gradients and prefetch beside it.
   std::int64_t ram_budget_bytes_impl() const override;
-  /// The cache then holds at most the budget less the reserve; the reserve shrinks to what
-  /// leaves the largest layer's working set room.
+  /// The cache then holds at most the budget less the reserve. ResourceError, naming both
+  /// and their sum, if the reserve does not leave the largest layer's working set room.
   void reserve_ram_bytes_impl(std::int64_t bytes) override;
+  /// The budget less the largest layer's working set.
+  std::int64_t reservable_ram_bytes_impl() const override;
   /// Whether the cache holds every layer's pieces beside the largest update.
   bool by_input_from_ram_impl() const override;
 

@@ -17,6 +17,7 @@
 #include "engine/clock.hpp"
 #include "executor/layer_stream.hpp"
 #include "model_memory/mask_update.hpp"
+#include "sluice/chunk_memory.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -28,7 +29,57 @@ using detail::Producers;
 using detail::seconds_since;
 using detail::StreamQueue;
 
+// The prefetch budget of a layer's channel, in chunks: the old chunk count if given,
+// else the budget's bytes (0: the whole layer's stream, within kMaxPrefetchBytes).
+std::size_t channel_chunks_of(const LayerShape& w, Precision precision,
+                              const ExecutorOptions& options, std::int64_t ram_budget_bytes) {
+  if (options.prefetch_depth > 0) return options.prefetch_depth;
+  const std::int64_t packet_bytes = precision == Precision::bf16
+                                        ? static_cast<std::int64_t>(sizeof(Bf16Packet))
+                                        : static_cast<std::int64_t>(sizeof(Packet));
+  const std::int64_t chunk_bytes = static_cast<std::int64_t>(options.chunk_packets) * packet_bytes;
+  std::int64_t budget = options.prefetch_bytes;
+  if (budget == 0) {  // every packet and a control packet per row and chunk, and one more
+    const std::int64_t packets = w.nnz + 2 * (w.rows + w.cols) + 1;
+    budget = std::min(kMaxPrefetchBytes, packets * packet_bytes + chunk_bytes);
+    // A ModelMemory in bounded RAM keeps the layer itself in its cache, which is the
+    // read-ahead; the channel needs only enough to keep the engines fed, and a whole
+    // layer's stream beside the cache would put the process far over the budget.
+    if (ram_budget_bytes > 0) {
+      budget = std::min(budget, std::max(chunk_bytes, ram_budget_bytes / kBoundedPrefetchShare));
+    }
+  }
+  return static_cast<std::size_t>(std::max<std::int64_t>(1, budget / chunk_bytes));
+}
+
 }  // namespace
+
+// For the largest layer: its stream, which an engine keeps whole for the pass (chunks are
+// shared between engines), each engine's gradient of it and the reduced one being
+// submitted (one waits at most, see forward_backward_loaded), and two channels' prefetch;
+// and the chunk buffers kept for reuse (ChunkAllocator).
+std::int64_t executor_ram_beside_memory(std::span<const LayerShape> shapes,
+                                        const ExecutorOptions& options, std::int32_t engines,
+                                        std::int64_t ram_budget_bytes) {
+  std::int64_t most = 0;
+  for (std::size_t l = 0; l < shapes.size(); ++l) {
+    const LayerShape& w = shapes[l];
+    const Precision precision =
+        l < options.precisions.size() ? options.precisions[l] : Precision::fp32;
+    constexpr auto packet = static_cast<std::int64_t>(sizeof(Packet));
+    const std::int64_t stream = (w.nnz + w.rows + w.cols + 1) * packet;
+    const std::int64_t chunk = static_cast<std::int64_t>(options.chunk_packets) * packet;
+    // A channel's chunks hold the packets streamed, control packets included, no more.
+    const std::int64_t prefetch = std::min(
+        static_cast<std::int64_t>(channel_chunks_of(w, precision, options, ram_budget_bytes)) *
+            chunk,
+        (w.nnz + 2 * (w.rows + w.cols) + 1) * packet);
+    most = std::max(most, (2 + std::int64_t{engines}) * stream + 2 * prefetch);
+  }
+  // Freed chunk buffers stay resident for the next of their size, up to a bound, and no
+  // more than the streams held.
+  return most + std::min(most, static_cast<std::int64_t>(kChunkMemoryKeptBytes));
+}
 
 StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   wall_seconds += o.wall_seconds;
@@ -49,6 +100,20 @@ StepMetrics& StepMetrics::operator+=(const StepMetrics& o) {
   overlapped_seconds += o.overlapped_seconds;
   pass_seconds += o.pass_seconds;
   return *this;
+}
+
+std::int64_t executor_least_ram_budget(std::span<const LayerShape> shapes,
+                                       const ExecutorOptions& options, std::int32_t engines,
+                                       std::int64_t working_set_bytes) {
+  // budget - beside(budget) never falls as the budget grows (the prefetch takes a 16th of
+  // it at most), so this climbs to the least budget and stops there.
+  std::int64_t budget = working_set_bytes;
+  for (;;) {
+    const std::int64_t need =
+        working_set_bytes + executor_ram_beside_memory(shapes, options, engines, budget);
+    if (need <= budget) return budget;
+    budget = need;
+  }
 }
 
 struct LayerStreamingExecutor::Impl {
@@ -170,28 +235,10 @@ struct LayerStreamingExecutor::Impl {
     return ps;
   }
 
-  // The prefetch budget of a layer's channel, in chunks: the old chunk count if given,
-  // else the budget's bytes (0: the whole layer's stream, within kMaxPrefetchBytes).
   std::size_t channel_chunks(std::int32_t layer) const {
-    if (options.prefetch_depth > 0) return options.prefetch_depth;
-    const LayerShape w = memory.layer_shape(layer);
-    const std::int64_t packet_bytes =
-        options.precisions[static_cast<std::size_t>(layer)] == Precision::bf16
-            ? static_cast<std::int64_t>(sizeof(Bf16Packet))
-            : static_cast<std::int64_t>(sizeof(Packet));
-    const std::int64_t chunk_bytes =
-        static_cast<std::int64_t>(options.chunk_packets) * packet_bytes;
-    std::int64_t budget = options.prefetch_bytes;
-    if (budget == 0) {  // every packet and a control packet per row and chunk, and one more
-      const std::int64_t packets = w.nnz + 2 * (w.rows + w.cols) + 1;
-      budget = std::min(kMaxPrefetchBytes, packets * packet_bytes + chunk_bytes);
-      // A ModelMemory in bounded RAM keeps the layer itself in its cache, which is the
-      // read-ahead; the channel needs only enough to keep the engines fed, and a whole
-      // layer's stream beside the cache would put the process far over the budget.
-      const std::int64_t ram = memory.ram_budget_bytes();
-      if (ram > 0) budget = std::min(budget, std::max(chunk_bytes, ram / kBoundedPrefetchShare));
-    }
-    return static_cast<std::size_t>(std::max<std::int64_t>(1, budget / chunk_bytes));
+    return channel_chunks_of(memory.layer_shape(layer),
+                             options.precisions[static_cast<std::size_t>(layer)], options,
+                             memory.ram_budget_bytes());
   }
 
   std::unique_ptr<LayerStream> open(std::int32_t layer, StreamKind kind,
@@ -223,21 +270,25 @@ struct LayerStreamingExecutor::Impl {
     return open(layer, StreamKind::weights, backward_order(layer));
   }
 
-  // What the step holds beside a bounded ModelMemory at most, for its largest layer: the
-  // layer's stream, which an engine keeps whole for the pass (chunks are shared between
-  // engines), each engine's gradient of it and the reduced one being submitted (one waits
-  // at most, see forward_backward_loaded), and two channels' prefetch.
-  std::int64_t ram_beside_memory() const {
-    std::int64_t most = 0;
-    for (std::int32_t l = 0; l < layers(); ++l) {
-      const LayerShape w = memory.layer_shape(l);
-      const std::int64_t stream =
-          (w.nnz + w.rows + w.cols + 1) * static_cast<std::int64_t>(sizeof(Packet));
-      const std::int64_t chunk = static_cast<std::int64_t>(options.chunk_packets * sizeof(Packet));
-      const auto prefetch = static_cast<std::int64_t>(channel_chunks(l)) * chunk;
-      most = std::max(most, (2 + engines) * stream + 2 * prefetch);
+  // What the step holds beside a bounded ModelMemory, reserved out of its budget; a budget
+  // without room for it is refused, naming the least that has.
+  void reserve_beside_memory() {
+    std::vector<LayerShape> shapes;
+    for (std::int32_t l = 0; l < layers(); ++l) shapes.push_back(memory.layer_shape(l));
+    const std::int64_t budget = memory.ram_budget_bytes();
+    const std::int64_t beside = executor_ram_beside_memory(shapes, options, engines, budget);
+    const std::int64_t room = memory.reservable_ram_bytes();
+    if (beside > room) {
+      const std::int64_t least = executor_least_ram_budget(shapes, options, engines, budget - room);
+      throw ResourceError("executor: the ModelMemory's budget of " + std::to_string(budget) +
+                          " bytes leaves " + std::to_string(room) +
+                          " beside its largest layer's working set, not the " +
+                          std::to_string(beside) +
+                          " the step holds there (the largest layer's stream and its "
+                          "gradients); it needs a budget of at least " +
+                          std::to_string(least));
     }
-    return most;
+    memory.reserve_ram_bytes(beside);
   }
 
   void account(const LayerStream& s) {
@@ -248,7 +299,7 @@ struct LayerStreamingExecutor::Impl {
 
   // The streams of a call: every layer's forward stream, then (training) every layer's
   // backward stream, last layer first. Opened a largest layer ahead; over a ModelMemory in
-  // bounded RAM one stream ahead, as ram_beside_memory counts.
+  // bounded RAM one stream ahead, as executor_ram_beside_memory counts.
   StreamQueue streams(bool training) {
     std::vector<std::int64_t> packets;
     for (std::int32_t l = 0; l < layers(); ++l) {
@@ -474,7 +525,7 @@ LayerStreamingExecutor::LayerStreamingExecutor(ModelMemory& memory, Fabric& fabr
   if (m.options.chunk_packets < 1) throw ArgumentError("executor: chunk_packets must be >= 1");
   if (m.options.memory_budget_bytes < 0) throw ArgumentError("executor: negative memory budget");
   m.engines = fabric.engine_count();
-  if (memory.ram_budget_bytes() > 0) memory.reserve_ram_bytes(m.ram_beside_memory());
+  if (memory.ram_budget_bytes() > 0) m.reserve_beside_memory();
 }
 
 LayerStreamingExecutor::~LayerStreamingExecutor() = default;

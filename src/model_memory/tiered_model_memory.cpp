@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "core/heap_trim.hpp"
 #include "model_memory/checkpoint_io.hpp"
@@ -83,14 +84,40 @@ std::int64_t TieredModelMemory::ram_budget_bytes_impl() const {
   return state_->budget;
 }
 
+namespace {
+
+/// The layer of `manifest` that needs the most RAM at once, and how much.
+std::pair<std::int32_t, std::int64_t> largest_working_set(const detail::Manifest& manifest) {
+  std::pair<std::int32_t, std::int64_t> largest{0, 0};
+  for (std::size_t l = 0; l < manifest.layers.size(); ++l) {
+    const std::int64_t w = TieredModelMemory::working_set_bytes(manifest.layers[l].shape);
+    if (w > largest.second) largest = {static_cast<std::int32_t>(l), w};
+  }
+  return largest;
+}
+
+}  // namespace
+
+std::int64_t TieredModelMemory::reservable_ram_bytes_impl() const {
+  return std::max<std::int64_t>(0, state_->budget - largest_working_set(state_->manifest).second);
+}
+
 void TieredModelMemory::reserve_ram_bytes_impl(std::int64_t bytes) {
   State& st = *state_;
-  std::int64_t largest = 0;
-  for (const detail::ManifestLayer& m : st.manifest.layers) {
-    largest = std::max(largest, working_set_bytes(m.shape));
+  // A reserve cut short would leave the trainer's streams outside the budget, and the
+  // process over it by as much: the budget would not be what it says.
+  if (bytes > reservable_ram_bytes_impl()) {
+    const auto [layer, largest] = largest_working_set(st.manifest);
+    throw ResourceError("model store " + st.dir.string() + ": a budget of " +
+                        std::to_string(st.budget) + " bytes holds " + layer_name(layer) +
+                        "'s working set (" + std::to_string(largest) + " bytes) but not the " +
+                        std::to_string(bytes) +
+                        " bytes the trainer holds beside it (its streams and gradients); "
+                        "it needs at least " +
+                        std::to_string(largest + bytes));
   }
   std::lock_guard lock(st.mutex);
-  st.reserved = std::clamp<std::int64_t>(bytes, 0, st.budget - largest);
+  st.reserved = std::max<std::int64_t>(bytes, 0);
   st.make_room(0, -1, st.capacity());  // what is cached beyond the new capacity goes now
 }
 
@@ -131,17 +158,14 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
   State& st = *state_;
   const LayerShape s{weights.rows(), weights.cols(), weights.nnz(),
                      static_cast<std::int64_t>(bias.size())};
-  if (working_set_bytes(s) > st.budget) {
+  if (working_set_bytes(s) > st.budget - st.reserved) {
     throw ResourceError(
         "add_layer: a " + std::to_string(s.rows) + "x" + std::to_string(s.cols) + " layer with " +
         std::to_string(s.nnz) + " non-zeros needs " + std::to_string(working_set_bytes(s)) +
-        " bytes of RAM at once; the model store's budget is " + std::to_string(st.budget));
+        " bytes of RAM at once; the model store's budget is " + std::to_string(st.budget) +
+        (st.reserved > 0 ? ", of which a trainer holds " + std::to_string(st.reserved) : ""));
   }
   detail::refuse_if_pending(st.layers, "add_layer");
-  {
-    std::lock_guard lock(st.mutex);  // the trainer's reserve gives way to the layer
-    st.reserved = std::clamp<std::int64_t>(st.budget - working_set_bytes(s), 0, st.reserved);
-  }
   const auto l = static_cast<std::int32_t>(st.layers.size());
   auto t = std::make_shared<TransposedPattern>(transposed_pattern(weights));
   detail::write_pattern(detail::pattern_path(st.dir, l, 0), weights, *t);

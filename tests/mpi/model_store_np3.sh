@@ -1,10 +1,11 @@
 #!/bin/bash
 # A model store on rank 0 trains as the model in RAM does: 2 epochs with Adam over MPI
-# (2 engine ranks) into a store whose budget is below the model (80 kB for a 116 kB store:
-# layers come and go from files), and the same store trained 1 epoch then resumed for 1
-# more (--epochs counts this run's), each give the losses of 2 local engines with the
-# model in RAM. Below the model, the store's backward streams by output (it would read the
-# transposed patterns from its files every step): the run in RAM is told to do the same.
+# (2 engine ranks) into a store whose cache is below the model (what the trainer's streams
+# leave of a 300 kB budget, for a 116 kB store: layers come and go from files), and the
+# same store trained 1 epoch then resumed for 1 more (--epochs counts this run's), each
+# give the losses of 2 local engines with the model in RAM. Below the model, the store's
+# backward streams by output (it would read the transposed patterns from its files every
+# step): the run in RAM is told to do the same.
 # Usage: model_store_np3.sh MPIEXEC "FLAGS" SLUICE
 set -u
 mpiexec=$1
@@ -13,7 +14,7 @@ sluice=$3
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 args=(train --dataset synthetic --layers 64,128,128,128,10 --threads 1 --optimizer adam --json)
-store=(--fabric mpi --model-memory-budget 80000)
+store=(--fabric mpi --model-memory-budget 300000)
 losses() { grep -oE '"(test_loss|final_loss)": [^,}]*' | tr '\n' ' '; }
 in_ram=$("$sluice" "${args[@]}" --epochs 2 --engines 2 --backward-order by_output | losses)
 # shellcheck disable=SC2086
