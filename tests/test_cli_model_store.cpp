@@ -150,6 +150,12 @@ TEST_F(CliModelStore, ABudgetWithoutRoomForTheStepsStreamsIsAUsageError) {
   const json trained = run_json(train + "--model-memory-budget " + std::to_string(budget) +
                                 " --model-store " + store);
   EXPECT_EQ(trained["epochs_total"], 1);
+  // Resumed under a budget that holds a layer but not the streams: refused by the executor,
+  // before a step, and the store is left as it was.
+  const auto before = files(store);
+  expect_exit(run(train + "--model-memory-budget 100000 --model-store " + store), 2,
+              "needs a budget of at least");
+  EXPECT_EQ(files(store), before);
 }
 
 TEST_F(CliModelStore, ACorruptStoreFileIsRefusedNamingFileAndByteAndNothingChanges) {
