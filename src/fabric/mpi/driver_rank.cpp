@@ -62,6 +62,9 @@ DriverRank::DriverRank(Link& link, FrameOptions frames, GradientTree& tree,
 // --- the protocol's pieces -------------------------------------------------------------
 
 void DriverRank::send_command(Command& c) {
+  // A forward layer's command goes out while the layer before's replies are still coming
+  // (start_replies); any other waits for them, so that it finds the counters complete.
+  if (static_cast<Op>(c.op) != Op::forward_layer) finish_replies();
   link_->bcast(&c, sizeof c, MPI_BYTE, "command broadcast");
 }
 
@@ -148,6 +151,27 @@ std::vector<Reply> DriverRank::gather_replies() {
   Reply mine;
   link_->gather(&mine, sizeof(Reply), MPI_BYTE, replies.data(), "reply gather");
   bytes_received_ += engines() * sizeof(Reply);
+  add_replies(replies);
+  return replies;
+}
+
+void DriverRank::start_replies() {
+  finish_replies();
+  started_replies_.assign(engines() + 1, Reply{});
+  started_ = link_->start_gather(&started_mine_, sizeof(Reply), MPI_BYTE, started_replies_.data(),
+                                 "reply gather");
+  bytes_received_ += engines() * sizeof(Reply);
+}
+
+void DriverRank::finish_replies() {
+  if (started_ == MPI_REQUEST_NULL) return;
+  link_->wait(started_, "reply gather");
+  started_ = MPI_REQUEST_NULL;
+  add_replies(started_replies_);
+}
+
+// Each engine's counters (replies[k + 1]) into its twin's.
+void DriverRank::add_replies(const std::vector<Reply>& replies) {
   for (std::size_t k = 0; k < engines(); ++k) {
     const Reply& r = replies[k + 1];
     EngineCounters& c = twins_[k]->counters();
@@ -158,7 +182,6 @@ std::vector<Reply> DriverRank::gather_replies() {
     c.packets += r.packets;
     c.bytes += r.bytes;
   }
-  return replies;
 }
 
 // The pass's spec after the command (the engine rank's receive_spec).
@@ -386,7 +409,7 @@ void DriverRank::forward_layer(StreamSource& weights, std::span<const Placement*
       link_->bcast(b.data(), to_count(b.size(), "a bias"), MPI_FLOAT, "bias broadcast");
     }
     frames_.send(weights, std::move(first), nullptr);
-    gather_replies();
+    start_replies();
     count_protocol();
   });
 }

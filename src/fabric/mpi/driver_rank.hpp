@@ -63,6 +63,15 @@ class DriverRank {
   void scatter_matrices(std::span<const ConstMatrixView> ms);
   void gather_matrices(const std::vector<MutableMatrixView*>& ms);
   std::vector<Reply> gather_replies();
+  /// The replies to a forward layer operation, gathered without waiting for them: the
+  /// engines send them when they finish the layer, and by then the next layer's command
+  /// and stream are on their way (the next command is sent without waiting for the
+  /// replies, so an engine goes from one layer to the next without a round trip to rank
+  /// 0). Every other command waits for them first (finish_replies), so the counters have
+  /// them before any other operation.
+  void start_replies();
+  void finish_replies();
+  void add_replies(const std::vector<Reply>& replies);
   void send_spec(const PassSpec& spec);
   void send_pass(Op op, const PassSpec& spec, std::int64_t tokens, std::int32_t flags);
   void set_shards(std::int64_t tokens, const PassSpec& spec, std::vector<int>& counts,
@@ -89,6 +98,10 @@ class DriverRank {
   BlockShape block_shape_;
   // Activations gathered for with_layer_activations, until the next call.
   std::vector<DenseMatrix> lent_;
+  // The replies being gathered (start_replies), and rank 0's own (unused) entry.
+  std::vector<Reply> started_replies_;
+  Reply started_mine_;
+  MPI_Request started_ = MPI_REQUEST_NULL;
 };
 
 }  // namespace sluice::mpi

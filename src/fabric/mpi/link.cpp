@@ -160,9 +160,15 @@ void Link::scatterv(const void* all, const int* counts, const int* displs, void*
 }
 
 void Link::gather(const void* mine, int count, MPI_Datatype type, void* all, const char* what) {
+  MPI_Request r = start_gather(mine, count, type, all, what);
+  wait(r, what);
+}
+
+MPI_Request Link::start_gather(const void* mine, int count, MPI_Datatype type, void* all,
+                               const char* what) {
   MPI_Request r = MPI_REQUEST_NULL;
   mpi_check(MPI_Igather(mine, count, type, all, count, type, 0, comm_, &r), what);
-  wait(r, what);
+  return r;
 }
 
 void Link::gatherv(const void* mine, int count, void* all, const int* counts, const int* displs,

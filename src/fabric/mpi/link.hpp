@@ -45,6 +45,9 @@ class Link {
   void scatterv(const void* all, const int* counts, const int* displs, void* mine, int count,
                 MPI_Datatype type, const char* what);
   void gather(const void* mine, int count, MPI_Datatype type, void* all, const char* what);
+  /// gather, started only: finished by wait (the buffers stay the caller's until then).
+  MPI_Request start_gather(const void* mine, int count, MPI_Datatype type, void* all,
+                           const char* what);
   void gatherv(const void* mine, int count, void* all, const int* counts, const int* displs,
                MPI_Datatype type, const char* what);
   /// The minimum of `value` over `comm` (this fabric's, or a part of it).
