@@ -553,7 +553,8 @@ TEST_F(TieredStore, ABudgetSmallerThanALayerIsRefused) {
 
 // The trainer's reserve (ModelMemory::reserve_ram_bytes) comes out of the cache: a layer
 // that fitted beside the others is evicted and read again. It never takes a layer's
-// working set: a reserve of everything still streams every layer.
+// working set: a reserve that would is refused, and so is a layer added that does not fit
+// beside the reserve.
 TEST_F(TieredStore, TheTrainersReserveComesOutOfTheCacheAndOneLeavingNoLayerRoomIsRefused) {
   const CsrMatrix layer = CsrMatrix::random(64, 64, 0.5, 1);
   const LayerShape shape{64, 64, layer.nnz(), 64};
