@@ -142,14 +142,18 @@ TEST_F(CliSweep, BothPathsTimeEachPointAndFitThePathModel) {
   EXPECT_EQ(run("sweep --precision fp16 --out " + (dir_ / "never").string()).exit_code, 2);
 }
 
-// The fit recovers the constants points were made from, and the crossover they imply.
+// The fit recovers the constants points were made from, and the crossover they imply; the
+// streamed product's fixed term stays as held, or is dropped where the points take less.
 TEST(SweepPathFit, RecoversTheConstantsOfItsPoints) {
   using namespace sluice;
-  PathCosts truth = PathCosts::for_this_cpu();
+  PathCosts truth = PathCosts::measured_with(Bf16Unit::avx512_bf16);
   truth.sparse_per_nnz_token[1] = 5e-11;
+  truth.sparse_per_nnz[1] = 4e-10;
   truth.dense_per_mac[1] = 3e-12;
   truth.densify_per_slot[1] = 4e-10;
   truth.densify_per_packet[1] = 9e-10;
+  PathCosts held = PathCosts::measured_with(Bf16Unit::none);
+  held.sparse_per_nnz[1] = truth.sparse_per_nnz[1];
   const std::int64_t out = 512, in = 256, tokens = 64;
   const int threads = 2;
   std::vector<cli::PathPoint> points;
@@ -160,22 +164,111 @@ TEST(SweepPathFit, RecoversTheConstantsOfItsPoints) {
   }
   const double matmul = static_cast<double>(out) * in * tokens * truth.dense_per_mac[1] / threads;
   const cli::PathFit f =
-      cli::fit_path_costs(out, in, tokens, threads, Precision::bf16, matmul, points);
+      cli::fit_path_costs(held, out, in, tokens, threads, Precision::bf16, matmul, points);
   ASSERT_TRUE(f.sparse_fitted);
   ASSERT_TRUE(f.dense_fitted);
   EXPECT_NEAR(f.costs.sparse_per_nnz_token[1], 5e-11, 1e-16);
+  EXPECT_EQ(f.costs.sparse_per_nnz[1], 4e-10);
   EXPECT_NEAR(f.costs.dense_per_mac[1], 3e-12, 1e-17);
   EXPECT_NEAR(f.costs.densify_per_slot[1], 4e-10, 1e-15);
   EXPECT_NEAR(f.costs.densify_per_packet[1], 9e-10, 1e-15);
+  EXPECT_EQ(f.costs.dense_per_mac[0], held.dense_per_mac[0]);  // fp32 not measured
   EXPECT_NEAR(f.crossover, truth.crossover_sparsity(tokens, Precision::bf16), 1e-9);
+  EXPECT_NEAR(f.builtin_crossover, held.crossover_sparsity(tokens, Precision::bf16), 1e-12);
   EXPECT_LT(f.rms_dense_residual, 1e-9);
-  // Only streamed points: the dense terms stay built in.
+  // A held fixed term larger than the streamed points' whole time is dropped.
+  held.sparse_per_nnz[1] = 1e-6;
+  const cli::PathFit dropped =
+      cli::fit_path_costs(held, out, in, tokens, threads, Precision::bf16, matmul, points);
+  EXPECT_EQ(dropped.costs.sparse_per_nnz[1], 0);
+  EXPECT_GT(dropped.costs.sparse_per_nnz_token[1], 5e-11);
+  // Only streamed points: the dense terms stay held.
   for (auto& p : points) p.dense_seconds = 0;
   const cli::PathFit sparse_only =
-      cli::fit_path_costs(out, in, tokens, threads, Precision::bf16, 0, points);
+      cli::fit_path_costs(held, out, in, tokens, threads, Precision::bf16, 0, points);
   EXPECT_FALSE(sparse_only.dense_fitted);
-  EXPECT_EQ(sparse_only.costs.densify_per_packet[1],
-            PathCosts::for_this_cpu().densify_per_packet[1]);
+  EXPECT_EQ(sparse_only.costs.densify_per_packet[1], held.densify_per_packet[1]);
+}
+
+TEST(SweepPathFit, TilesFasterThanTheWholeMatmulSetTheMultiplyAddRate) {
+  // Where the dense path's tiles beat oneDNN's whole matmul timed beside them, the fit
+  // takes the tiles' rate for the multiply-adds rather than a densifying cost below zero.
+  using namespace sluice;
+  PathCosts truth = PathCosts::measured_with(Bf16Unit::none);
+  truth.dense_per_mac[0] = 4e-12;
+  truth.densify_per_slot[0] = 0;
+  truth.densify_per_packet[0] = 2e-10;
+  const PathCosts held = PathCosts::measured_with(Bf16Unit::amx);
+  const std::int64_t out = 512, in = 256, tokens = 64;
+  std::vector<cli::PathPoint> points;
+  for (const double density : {1.0, 0.5, 0.2}) {
+    const double nnz = density * out * in;
+    points.push_back({nnz, 0, truth.dense_seconds(out, in, nnz, tokens, Precision::fp32, 1)});
+  }
+  const double slower_matmul = 1.25 * static_cast<double>(out) * in * tokens * 4e-12;
+  const cli::PathFit f =
+      cli::fit_path_costs(held, out, in, tokens, 1, Precision::fp32, slower_matmul, points);
+  ASSERT_TRUE(f.dense_fitted);
+  EXPECT_FALSE(f.sparse_fitted);
+  EXPECT_NEAR(f.costs.dense_per_mac[0], 4e-12, 1e-18);
+  EXPECT_EQ(f.costs.densify_per_slot[0], 0);
+  EXPECT_NEAR(f.costs.densify_per_packet[0], 2e-10, 1e-16);
+  EXPECT_LT(f.rms_dense_residual, 1e-9);
+  // What --save-path-costs keeps: the fitted precision's measured terms, the rest as given.
+  const PathCosts base = PathCosts::measured_with(Bf16Unit::avx512_bf16);
+  const PathCosts saved = cli::with_fitted_terms(base, f, Precision::fp32);
+  EXPECT_EQ(saved.dense_per_mac[0], f.costs.dense_per_mac[0]);
+  EXPECT_EQ(saved.densify_per_packet[0], f.costs.densify_per_packet[0]);
+  EXPECT_EQ(saved.sparse_per_nnz_token[0], base.sparse_per_nnz_token[0]);  // not timed
+  EXPECT_EQ(saved.dense_per_mac[1], base.dense_per_mac[1]);
+}
+
+// --save-path-costs writes the fit into a file SLUICE_PATH_COSTS then makes --path auto
+// choose by; a corrupt file is refused before the sweep measures, and left as it was.
+TEST_F(CliSweep, SavedPathCostsSteerTheAutomaticPath) {
+  const fs::path costs = dir_ / "costs.json";
+  const Outcome saved =
+      run(std::string(kTiny) + "--sparsities 0,0.5 --path both --precision bf16 " + "--out " +
+          (dir_ / "o").string() + " --save-path-costs " + costs.string());
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  const sluice::PathCosts read = sluice::PathCosts::read(costs, sluice::PathCosts{});
+  EXPECT_GT(read.sparse_per_nnz_token[1], 0);
+
+  // A file whose streamed product is dear makes a 90% sparse layer dense, and one whose
+  // dense kernel is dear makes a dense layer streamed.
+  auto with = [&](double sparse, double dense) {
+    sluice::PathCosts c = read;
+    c.sparse_per_nnz_token = {sparse, sparse};
+    c.dense_per_mac = {dense, dense};
+    std::ofstream(costs) << c.to_json();
+    return "env SLUICE_PATH_COSTS=" + costs.string() + " " + SLUICE_CLI_PATH;
+  };
+  const std::string spmm = "spmm --shape 64x48 --tokens 32 --repeat 1 --json --sparsity ";
+  const auto dear_sparse = sluice::testing::run_cli(with(1, 1e-15), spmm + "0.9", false);
+  ASSERT_EQ(dear_sparse.exit_code, 0) << dear_sparse.output;
+  EXPECT_NE(dear_sparse.output.find("\"path\": \"dense\""), std::string::npos)
+      << dear_sparse.output;
+  const auto dear_dense = sluice::testing::run_cli(with(1e-15, 1), spmm + "0", false);
+  ASSERT_EQ(dear_dense.exit_code, 0) << dear_dense.output;
+  EXPECT_NE(dear_dense.output.find("\"path\": \"sparse\""), std::string::npos) << dear_dense.output;
+
+  std::ofstream(costs) << "{\"format\": \"sluice path costs\", \"version\": 1, \"bf16\": 7}";
+  const std::string corrupt = read_file(costs);
+  const auto refused_run = sluice::testing::run_cli(
+      "env SLUICE_PATH_COSTS=" + costs.string() + " " + SLUICE_CLI_PATH, spmm + "0.5");
+  EXPECT_EQ(refused_run.exit_code, 1) << refused_run.output;
+  EXPECT_NE(refused_run.output.find(costs.string()), std::string::npos) << refused_run.output;
+  const Outcome not_measured = run(std::string(kTiny) + "--sparsities 0.5 --path both --out " +
+                                   (dir_ / "p").string() + " --save-path-costs " + costs.string());
+  EXPECT_EQ(not_measured.exit_code, 1) << not_measured.output;
+  EXPECT_NE(not_measured.output.find("\"bf16\" is not an object"), std::string::npos)
+      << not_measured.output;
+  EXPECT_EQ(read_file(costs), corrupt);
+  EXPECT_EQ(run(std::string(kTiny) + "--sparsities 0.5 --out " + (dir_ / "q").string() +
+                " --save-path-costs " + (dir_ / "no-such-dir" / "c.json").string())
+                .exit_code,
+            2);
+  EXPECT_FALSE(fs::exists(dir_ / "q" / "sweep.json"));
 }
 
 TEST_F(CliSweep, BadArgumentsExitWithTwo) {

@@ -265,6 +265,7 @@ TEST_P(EngineByIsa, ChunksTakenInByTheirTasksMatchReference) {
     options.isa = GetParam();
     options.threads = 2;
     options.tile_cache_bytes = 1;
+    options.path = ProductPath::sparse;  // the streamed kernels, whatever this CPU's costs
     CpuEngine engine(options);
     std::uint64_t seed = 500;
     for (const Case& c : cases) check_engine(engine, c, 1, 100, ++seed, precision);
@@ -322,6 +323,7 @@ TEST_P(EngineByIsa, OneTokenMatchesReference) {
       options.isa = GetParam();
       options.threads = 2;
       options.geometry.lanes = lanes;
+      options.path = ProductPath::sparse;
       CpuEngine engine(options);
       std::uint64_t seed = 40;
       for (const Case& c : cases) check_engine(engine, c, lanes, 700, ++seed, precision);
@@ -396,6 +398,7 @@ TEST_P(EngineByIsa, OneTokenFromRowsTooFarApartForGathers) {
     SCOPED_TRACE(to_string(precision));
     EngineOptions options;
     options.isa = GetParam();
+    options.path = ProductPath::sparse;
     CpuEngine engine(options);
     DenseMatrix y(5, 1);
     y.fill(NAN);
@@ -412,6 +415,7 @@ TEST_P(EngineByIsa, OneTokenFromRowsTooFarApartForGathers) {
 TEST(Engine, LayersAfterOneAnotherGetTheirOwnRouting) {
   EngineOptions options;
   options.threads = 2;
+  options.path = ProductPath::sparse;  // routing is the streamed path's
   CpuEngine engine(options);
   struct Layer {
     Case shape;
@@ -585,7 +589,9 @@ TEST(Engine, RingEndsWhereTheNextLayerWantsTheOutput) {
   // Any next-layer placement gives the same numbers, within rounding.
   const CsrMatrix w = CsrMatrix::random(50, 60, 0.5, 8);
   const DenseMatrix x = random_dense(60, 9, 9);
-  CpuEngine engine;
+  EngineOptions streamed;
+  streamed.path = ProductPath::sparse;  // the ring is the streamed path's
+  CpuEngine engine(streamed);
   const Placement placement = round_robin_placement(w, 3);
   const Placement next = round_robin_placement(CsrMatrix::random(10, 50, 0.5, 10), 3);
   DenseMatrix y(50, 9);

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -51,6 +52,7 @@ struct SweepOptions {
   std::string out_dir = "sweep-out";
   std::string path = "sparse";  ///< the paths each point is timed on: sparse, dense or both
   std::string precision = "fp32";
+  std::string save_path_costs;  ///< a path-cost file to write the fitted terms into
   bool times_sparse() const { return path != "dense"; }
   bool times_dense() const { return path != "sparse"; }
 };
@@ -79,6 +81,7 @@ struct Sweep {
   std::vector<std::string> unidentifiable_terms;
   std::string path, precision;
   bool sparse_timed = true, dense_timed = false;
+  PathCosts held_path_costs;  ///< what the path fit starts from
   PathFit path_fit;
 
   double measured_acceleration(const SweepPoint& p) const {
@@ -329,7 +332,7 @@ void fit_paths(Sweep& s) {
     points.push_back({static_cast<double>(p.nnz), p.measured_seconds / products,
                       p.dense_path_seconds / products});
   }
-  s.path_fit = fit_path_costs(s.outputs, s.inputs, s.tokens, s.threads,
+  s.path_fit = fit_path_costs(s.held_path_costs, s.outputs, s.inputs, s.tokens, s.threads,
                               parse_precision(s.precision), s.dense_seconds / products, points);
 }
 
@@ -377,6 +380,22 @@ void write_fit_json(JsonWriter& w, const Sweep& s) {
   w.end_object();
 }
 
+/// Where the path costs --path auto chooses by come from.
+std::string path_costs_source() {
+  if (const char* file = std::getenv("SLUICE_PATH_COSTS"); file != nullptr && *file != '\0') {
+    return std::string("SLUICE_PATH_COSTS=") + file;
+  }
+  switch (PathCosts::this_cpus_bf16_unit()) {
+    case Bf16Unit::amx:
+      return "built in, AMX";
+    case Bf16Unit::avx512_bf16:
+      return "built in, AVX512-BF16";
+    case Bf16Unit::none:
+      break;
+  }
+  return "built in, no bf16 unit";
+}
+
 /// PathCosts as fitted for the sweep's precision, and the crossover they imply.
 void write_path_fit_json(JsonWriter& w, const Sweep& s) {
   const PathFit& f = s.path_fit;
@@ -385,6 +404,7 @@ void write_path_fit_json(JsonWriter& w, const Sweep& s) {
   w.field("precision", s.precision);
   w.field("sparse_fitted", f.sparse_fitted).field("dense_fitted", f.dense_fitted);
   w.field("sparse_per_nnz_token", f.costs.sparse_per_nnz_token[p]);
+  w.field("sparse_per_nnz", f.costs.sparse_per_nnz[p]);
   w.field("dense_per_mac", f.costs.dense_per_mac[p]);
   w.field("densify_per_slot", f.costs.densify_per_slot[p]);
   w.field("densify_per_packet", f.costs.densify_per_packet[p]);
@@ -406,6 +426,7 @@ std::string to_json(const Sweep& s) {
   // The engine's path model: above these sparsities the streamed product is faster than
   // the dense path of the same precision.
   const PathCosts paths = PathCosts::for_this_cpu();
+  w.field("path_costs", path_costs_source());
   w.field("crossover_sparsity_fp32", paths.crossover_sparsity(s.tokens, Precision::fp32));
   w.field("crossover_sparsity_bf16", paths.crossover_sparsity(s.tokens, Precision::bf16));
   w.field("path", s.path).field("precision", s.precision);
@@ -466,20 +487,23 @@ std::string title(const Sweep& s) {
 void print_crossovers(const Sweep& s) {
   const PathCosts paths = PathCosts::for_this_cpu();
   std::printf(
-      "path model (PathCosts): the streamed product beats the dense path above sparsity %.3f "
-      "in fp32, %.3f in bf16 (%lld tokens); below, --path auto multiplies dense\n",
-      paths.crossover_sparsity(s.tokens, Precision::fp32),
+      "path model (PathCosts, %s): the streamed product beats the dense path above sparsity "
+      "%.3f in fp32, %.3f in bf16 (%lld tokens); below, --path auto multiplies dense\n",
+      path_costs_source().c_str(), paths.crossover_sparsity(s.tokens, Precision::fp32),
       paths.crossover_sparsity(s.tokens, Precision::bf16), static_cast<long long>(s.tokens));
   const PathFit& f = s.path_fit;
   const std::size_t p = s.precision == "bf16" ? 1 : 0;
   std::printf(
-      "path model fitted to this sweep (%s; %s%s): sparse %.3g s per nnz and token, dense %.3g s "
-      "per multiply-add (oneDNN's), densifying %.3g s per slot and %.3g s per packet (per "
-      "thread); rms dense residual %.1f%%; crossover %.3f (built in: %.3f)\n",
+      "path model fitted to this sweep (%s; %s%s): sparse %.3g s per nnz and token and %.3g s "
+      "per nnz (held), dense %.3g s "
+      "per multiply-add (oneDNN's, or the tiles' where faster), densifying %.3g s per slot and "
+      "%.3g s per packet (per "
+      "thread); rms dense residual %.1f%%; crossover %.3f (before: %.3f)\n",
       s.precision.c_str(), f.sparse_fitted ? "streamed measured" : "streamed built in",
       f.dense_fitted ? ", dense path measured" : ", dense path built in",
-      f.costs.sparse_per_nnz_token[p], f.costs.dense_per_mac[p], f.costs.densify_per_slot[p],
-      f.costs.densify_per_packet[p], 100 * f.rms_dense_residual, f.crossover, f.builtin_crossover);
+      f.costs.sparse_per_nnz_token[p], f.costs.sparse_per_nnz[p], f.costs.dense_per_mac[p],
+      f.costs.densify_per_slot[p], f.costs.densify_per_packet[p], 100 * f.rms_dense_residual,
+      f.crossover, f.builtin_crossover);
 }
 
 void print_dense_path(const Sweep& s) {
@@ -542,21 +566,41 @@ bool plot(const Sweep& s, const fs::path& dir) {
   return run_gnuplot(gp.str(), dir, {png}, "sluice sweep");
 }
 
+/// What --save-path-costs starts from: the file's terms where it exists (checked before
+/// the sweep measures), else the constants built in for this CPU.
+PathCosts path_costs_to_update(const fs::path& file) {
+  const fs::path parent = file.parent_path().empty() ? fs::path(".") : file.parent_path();
+  if (!fs::is_directory(parent)) {
+    throw UsageError("sweep: --save-path-costs " + file.string() + ": no directory " +
+                     parent.string());
+  }
+  const PathCosts built_in = PathCosts::measured_with(PathCosts::this_cpus_bf16_unit());
+  return fs::exists(file) ? PathCosts::read(file, built_in) : built_in;
+}
+
 int run_sweep(const SweepOptions& o) {
   const std::vector<double> sparsities = parse_sparsities(o.sparsities);
   parse_shape(o.shape);  // refuse a bad shape before anything else
   if (o.out_dir.empty()) throw UsageError("sweep: --out must name a directory");
   // Fail before minutes of measuring when the results could not be written.
+  const PathCosts saved_before =
+      o.save_path_costs.empty() ? PathCosts{} : path_costs_to_update(o.save_path_costs);
   create_output_directory(o.out_dir);
 
   std::vector<MeasuredRun> runs;
   Sweep s = measure(o, sparsities, runs);
+  s.held_path_costs = o.save_path_costs.empty() ? PathCosts::for_this_cpu() : saved_before;
   calibrate_sweep(s, runs);
 
   const fs::path dir = o.out_dir;
   const std::string json = to_json(s);
   write_all_atomically({{dir / "sweep.csv", to_csv(s)}, {dir / "sweep.json", json + "\n"}});
   const bool plotted = plot(s, dir);
+  if (!o.save_path_costs.empty()) {
+    write_atomically(
+        o.save_path_costs,
+        with_fitted_terms(saved_before, s.path_fit, parse_precision(s.precision)).to_json());
+  }
 
   if (o.json) {
     std::cout << json << "\n";
@@ -566,6 +610,10 @@ int run_sweep(const SweepOptions& o) {
     print_crossovers(s);
     std::cout << "Wrote " << (dir / "sweep.csv").string() << ", sweep.json"
               << (plotted ? ", sweep.png" : "") << "\n";
+    if (!o.save_path_costs.empty()) {
+      std::cout << "Wrote the fitted " << s.precision << " path costs into " << o.save_path_costs
+                << " (SLUICE_PATH_COSTS=" << o.save_path_costs << " makes --path auto use them)\n";
+    }
   }
   flush_standard_output("sweep");
   return 0;
@@ -609,6 +657,11 @@ Command add_sweep_command(CLI::App& app) {
                   "fp32, or bf16 (weights streamed and the dense baselines in bf16)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
+  cmd->add_option("--save-path-costs", o->save_path_costs,
+                  "Write the path costs fitted for --precision into this file (its other terms "
+                  "kept, or this CPU's built-in ones for a new file); SLUICE_PATH_COSTS=FILE "
+                  "then makes --path auto choose by them")
+      ->check(path_argument());
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
   return [o] { return run_sweep(*o); };
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 namespace sluice::cli {
 namespace {
@@ -10,17 +11,16 @@ std::size_t index_of(Precision precision) {
   return precision == Precision::bf16 ? 1 : 0;
 }
 
-/// a + b n ~ r over the points, least squares on error relative to t; a, b >= 0.
-void fit_line(const std::vector<double>& n, const std::vector<double>& r,
-              const std::vector<double>& t, double& a, double& b) {
+/// a + b n ~ t over the points, least squares on the relative error; a, b >= 0.
+void fit_line(const std::vector<double>& n, const std::vector<double>& t, double& a, double& b) {
   double s00 = 0, s01 = 0, s11 = 0, y0 = 0, y1 = 0;
   for (std::size_t i = 0; i < n.size(); ++i) {
     const double w = 1 / (t[i] * t[i]);
     s00 += w;
     s01 += w * n[i];
     s11 += w * n[i] * n[i];
-    y0 += w * r[i];
-    y1 += w * n[i] * r[i];
+    y0 += w * t[i];
+    y1 += w * n[i] * t[i];
   }
   const double det = s00 * s11 - s01 * s01;
   const bool solvable = n.size() >= 2 && det > 1e-12 * s00 * s11;
@@ -41,31 +41,43 @@ void fit_line(const std::vector<double>& n, const std::vector<double>& r,
 
 }  // namespace
 
-PathFit fit_path_costs(std::int64_t outputs, std::int64_t inputs, std::int64_t tokens, int threads,
-                       Precision precision, double dense_matmul_seconds,
-                       const std::vector<PathPoint>& points) {
+PathFit fit_path_costs(const PathCosts& held, std::int64_t outputs, std::int64_t inputs,
+                       std::int64_t tokens, int threads, Precision precision,
+                       double dense_matmul_seconds, const std::vector<PathPoint>& points) {
   PathFit f;
-  f.costs = PathCosts::for_this_cpu();
+  f.costs = held;
   f.builtin_crossover = f.costs.crossover_sparsity(tokens, precision);
   const std::size_t p = index_of(precision);
   const double th = std::max(1, threads), t = static_cast<double>(tokens);
   const double slots = static_cast<double>(outputs) * static_cast<double>(inputs);
 
-  // Sparse: t = nnz * tokens * c / threads, through the origin.
-  double num = 0, den = 0;
-  for (const PathPoint& q : points) {
-    if (q.sparse_seconds <= 0 || q.nnz <= 0) continue;
-    const double x = q.nnz * t / th;
-    num += x / q.sparse_seconds;
-    den += x * x / (q.sparse_seconds * q.sparse_seconds);
+  // Sparse: t = nnz * (a + tokens * c) / threads. One batch size cannot tell a from c, so
+  // a is held; where the points take less than it alone, it is dropped.
+  const auto fit_per_token = [&](double a) -> std::optional<double> {
+    double num = 0, den = 0;
+    for (const PathPoint& q : points) {
+      if (q.sparse_seconds <= 0 || q.nnz <= 0) continue;
+      const double x = q.nnz * t / th, y = q.sparse_seconds - q.nnz * a / th;
+      num += x * y / (q.sparse_seconds * q.sparse_seconds);
+      den += x * x / (q.sparse_seconds * q.sparse_seconds);
+    }
+    if (den <= 0) return std::nullopt;  // no streamed points
+    return num / den;
+  };
+  std::optional<double> c = fit_per_token(f.costs.sparse_per_nnz[p]);
+  if (c && *c <= 0) {
+    f.costs.sparse_per_nnz[p] = 0;
+    c = fit_per_token(0);
   }
-  if (den > 0) {
-    f.costs.sparse_per_nnz_token[p] = num / den;
+  if (c && *c > 0) {
+    f.costs.sparse_per_nnz_token[p] = *c;
     f.sparse_fitted = true;
   }
 
-  // Dense: the multiply-adds at oneDNN's rate; the rest per slot and per packet.
-  std::vector<double> n, r, seconds;
+  // Dense: a line in the non-zeros, its intercept the multiply-adds at oneDNN's rate and
+  // the rest per slot. Where the dense path's tiles beat oneDNN's whole matmul timed in
+  // the same run, the intercept is all multiply-adds at the tiles' rate.
+  std::vector<double> n, seconds;
   const double macs = slots * t / th;
   if (dense_matmul_seconds > 0 && slots > 0) {
     f.costs.dense_per_mac[p] = dense_matmul_seconds / macs;
@@ -73,13 +85,16 @@ PathFit fit_path_costs(std::int64_t outputs, std::int64_t inputs, std::int64_t t
   for (const PathPoint& q : points) {
     if (q.dense_seconds <= 0) continue;
     n.push_back(q.nnz / th);
-    r.push_back(q.dense_seconds - macs * f.costs.dense_per_mac[p]);
     seconds.push_back(q.dense_seconds);
   }
   if (!n.empty() && slots > 0) {
-    double a = 0, b = f.costs.densify_per_packet[p];
-    fit_line(n, r, seconds, a, b);
-    f.costs.densify_per_slot[p] = a * th / slots;
+    double intercept = 0, b = f.costs.densify_per_packet[p];
+    fit_line(n, seconds, intercept, b);
+    const double at_onednns_rate = macs * f.costs.dense_per_mac[p];
+    const double multiply_adds =
+        intercept > 0 ? std::min(intercept, at_onednns_rate) : at_onednns_rate;
+    f.costs.dense_per_mac[p] = multiply_adds / macs;
+    f.costs.densify_per_slot[p] = std::max(0.0, intercept - multiply_adds) * th / slots;
     f.costs.densify_per_packet[p] = b;
     f.dense_fitted = true;
     double sum = 0;
@@ -92,6 +107,20 @@ PathFit fit_path_costs(std::int64_t outputs, std::int64_t inputs, std::int64_t t
   }
   f.crossover = f.costs.crossover_sparsity(tokens, precision);
   return f;
+}
+
+PathCosts with_fitted_terms(PathCosts base, const PathFit& fit, Precision precision) {
+  const std::size_t p = index_of(precision);
+  if (fit.sparse_fitted) {
+    base.sparse_per_nnz_token[p] = fit.costs.sparse_per_nnz_token[p];
+    base.sparse_per_nnz[p] = fit.costs.sparse_per_nnz[p];
+  }
+  if (fit.dense_fitted) {
+    base.dense_per_mac[p] = fit.costs.dense_per_mac[p];
+    base.densify_per_slot[p] = fit.costs.densify_per_slot[p];
+    base.densify_per_packet[p] = fit.costs.densify_per_packet[p];
+  }
+  return base;
 }
 
 }  // namespace sluice::cli

@@ -78,8 +78,12 @@ struct CpuEngine::Impl {
       : options(options),
         isa(isa),
         threads(threads),
-        state({options.geometry, threads, tile_cache_bytes}, isa, threads) {}
+        state({options.geometry, threads, tile_cache_bytes}, isa, threads) {
+    // Read here, so a bad SLUICE_PATH_COSTS file fails the engine, not its first product.
+    if (options.path == ProductPath::automatic) path_costs = PathCosts::for_this_cpu();
+  }
   EngineOptions options;
+  PathCosts path_costs;
   Isa isa;
   std::int32_t threads;
   detail::EngineState state;
@@ -131,9 +135,9 @@ Geometry CpuEngine::geometry_for(std::int64_t outputs, std::int64_t inputs, std:
 
 ProductPath CpuEngine::path_for(const StreamHeader& header, std::int64_t tokens) const {
   if (impl_->options.path != ProductPath::automatic) return impl_->options.path;
-  return PathCosts::for_this_cpu().choose(header.layer_outputs(), header.layer_inputs(),
-                                          static_cast<double>(header.nnz), tokens, header.precision,
-                                          impl_->threads);
+  return impl_->path_costs.choose(header.layer_outputs(), header.layer_inputs(),
+                                  static_cast<double>(header.nnz), tokens, header.precision,
+                                  impl_->threads);
 }
 
 void CpuEngine::on_engine_threads(const std::function<void()>& fn) {

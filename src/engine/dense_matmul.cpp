@@ -150,10 +150,11 @@ std::string DenseMatmul::implementation() const {
   return impl_->pd.impl_info_str();
 }
 
-bool DenseMatmul::bf16_native() {
+Bf16Unit DenseMatmul::bf16_unit() {
   const auto isa = dnnl::get_effective_cpu_isa();
   using dnnl::cpu_isa;
-  return isa == cpu_isa::avx512_core_bf16 || isa == cpu_isa::avx512_core_amx;
+  if (isa == cpu_isa::avx512_core_amx) return Bf16Unit::amx;
+  return isa == cpu_isa::avx512_core_bf16 ? Bf16Unit::avx512_bf16 : Bf16Unit::none;
 }
 
 }  // namespace sluice::detail

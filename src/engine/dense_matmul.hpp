@@ -7,6 +7,8 @@
 #include <memory>
 #include <string>
 
+#include "sluice/path_cost.hpp"
+
 namespace sluice::detail {
 
 enum class DenseType { f32, bf16 };
@@ -49,9 +51,11 @@ class DenseMatmul {
   /// The kernel oneDNN chose (e.g. "brg:avx512_core_amx"), for reports.
   std::string implementation() const;
 
-  /// Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); elsewhere oneDNN
-  /// emulates it, slower than f32.
-  static bool bf16_native();
+  /// What multiplies bf16 on this CPU as oneDNN finds it (AMX, AVX512-BF16, or neither:
+  /// there oneDNN emulates bf16, slower than f32).
+  static Bf16Unit bf16_unit();
+  /// Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16).
+  static bool bf16_native() { return bf16_unit() != Bf16Unit::none; }
 
  private:
   struct Impl;
