@@ -52,6 +52,37 @@ using CliTrain = sluice::testing::CliDirTest;
 
 const std::string kTrain = "train --dataset synthetic --layers 64,24,10 ";
 
+// An MLP trains at a constant rate unless a decay flag asks for one; the decay is saved with
+// the model, kept by a resumed run and replaced by a flag.
+TEST_F(CliTrain, AnMlpDecaysItsLearningRateWhenAFlagAsks) {
+  const std::string run6 = kTrain + "--batch 64 --steps 6 --lr 0.01 ";
+  const json constant = run_json(run6);
+  EXPECT_EQ(constant.value("lr_schedule", ""), "constant");
+  EXPECT_EQ(constant.value("warmup_steps", -1), 0);
+  EXPECT_EQ(constant.value("decay_steps", -1), 0);
+  const std::string ckpt = path("decay.ckpt");
+  const json cosine = run_json(run6 + "--warmup-steps 2 --checkpoint " + ckpt);
+  EXPECT_EQ(cosine.value("lr_schedule", ""), "cosine");
+  EXPECT_EQ(cosine.value("warmup_steps", -1), 2);
+  EXPECT_EQ(cosine.value("decay_steps", -1), 6);  // where --steps ends
+  EXPECT_NE(cosine.value("final_loss", 0.0), constant.value("final_loss", 0.0));
+  const json by_epochs = run_json(kTrain + "--batch 64 --epochs 2 --lr-schedule cosine");
+  EXPECT_EQ(by_epochs.value("decay_steps", -1), by_epochs.value("steps", 0));
+
+  const Outcome resumed = run("train --dataset synthetic --steps 2 --json --resume " + ckpt);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("learning rate: the checkpoint's, cosine, warmup 2 steps"),
+            std::string::npos)
+      << resumed.output;
+  const json replaced =
+      run_json("train --dataset synthetic --steps 2 --lr-schedule constant --resume " + ckpt);
+  EXPECT_EQ(replaced.value("lr_schedule", ""), "constant");
+  EXPECT_EQ(replaced.value("decay_steps", -1), 0);
+  expect_exit(run(kTrain + "--max-seconds 1 --lr-schedule cosine"), 2, "where the decay ends");
+  expect_exit(run(run6 + "--lr-schedule constant --decay-steps 4"), 2,
+              "--decay-steps needs --lr-schedule cosine");
+}
+
 TEST_F(CliTrain, ResumeKeepsTheCheckpointsOptimizerUnlessAFlagChangesIt) {
   const std::string ckpt = path("sgd.ckpt");
   json j = run_json(kTrain + "--epochs 1 --optimizer sgd --lr 0.01 --checkpoint " + ckpt);

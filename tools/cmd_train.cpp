@@ -20,6 +20,7 @@
 
 #include "core/excerpt.hpp"
 #include "json_writer.hpp"
+#include "lr_decay_option.hpp"
 #include "measure.hpp"
 #include "model_budget.hpp"
 #include "model_store_option.hpp"
@@ -164,6 +165,19 @@ void resume_optimizer(ModelMemory& memory, const TrainOptions& o, bool kind_give
   progress << "resuming " << model_source(o) << " after " << memory.epochs << " epochs, "
            << memory.step() << " steps: optimizer " << to_string(config.kind) << ", learning rate "
            << json_number(config.learning_rate) << " (" << note << ")\n";
+}
+
+/// The learning-rate decay (lr_decay_option.hpp) where a flag asks for one; without, an
+/// MLP trains at a constant rate (or under its checkpoint's decay). By default the cosine
+/// ends where this run's steps end (`run_steps`; 0: unknown, a run bounded by time alone).
+void set_mlp_decay(ModelMemory& memory, const TrainOptions& o, bool resuming,
+                   std::int64_t run_steps, std::ostream& progress) {
+  if (!decay_flags_given(o.gpt.decay) && !resuming) return;
+  const std::int64_t first = memory.step();
+  const std::int64_t planned_end = run_steps > 0 ? first + run_steps : 0;
+  OptimizerConfig config = memory.optimizer();
+  config.decay = resolve_decay(config.decay, o.gpt.decay, resuming, first, planned_end, progress);
+  memory.set_optimizer(config);
 }
 
 struct TrainTotals {
@@ -359,6 +373,9 @@ void report(const TrainOptions* o, const std::string& dataset_name, const Evalua
     j.field("precision", o->precision);
     j.field("optimizer", to_string(memory.optimizer().kind));
     j.field("learning_rate", memory.optimizer().learning_rate);
+    const LearningRateDecay& decay = memory.optimizer().decay;
+    j.field("lr_schedule", decay_name(decay)).field("warmup_steps", decay.warmup_steps);
+    j.field("decay_steps", decay.decay_steps);
     j.field("seed", memory.seed).field("epochs_total", memory.epochs);
     j.field("engine_busy", total.engine_busy()).field("tokens_per_s", total.tokens_per_second());
     j.field("train_seconds", total.wall_seconds);
@@ -563,6 +580,9 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   eo.dynamic = resolve_schedule(memory, o->schedule, resuming, steps_per_epoch, run_steps,
                                 o->resume.empty() ? "the store's" : "the checkpoint's", progress);
   o->schedule.dynamic = to_string(eo.dynamic.rule);  // what the report says
+  const bool bounded_by_time_alone =
+      o->max_seconds > 0 && o->steps == 0 && flags.cmd->count("--epochs") == 0;
+  set_mlp_decay(memory, *o, resuming, bounded_by_time_alone ? 0 : run_steps, progress);
   const std::unique_ptr<LayerStreamingExecutor> executor_owner =
       make_executor(memory, fabric, eo, o->store);
   LayerStreamingExecutor& executor = *executor_owner;

@@ -33,15 +33,16 @@ std::string describe(const LearningRateDecay& d) {
 
 void add_decay_options(CLI::App& cmd, DecayOptions& o) {
   o.schedule_option = cmd.add_option("--lr-schedule", o.schedule,
-                                     "GPT: cosine (warmup, then half a cosine down to 0.1x --lr at "
-                                     "--decay-steps) or constant (after the warmup)")
+                                     "cosine (warmup, then half a cosine down to 0.1x --lr at "
+                                     "--decay-steps) or constant (after the warmup); the GPT's "
+                                     "default is cosine, an MLP's a constant rate without warmup")
                           ->check(CLI::IsMember({"cosine", "constant"}));
   o.warmup_option = cmd.add_option("--warmup-steps", o.warmup_steps,
-                                   "GPT: steps of linear warmup (default 50, or a tenth of the "
+                                   "Steps of linear warmup (default 50, or a tenth of the "
                                    "decay's steps if fewer; 0: none)")
                         ->check(number_range(std::int64_t{0}, std::int64_t{1} << 40));
   o.decay_option = cmd.add_option("--decay-steps", o.decay_steps,
-                                  "GPT: the step, counted from the model's first, where the "
+                                  "The step, counted from the model's first, where the "
                                   "cosine ends (default: where --steps ends)")
                        ->check(number_range(std::int64_t{1}, std::int64_t{1} << 40));
 }

@@ -1,7 +1,8 @@
 #pragma once
-// `sluice train --model gpt --lr-schedule cosine|constant --warmup-steps W --decay-steps D`:
-// the learning-rate decay of a run (LearningRateDecay, saved with the model), and of a
-// resumed run the one its checkpoint keeps unless a flag replaces it.
+// `sluice train --lr-schedule cosine|constant --warmup-steps W --decay-steps D`: the
+// learning-rate decay of a run (LearningRateDecay, saved with the model), and of a resumed
+// run the one its checkpoint keeps unless a flag replaces it. The GPT decays by default; an
+// MLP only when one of these flags is given (its rate is otherwise constant, as it was).
 //
 // Cosine (the default) warms up linearly over W steps, then falls along half a cosine to a
 // tenth of --lr at step D, counted from the model's first step: by default where training

@@ -207,8 +207,7 @@ void check_train_options(TrainOptions& options, const TrainFlags& flags) {
     return;
   }
   const CLI::Option* sparsity = flags.sparsity;
-  for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks",
-                           "--lr-schedule", "--warmup-steps", "--decay-steps"}) {
+  for (const char* name : {"--text", "--context", "--d-model", "--heads", "--blocks"}) {
     if (cmd->count(name) > 0) throw UsageError(std::string(name) + " needs --model gpt");
   }
   // A run limited by steps or time goes on over as many epochs as that takes.
