@@ -101,8 +101,8 @@ void set_decay(ModelMemory& memory, const GptTrainOptions& o, std::ostream& prog
   const std::int64_t planned_end =
       horizon_given ? o.schedule.horizon_steps : (o.steps > 0 ? first + o.steps : 0);
   OptimizerConfig optimizer = memory.optimizer();
-  optimizer.decay =
-      resolve_decay(optimizer.decay, o.decay, !o.resume.empty(), first, planned_end, progress);
+  optimizer.decay = resolve_decay(optimizer.decay, o.decay, !o.resume.empty(), "the checkpoint's",
+                                  first, planned_end, progress);
   memory.set_optimizer(optimizer);
 }
 

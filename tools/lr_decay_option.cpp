@@ -56,10 +56,10 @@ const char* decay_name(const LearningRateDecay& decay) {
 }
 
 LearningRateDecay resolve_decay(const LearningRateDecay& stored, const DecayOptions& o,
-                                bool resuming, std::int64_t first_step, std::int64_t planned_end,
-                                std::ostream& progress) {
+                                bool resuming, const std::string& whose, std::int64_t first_step,
+                                std::int64_t planned_end, std::ostream& progress) {
   if (resuming && !decay_flags_given(o)) {
-    progress << "learning rate: the checkpoint's, " << describe(stored) << "\n";
+    progress << "learning rate: " << whose << ", " << describe(stored) << "\n";
     return stored;
   }
   const bool cosine = o.schedule == "cosine";
