@@ -248,6 +248,9 @@ TEST_F(CliSweep, SavedPathCostsSteerTheAutomaticPath) {
   ASSERT_EQ(dear_sparse.exit_code, 0) << dear_sparse.output;
   EXPECT_NE(dear_sparse.output.find("\"path\": \"dense\""), std::string::npos)
       << dear_sparse.output;
+  EXPECT_NE(dear_sparse.output.find("\"path_costs\": \"SLUICE_PATH_COSTS=" + costs.string()),
+            std::string::npos)
+      << dear_sparse.output;
   const auto dear_dense = sluice::testing::run_cli(with(1e-15, 1), spmm + "0", false);
   ASSERT_EQ(dear_dense.exit_code, 0) << dear_dense.output;
   EXPECT_NE(dear_dense.output.find("\"path\": \"sparse\""), std::string::npos) << dear_dense.output;

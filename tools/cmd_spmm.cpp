@@ -13,6 +13,7 @@
 #include "sluice/csr_matrix.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/error.hpp"
+#include "sluice/path_cost.hpp"
 #include "sluice/planner.hpp"
 #include "sluice/stream.hpp"
 #include "sluice/topology.hpp"
@@ -199,6 +200,7 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
   j.field("out", r.out).field("in", r.in).field("tokens", r.tokens).field("nnz", r.nnz);
   j.field("sparsity", r.sparsity).field("threads", r.threads).field("isa", r.isa);
   j.field("precision", r.precision).field("path", r.path);
+  j.field("path_costs", PathCosts::this_cpus_origin());
   j.field("geometry", r.geometry).field("sparse_ms", r.sparse_ms).field("dense_ms", r.dense_ms);
   j.field("prepare_ms", r.prepare_ms).field("useful_gflops", r.useful_gflops());
   j.field("acceleration", r.acceleration()).field("balance", r.balance);
@@ -237,7 +239,8 @@ void print_table(const std::vector<SpmmResult>& results, bool backward, bool che
     std::printf("affinity mask: this process may run on %d of the %d CPUs it is allowed\n",
                 process_cpus(), allowed_cpus());
   }
-  std::printf("path (sparse: streamed; dense: densified tiles, oneDNN matmul):");
+  std::printf("path (sparse: streamed; dense: densified tiles, oneDNN matmul; costs %s):",
+              PathCosts::this_cpus_origin().c_str());
   for (const SpmmResult& r : results) {
     std::printf(" %s", r.path.c_str());
     if (backward) std::printf("/%s", r.backward_path.c_str());

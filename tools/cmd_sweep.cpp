@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -380,22 +379,6 @@ void write_fit_json(JsonWriter& w, const Sweep& s) {
   w.end_object();
 }
 
-/// Where the path costs --path auto chooses by come from.
-std::string path_costs_source() {
-  if (const char* file = std::getenv("SLUICE_PATH_COSTS"); file != nullptr && *file != '\0') {
-    return std::string("SLUICE_PATH_COSTS=") + file;
-  }
-  switch (PathCosts::this_cpus_bf16_unit()) {
-    case Bf16Unit::amx:
-      return "built in, AMX";
-    case Bf16Unit::avx512_bf16:
-      return "built in, AVX512-BF16";
-    case Bf16Unit::none:
-      break;
-  }
-  return "built in, no bf16 unit";
-}
-
 /// PathCosts as fitted for the sweep's precision, and the crossover they imply.
 void write_path_fit_json(JsonWriter& w, const Sweep& s) {
   const PathFit& f = s.path_fit;
@@ -426,7 +409,7 @@ std::string to_json(const Sweep& s) {
   // The engine's path model: above these sparsities the streamed product is faster than
   // the dense path of the same precision.
   const PathCosts paths = PathCosts::for_this_cpu();
-  w.field("path_costs", path_costs_source());
+  w.field("path_costs", PathCosts::this_cpus_origin());
   w.field("crossover_sparsity_fp32", paths.crossover_sparsity(s.tokens, Precision::fp32));
   w.field("crossover_sparsity_bf16", paths.crossover_sparsity(s.tokens, Precision::bf16));
   w.field("path", s.path).field("precision", s.precision);
@@ -489,7 +472,7 @@ void print_crossovers(const Sweep& s) {
   std::printf(
       "path model (PathCosts, %s): the streamed product beats the dense path above sparsity "
       "%.3f in fp32, %.3f in bf16 (%lld tokens); below, --path auto multiplies dense\n",
-      path_costs_source().c_str(), paths.crossover_sparsity(s.tokens, Precision::fp32),
+      PathCosts::this_cpus_origin().c_str(), paths.crossover_sparsity(s.tokens, Precision::fp32),
       paths.crossover_sparsity(s.tokens, Precision::bf16), static_cast<long long>(s.tokens));
   const PathFit& f = s.path_fit;
   const std::size_t p = s.precision == "bf16" ? 1 : 0;

@@ -57,6 +57,9 @@ struct PathCosts {
   static PathCosts for_this_cpu();
   /// The bf16 unit oneDNN finds on this CPU.
   static Bf16Unit this_cpus_bf16_unit();
+  /// Where for_this_cpu()'s constants come from, for reports: "SLUICE_PATH_COSTS=FILE", or
+  /// "built in, AMX" (or "AVX512-BF16", "no bf16 unit").
+  static std::string this_cpus_origin();
 
   /// `base` with the terms of each precision `file` holds. IoError when it cannot be read,
   /// FormatError naming the file and the key when it is not what to_json() writes.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "engine/dense_matmul.hpp"
 
@@ -45,6 +46,21 @@ PathCosts PathCosts::measured_with(Bf16Unit unit) {
 
 Bf16Unit PathCosts::this_cpus_bf16_unit() {
   return detail::DenseMatmul::bf16_unit();
+}
+
+std::string PathCosts::this_cpus_origin() {
+  if (const char* file = std::getenv("SLUICE_PATH_COSTS"); file != nullptr && *file != '\0') {
+    return std::string("SLUICE_PATH_COSTS=") + file;
+  }
+  switch (this_cpus_bf16_unit()) {
+    case Bf16Unit::amx:
+      return "built in, AMX";
+    case Bf16Unit::avx512_bf16:
+      return "built in, AVX512-BF16";
+    case Bf16Unit::none:
+      break;
+  }
+  return "built in, no bf16 unit";
 }
 
 PathCosts PathCosts::for_this_cpu() {
