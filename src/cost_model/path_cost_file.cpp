@@ -34,7 +34,8 @@ std::array<std::array<double, 2>*, 5> terms_of(PathCosts& c) {
 void read_precision(const std::filesystem::path& file, const nlohmann::json& j,
                     const std::string& precision, std::size_t p, PathCosts& c) {
   if (!j.is_object()) refuse(file, "\"" + precision + "\" is not an object");
-  for (const auto& [key, value] : j.items()) {
+  for (const auto& item : j.items()) {
+    const std::string& key = item.key();  // a name, not a binding: lambdas capture it
     if (std::find_if(kTerms.begin(), kTerms.end(), [&](const char* t) { return key == t; }) ==
         kTerms.end()) {
       refuse(file, "\"" + precision + "\" has an unknown term \"" + key + "\"");
@@ -74,12 +75,13 @@ PathCosts PathCosts::read(const std::filesystem::path& file, const PathCosts& ba
   }
   PathCosts c = base;
   bool any = false;
-  for (const auto& [key, value] : j.items()) {
+  for (const auto& item : j.items()) {
+    const std::string& key = item.key();  // a name, not a binding: lambdas capture it
     if (key == "format" || key == "version") continue;
     const auto at = std::find_if(kPrecisions.begin(), kPrecisions.end(),
                                  [&](const char* p) { return key == p; });
     if (at == kPrecisions.end()) refuse(file, "unknown key \"" + key + "\"");
-    read_precision(file, value, key, static_cast<std::size_t>(at - kPrecisions.begin()), c);
+    read_precision(file, item.value(), key, static_cast<std::size_t>(at - kPrecisions.begin()), c);
     any = true;
   }
   if (!any) refuse(file, "holds neither \"fp32\" nor \"bf16\"");
