@@ -478,10 +478,9 @@ void print_crossovers(const Sweep& s) {
   const std::size_t p = s.precision == "bf16" ? 1 : 0;
   std::printf(
       "path model fitted to this sweep (%s; %s%s): sparse %.3g s per nnz and token and %.3g s "
-      "per nnz (held), dense %.3g s "
-      "per multiply-add (oneDNN's, or the tiles' where faster), densifying %.3g s per slot and "
-      "%.3g s per packet (per "
-      "thread); rms dense residual %.1f%%; crossover %.3f (before: %.3f)\n",
+      "per nnz (held), dense %.3g s per multiply-add (oneDNN's, or the tiles' where faster), "
+      "densifying %.3g s per slot and %.3g s per packet (per thread); rms dense residual "
+      "%.1f%%; crossover %.3f (before: %.3f)\n",
       s.precision.c_str(), f.sparse_fitted ? "streamed measured" : "streamed built in",
       f.dense_fitted ? ", dense path measured" : ", dense path built in",
       f.costs.sparse_per_nnz_token[p], f.costs.sparse_per_nnz[p], f.costs.dense_per_mac[p],
@@ -565,14 +564,15 @@ int run_sweep(const SweepOptions& o) {
   const std::vector<double> sparsities = parse_sparsities(o.sparsities);
   parse_shape(o.shape);  // refuse a bad shape before anything else
   if (o.out_dir.empty()) throw UsageError("sweep: --out must name a directory");
-  // Fail before minutes of measuring when the results could not be written.
-  const PathCosts saved_before =
-      o.save_path_costs.empty() ? PathCosts{} : path_costs_to_update(o.save_path_costs);
+  // Fail before minutes of measuring when the results could not be written. The path fit
+  // starts from the file it will update, else from the costs --path auto uses.
+  const PathCosts held = o.save_path_costs.empty() ? PathCosts::for_this_cpu()
+                                                   : path_costs_to_update(o.save_path_costs);
   create_output_directory(o.out_dir);
 
   std::vector<MeasuredRun> runs;
   Sweep s = measure(o, sparsities, runs);
-  s.held_path_costs = o.save_path_costs.empty() ? PathCosts::for_this_cpu() : saved_before;
+  s.held_path_costs = held;
   calibrate_sweep(s, runs);
 
   const fs::path dir = o.out_dir;
@@ -580,9 +580,8 @@ int run_sweep(const SweepOptions& o) {
   write_all_atomically({{dir / "sweep.csv", to_csv(s)}, {dir / "sweep.json", json + "\n"}});
   const bool plotted = plot(s, dir);
   if (!o.save_path_costs.empty()) {
-    write_atomically(
-        o.save_path_costs,
-        with_fitted_terms(saved_before, s.path_fit, parse_precision(s.precision)).to_json());
+    write_atomically(o.save_path_costs,
+                     with_fitted_terms(held, s.path_fit, parse_precision(s.precision)).to_json());
   }
 
   if (o.json) {

@@ -11,6 +11,12 @@ namespace {
 std::size_t index_of(Precision precision) {
   return precision == Precision::bf16 ? 1 : 0;
 }
+
+/// The file SLUICE_PATH_COSTS names, or null when it is unset or empty.
+const char* path_costs_file() {
+  const char* file = std::getenv("SLUICE_PATH_COSTS");
+  return file != nullptr && *file != '\0' ? file : nullptr;
+}
 }  // namespace
 
 PathCosts PathCosts::measured_with(Bf16Unit unit) {
@@ -49,9 +55,7 @@ Bf16Unit PathCosts::this_cpus_bf16_unit() {
 }
 
 std::string PathCosts::this_cpus_origin() {
-  if (const char* file = std::getenv("SLUICE_PATH_COSTS"); file != nullptr && *file != '\0') {
-    return std::string("SLUICE_PATH_COSTS=") + file;
-  }
+  if (const char* file = path_costs_file()) return std::string("SLUICE_PATH_COSTS=") + file;
   switch (this_cpus_bf16_unit()) {
     case Bf16Unit::amx:
       return "built in, AMX";
@@ -67,8 +71,8 @@ PathCosts PathCosts::for_this_cpu() {
   // Once per process: the engine asks for every product it runs.
   static const PathCosts costs = [] {
     const PathCosts built_in = measured_with(this_cpus_bf16_unit());
-    const char* file = std::getenv("SLUICE_PATH_COSTS");
-    return file != nullptr && *file != '\0' ? read(file, built_in) : built_in;
+    const char* file = path_costs_file();
+    return file != nullptr ? read(file, built_in) : built_in;
   }();
   return costs;
 }

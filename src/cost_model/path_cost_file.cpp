@@ -48,7 +48,7 @@ void read_precision(const std::filesystem::path& file, const nlohmann::json& j,
     const nlohmann::json& v = j.at(kTerms[t]);
     if (!v.is_number()) refuse(file, where + " is not a number");
     const double seconds = v.get<double>();
-    const bool must_be_positive = t < 2;
+    const bool must_be_positive = t < 2;  // kTerms lists those two first
     if (!std::isfinite(seconds) || seconds < 0 || (must_be_positive && seconds == 0)) {
       refuse(file, where + " is " + v.dump() + ", not a" +
                        (must_be_positive ? " positive" : " non-negative") + " number of seconds");
