@@ -58,8 +58,10 @@ struct LossSums {
 
 class ActivationStore {
  public:
-  /// Takes a copy of `shard` for a pass of `spec`; the buffers of the previous pass are
-  /// kept when the shape allows (the same tokens, and training only if they were).
+  /// Takes a copy of `shard` for a pass of `spec`. The buffers of earlier passes are kept
+  /// while the layers are the same and no shard is wider than the one they were made for:
+  /// a narrower shard uses their first columns (views of `tokens()` columns whose stride
+  /// is the buffers'), so they hold what the widest shard since needed.
   void load(const PassSpec& spec, const ShardData& shard);
   /// Bytes the activations of a shard of `tokens` take in a store: Z and A of every layer,
   /// and for training the two delta buffers (rows padded as DenseMatrix pads them).
@@ -74,9 +76,9 @@ class ActivationStore {
   ConstMatrixView in(std::int32_t layer) const;
   /// Layer l's output: A, or Z when the layer has no activation function.
   ConstMatrixView out(std::int32_t layer) const;
-  MutableMatrixView z(std::int32_t layer) { return z_[index(layer)].view(); }
+  MutableMatrixView z(std::int32_t layer);
   /// A of layer l; an empty view when the layer has no activation function.
-  MutableMatrixView a(std::int32_t layer) { return a_[index(layer)].view(); }
+  MutableMatrixView a(std::int32_t layer);
   /// dZ of the layer being worked on (its first `rows` rows).
   MutableMatrixView delta(std::int64_t rows);
   /// dX into the layer below (its first `rows` rows); swap_deltas() makes it the delta.
@@ -93,6 +95,7 @@ class ActivationStore {
   std::size_t index(std::int32_t layer) const;
   PassSpec spec_;
   std::int64_t tokens_ = 0;
+  std::int64_t capacity_ = 0;  ///< the columns z_, a_ and the deltas were made with
   DenseMatrix input_;
   std::vector<DenseMatrix> z_, a_;  // a_[l] empty when layer l has no activation (A = Z)
   DenseMatrix delta_, delta_below_;

@@ -10,11 +10,20 @@
 namespace sluice {
 namespace {
 
+/// `from` copied into the first columns of `to`, which grows only where it is too small.
 void copy_into(ConstMatrixView from, DenseMatrix& to) {
-  if (to.rows() != from.rows || to.cols() != from.cols) to = DenseMatrix(from.rows, from.cols);
+  if (to.rows() != from.rows || to.cols() < from.cols) to = DenseMatrix(from.rows, from.cols);
   for (std::int64_t r = 0; r < from.rows; ++r) {
     std::copy(from.row(r), from.row(r) + from.cols, to.row(r));
   }
+}
+
+/// The first `cols` columns of a buffer (none of an empty one): a shard's part of it.
+MutableMatrixView first_columns(DenseMatrix& m, std::int64_t cols) {
+  return {m.data(), m.rows(), m.rows() > 0 ? cols : 0, m.stride()};
+}
+ConstMatrixView first_columns(const DenseMatrix& m, std::int64_t cols) {
+  return {m.data(), m.rows(), m.rows() > 0 ? cols : 0, m.stride()};
 }
 
 std::int64_t widest(const PassSpec& spec) {
@@ -69,8 +78,10 @@ void ActivationStore::load(const PassSpec& spec, const ShardData& shard) {
                      std::to_string(spec.sizes.back()) + " outputs and " + std::to_string(tokens) +
                      " tokens");
   }
+  // A narrower shard (an epoch's short last batch) takes the first columns of the buffers
+  // it finds: allocating them again would fault every page in anew, twice an epoch.
   const bool same_layers = spec.sizes == spec_.sizes && spec.activations == spec_.activations;
-  if (!same_layers || tokens != tokens_) {
+  if (!same_layers || tokens > capacity_) {
     z_.clear();
     a_.clear();
     for (std::size_t l = 0; l + 1 < spec.sizes.size(); ++l) {
@@ -80,10 +91,11 @@ void ActivationStore::load(const PassSpec& spec, const ShardData& shard) {
     }
     delta_ = DenseMatrix();
     delta_below_ = DenseMatrix();
+    capacity_ = tokens;
   }
   if (spec.training && delta_.rows() == 0) {
-    delta_ = DenseMatrix(widest(spec), tokens);
-    delta_below_ = DenseMatrix(widest(spec), tokens);
+    delta_ = DenseMatrix(widest(spec), capacity_);
+    delta_below_ = DenseMatrix(widest(spec), capacity_);
   }
   spec_ = spec;
   tokens_ = tokens;
@@ -102,13 +114,21 @@ std::size_t ActivationStore::index(std::int32_t layer) const {
 }
 
 ConstMatrixView ActivationStore::in(std::int32_t layer) const {
-  if (layer == 0) return input_.view();
+  if (layer == 0) return first_columns(input_, tokens_);
   return out(layer - 1);
 }
 
 ConstMatrixView ActivationStore::out(std::int32_t layer) const {
   const std::size_t l = index(layer);
-  return a_[l].rows() > 0 ? a_[l].view() : z_[l].view();
+  return first_columns(a_[l].rows() > 0 ? a_[l] : z_[l], tokens_);
+}
+
+MutableMatrixView ActivationStore::z(std::int32_t layer) {
+  return first_columns(z_[index(layer)], tokens_);
+}
+
+MutableMatrixView ActivationStore::a(std::int32_t layer) {
+  return first_columns(a_[index(layer)], tokens_);
 }
 
 MutableMatrixView ActivationStore::delta(std::int64_t rows) {
@@ -132,7 +152,7 @@ ConstMatrixView ActivationStore::last_delta(std::int64_t rows) const {
 
 std::optional<ConstMatrixView> ActivationStore::targets() const {
   if (!has_targets_) return std::nullopt;
-  return targets_.view();
+  return first_columns(targets_, tokens_);
 }
 
 }  // namespace sluice
