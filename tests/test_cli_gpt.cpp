@@ -167,7 +167,8 @@ TEST_F(CliGpt, TheCosineDecayIsReportedAndKeptByTheCheckpoint) {
   const json constant = run_json(gpt() + "--steps 2 --lr-schedule constant");
   EXPECT_EQ(constant.value("lr_schedule", ""), "constant");
   EXPECT_EQ(constant.value("decay_steps", -1), 0);
-  expect_exit(run(gpt() + "--max-seconds 1 --lr-schedule cosine"), 2, "where the decay ends");
+  expect_exit(run(gpt() + "--max-seconds 1 --lr-schedule cosine"), 2,
+              "needs --steps, --horizon-steps or --decay-steps: where the decay ends");
   expect_exit(run(gpt() + "--steps 2 --lr-schedule constant --decay-steps 4"), 2,
               "--decay-steps needs --lr-schedule cosine");
   expect_exit(run(gpt() + "--steps 5 --warmup-steps 10"), 2, "must come after the warmup");

@@ -78,7 +78,8 @@ TEST_F(CliTrain, AnMlpDecaysItsLearningRateWhenAFlagAsks) {
       run_json("train --dataset synthetic --steps 2 --lr-schedule constant --resume " + ckpt);
   EXPECT_EQ(replaced.value("lr_schedule", ""), "constant");
   EXPECT_EQ(replaced.value("decay_steps", -1), 0);
-  expect_exit(run(kTrain + "--max-seconds 1 --lr-schedule cosine"), 2, "where the decay ends");
+  expect_exit(run(kTrain + "--max-seconds 1 --lr-schedule cosine"), 2,
+              "needs --epochs, --steps or --decay-steps: where the decay ends");
   expect_exit(run(run6 + "--lr-schedule constant --decay-steps 4"), 2,
               "--decay-steps needs --lr-schedule cosine");
 }

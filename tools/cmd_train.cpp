@@ -177,8 +177,8 @@ void set_mlp_decay(ModelMemory& memory, const TrainOptions& o, bool resuming,
   const std::int64_t planned_end = run_steps > 0 ? first + run_steps : 0;
   OptimizerConfig config = memory.optimizer();
   const std::string whose = o.resume.empty() ? "the store's" : "the checkpoint's";
-  config.decay =
-      resolve_decay(config.decay, o.gpt.decay, resuming, whose, first, planned_end, progress);
+  config.decay = resolve_decay(config.decay, o.gpt.decay, resuming, whose, first, planned_end,
+                               "--epochs, --steps", progress);
   memory.set_optimizer(config);
 }
 

@@ -102,7 +102,7 @@ void set_decay(ModelMemory& memory, const GptTrainOptions& o, std::ostream& prog
       horizon_given ? o.schedule.horizon_steps : (o.steps > 0 ? first + o.steps : 0);
   OptimizerConfig optimizer = memory.optimizer();
   optimizer.decay = resolve_decay(optimizer.decay, o.decay, !o.resume.empty(), "the checkpoint's",
-                                  first, planned_end, progress);
+                                  first, planned_end, "--steps, --horizon-steps", progress);
   memory.set_optimizer(optimizer);
 }
 

@@ -57,7 +57,8 @@ const char* decay_name(const LearningRateDecay& decay) {
 
 LearningRateDecay resolve_decay(const LearningRateDecay& stored, const DecayOptions& o,
                                 bool resuming, const std::string& whose, std::int64_t first_step,
-                                std::int64_t planned_end, std::ostream& progress) {
+                                std::int64_t planned_end, const std::string& end_flags,
+                                std::ostream& progress) {
   if (resuming && !decay_flags_given(o)) {
     progress << "learning rate: " << whose << ", " << describe(stored) << "\n";
     return stored;
@@ -70,9 +71,8 @@ LearningRateDecay resolve_decay(const LearningRateDecay& stored, const DecayOpti
   if (cosine) {
     d.decay_steps = given(o.decay_option) ? o.decay_steps : planned_end;
     if (d.decay_steps == 0 && given(o.schedule_option)) {
-      throw UsageError(
-          "--lr-schedule cosine needs --steps, --horizon-steps or --decay-steps: where the "
-          "decay ends");
+      throw UsageError("--lr-schedule cosine needs " + end_flags +
+                       " or --decay-steps: where the decay ends");
     }
   }
   const std::int64_t span = d.decay_steps > 0 ? d.decay_steps - first_step : 0;
@@ -87,7 +87,9 @@ LearningRateDecay resolve_decay(const LearningRateDecay& stored, const DecayOpti
                           : std::string()));
   }
   progress << "learning rate: " << describe(d)
-           << (cosine && d.decay_steps == 0 ? " (no --steps or --horizon-steps to decay over)" : "")
+           << (cosine && d.decay_steps == 0
+                   ? " (no " + end_flags + " or --decay-steps to decay over)"
+                   : "")
            << "\n";
   return d;
 }

@@ -35,11 +35,13 @@ bool decay_flags_given(const DecayOptions& o);
 /// The decay this run trains under: the stored one (`whose`: "the checkpoint's" or "the
 /// store's", for the message) when `resuming` and no flag is given,
 /// else made from the flags for training planned to end at step `planned_end` (counted
-/// from the model's first step; 0: unknown) of a model now at `first_step`. UsageError for
-/// flags that cannot make one; what was chosen is said on `progress`.
+/// from the model's first step; 0: unknown) of a model now at `first_step`; `end_flags`
+/// names the flags that set that end ("--steps, --horizon-steps"). UsageError for flags
+/// that cannot make one; what was chosen is said on `progress`.
 LearningRateDecay resolve_decay(const LearningRateDecay& stored, const DecayOptions& o,
                                 bool resuming, const std::string& whose, std::int64_t first_step,
-                                std::int64_t planned_end, std::ostream& progress);
+                                std::int64_t planned_end, const std::string& end_flags,
+                                std::ostream& progress);
 
 /// "cosine" or "constant" (warmup or not), for reports.
 const char* decay_name(const LearningRateDecay& decay);
