@@ -386,17 +386,20 @@ TEST_P(MaskUpdatesLikeHost, BitForBitAcrossUpdatesAndAReopen) {
     EXPECT_EQ(th.exec->totals().mask_updates, 3);
   }
   EXPECT_NE(masks(host), before);  // the masks did change
-  TieredModelMemory reopened(store, std::int64_t{1} << 30);
-  ASSERT_EQ(masks(host), masks(reopened));
-  expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
-  Trainer tt(reopened, 1, Precision::fp32);
-  Trainer th(host, 1, Precision::fp32, {}, kSizes.size() - 1, tt.order());
-  for (int s = 7; s < 9; ++s) {
-    th.step(data, s);
-    tt.step(data, s);
-    expect_bitwise_equal(snapshot(host), snapshot(reopened), "resumed step " + std::to_string(s));
+  {
+    TieredModelMemory reopened(store, std::int64_t{1} << 30);
+    ASSERT_EQ(masks(host), masks(reopened));
+    expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
+    Trainer tt(reopened, 1, Precision::fp32);
+    Trainer th(host, 1, Precision::fp32, {}, kSizes.size() - 1, tt.order());
+    for (int s = 7; s < 9; ++s) {
+      th.step(data, s);
+      tt.step(data, s);
+      expect_bitwise_equal(snapshot(host), snapshot(reopened), "resumed step " + std::to_string(s));
+    }
   }
-  // Only the files the manifest names are left: one pattern and one state file per layer.
+  // Closed (a commit's old files go on a thread of their own, which closing waits for),
+  // only the files the manifest names are left: one pattern and one state file per layer.
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(store), {}),
             static_cast<std::ptrdiff_t>(1 + 2 * (kSizes.size() - 1)));
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <system_error>
 
 #include "core/csr_matrix_access.hpp"
 #include "model_memory/layer_streams.hpp"
@@ -251,6 +252,19 @@ void TieredModelMemory::State::verify_layer(std::int32_t l) {
 
 // Files no manifest names: a killed step's new state files, a killed add_layer's pattern,
 // a manifest never renamed, gradients waiting for a commit that never came.
+void TieredModelMemory::State::remove_in_background(std::vector<std::filesystem::path> files) {
+  if (removing.valid()) removing.wait();
+  auto remove_all = [files = std::move(files)] {
+    for (const auto& f : files) remove_quietly(f);
+  };
+  try {
+    removing = std::async(std::launch::async, remove_all);
+  } catch (const std::system_error&) {  // no thread to be had: here, then
+    removing = {};
+    remove_all();
+  }
+}
+
 void TieredModelMemory::State::remove_leftovers() {
   std::set<std::filesystem::path> keep{detail::manifest_path(dir)};
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(manifest.layers.size()); ++l) {

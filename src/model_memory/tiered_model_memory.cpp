@@ -384,7 +384,7 @@ StepReport TieredModelMemory::commit_step_impl() {
     if (l.pending.spilled) remove_quietly(spill_path(st.dir, i));
     l.pending = {};
   }
-  for (const auto& f : old_files) remove_quietly(f);
+  st.remove_in_background(std::move(old_files));
   report.applied = true;
   report.step = st.manifest.step;
   finish();

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -216,6 +217,14 @@ struct TieredModelMemory::State {
   void drop_transposed(std::int32_t l);
   void verify_layer(std::int32_t l);
   void remove_leftovers();
+  /// Removes `files` (a committed step's old generation, which the manifest no longer
+  /// names) on a thread of its own, after the removal before it: freeing a large file's
+  /// blocks takes the file system a while, and the next step need not wait for it. A kill
+  /// leaves them to the next open's remove_leftovers.
+  void remove_in_background(std::vector<std::filesystem::path> files);
+
+  // Last, so that it is waited for first when the store goes.
+  std::future<void> removing;  ///< remove_in_background's last removal
 };
 
 }  // namespace sluice
