@@ -51,6 +51,7 @@ class PieceReads {
 #endif
     buffers_.reset(static_cast<std::byte*>(
         ::operator new (depth() * kPieceBytes, std::align_val_t{kDirectAlign})));
+    ask_for_huge_pages(buffers_.get(), depth() * kPieceBytes);  // as PhasedBuffer's
   }
   ~PieceReads() {
 #ifdef SLUICE_HAVE_LIBURING

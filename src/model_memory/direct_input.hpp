@@ -15,6 +15,8 @@
 #include <span>
 #include <string>
 
+#include "core/huge_pages.hpp"
+
 namespace sluice::detail {
 
 /// O_DIRECT's alignment of file offsets, lengths and memory: the page size, which every
@@ -53,7 +55,11 @@ class PhasedBuffer {
       : memory_(static_cast<std::byte*>(
             ::operator new (count * sizeof(T) + 2 * kDirectAlign, std::align_val_t{kDirectAlign}))),
         data_(reinterpret_cast<T*>(memory_.get() + phase)),
-        size_(count) {}
+        size_(count) {
+    // In huge pages where the kernel allows: a direct transfer's request holds a bounded
+    // number of memory segments, so from 4 KiB pages the device gets many small requests.
+    ask_for_huge_pages(memory_.get(), count * sizeof(T) + 2 * kDirectAlign);
+  }
   T* data() { return data_; }
   const T* data() const { return data_; }
   std::size_t size() const { return size_; }
