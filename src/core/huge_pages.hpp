@@ -1,6 +1,7 @@
 #pragma once
 // Memory in 2 MiB pages where the kernel allows: the engine's resident tiles (read at
-// random rows) and stream chunks (read by other processes, which pin every page).
+// random rows), stream chunks (read by other processes, which pin every page), and the
+// model store's large buffers (direct transfers, and layers reloaded every step).
 // Internal.
 #include <cstddef>
 #include <cstdint>

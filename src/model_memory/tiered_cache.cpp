@@ -250,8 +250,6 @@ void TieredModelMemory::State::verify_layer(std::int32_t l) {
   }
 }
 
-// Files no manifest names: a killed step's new state files, a killed add_layer's pattern,
-// a manifest never renamed, gradients waiting for a commit that never came.
 void TieredModelMemory::State::remove_in_background(std::vector<std::filesystem::path> files) {
   if (removing.valid()) removing.wait();
   auto remove_all = [files = std::move(files)] {
@@ -265,6 +263,8 @@ void TieredModelMemory::State::remove_in_background(std::vector<std::filesystem:
   }
 }
 
+// Files no manifest names: a killed step's new state files, a killed add_layer's pattern,
+// a manifest never renamed, gradients waiting for a commit that never came.
 void TieredModelMemory::State::remove_leftovers() {
   std::set<std::filesystem::path> keep{detail::manifest_path(dir)};
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(manifest.layers.size()); ++l) {
