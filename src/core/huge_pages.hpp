@@ -21,21 +21,9 @@ inline constexpr std::size_t whole_huge_pages(std::size_t bytes) {
   return (bytes + kHugePage - 1) / kHugePage * kHugePage;
 }
 
-/// At least `bytes`, rounded up to whole 2 MiB pages, 2 MiB aligned and asked to be in
-/// huge pages (a hint: fine if refused). Free with std::free. Throws std::bad_alloc.
-inline void* allocate_huge_pages(std::size_t bytes) {
-  bytes = whole_huge_pages(bytes);
-  void* p = std::aligned_alloc(kHugePage, bytes);
-  if (p == nullptr) throw std::bad_alloc();
-#if defined(__linux__)
-  ::madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-  return p;
-}
-
 /// Asks that the whole 2 MiB pages inside [p, p + bytes) of memory not yet touched be huge
 /// pages (a hint: fine if refused): touching them then costs a page fault per 2 MiB
-/// instead of one per 4 KiB. For buffers whose allocator the caller cannot choose.
+/// instead of one per 4 KiB. (allocate_huge_pages for memory the caller allocates here.)
 inline void ask_for_huge_pages(void* p, std::size_t bytes) {
 #if defined(__linux__)
   const auto begin = (reinterpret_cast<std::uintptr_t>(p) + kHugePage - 1) / kHugePage * kHugePage;
@@ -45,6 +33,16 @@ inline void ask_for_huge_pages(void* p, std::size_t bytes) {
   (void)p;
   (void)bytes;
 #endif
+}
+
+/// At least `bytes`, rounded up to whole 2 MiB pages, 2 MiB aligned and asked to be in
+/// huge pages (a hint: fine if refused). Free with std::free. Throws std::bad_alloc.
+inline void* allocate_huge_pages(std::size_t bytes) {
+  bytes = whole_huge_pages(bytes);
+  void* p = std::aligned_alloc(kHugePage, bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  ask_for_huge_pages(p, bytes);
+  return p;
 }
 
 }  // namespace sluice::detail
