@@ -5,8 +5,9 @@
 // Measures the raw sequential read and write rate of DIR's file system (a scratch file
 // written with 8 MiB pwrites and fsync'd, and another with 8 MiB O_DIRECT pwrites as the
 // store writes its state files; the first read with 8 MiB preads after dropping its
-// pages, as the store reads, and again through io_uring with 4 reads of 8 MiB in flight,
-// where liburing is found, to see whether it would pay), then trains a model in DIR/store
+// pages, and, where liburing is found, through io_uring with 4 reads of 8 MiB in flight,
+// through the page cache and with O_DIRECT as the store reads; direct transfers go from
+// and to memory in 2 MiB pages, as the store's do), then trains a model in DIR/store
 // (created on the first run, resumed after) for `steps` steps per round, alternating with
 // the raw measures, and prints per round: step time, the engines' compute time, the
 // store's read rate (bytes over the time its reads took, CRC checks included) and its
@@ -16,6 +17,7 @@
 // creating the store builds each layer whole, its transpose too, which is not what
 // training holds). JSON on stdout, progress on stderr. Deletes the scratch files.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 #ifdef SLUICE_HAVE_LIBURING
@@ -48,10 +50,29 @@ double since(Clock::time_point t) {
 
 struct Raw {
   double read_bytes_per_s = 0, write_bytes_per_s = 0;
-  double uring_read_bytes_per_s = 0;    ///< 0 without liburing
-  double direct_write_bytes_per_s = 0;  ///< 0 where the file system refuses O_DIRECT
-  double best_read() const { return std::max(read_bytes_per_s, uring_read_bytes_per_s); }
+  double uring_read_bytes_per_s = 0;         ///< 0 without liburing
+  double uring_direct_read_bytes_per_s = 0;  ///< 0 without liburing or O_DIRECT
+  double direct_write_bytes_per_s = 0;       ///< 0 where the file system refuses O_DIRECT
+  double best_read() const {
+    return std::max({read_bytes_per_s, uring_read_bytes_per_s, uring_direct_read_bytes_per_s});
+  }
   double best_write() const { return std::max(write_bytes_per_s, direct_write_bytes_per_s); }
+};
+
+// Memory for direct transfers, in 2 MiB pages where the kernel gives them: a request to the
+// device holds a bounded number of memory segments, so from 4 KiB pages a large transfer
+// goes as several small requests (the store asks for huge pages for the same reason).
+struct HugeBlock {
+  std::byte* p;
+  explicit HugeBlock(std::size_t bytes)
+      : p(static_cast<std::byte*>(std::aligned_alloc(std::size_t{2} << 20, bytes))) {
+    if (p == nullptr) throw std::bad_alloc();
+    ::madvise(p, bytes, MADV_HUGEPAGE);
+    std::memset(p, 7, bytes);
+  }
+  ~HugeBlock() { std::free(p); }
+  HugeBlock(const HugeBlock&) = delete;
+  HugeBlock& operator=(const HugeBlock&) = delete;
 };
 
 // The store writes its state files' whole blocks with O_DIRECT: the same file written so,
@@ -59,8 +80,8 @@ struct Raw {
 double direct_write(const std::filesystem::path& path, std::uint64_t bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);
   if (fd < 0) return 0;
-  void* block = std::aligned_alloc(4096, kBlock);
-  std::memset(block, 7, kBlock);
+  const HugeBlock huge(kBlock);
+  std::byte* const block = huge.p;
   const auto t0 = Clock::now();
   std::uint64_t at = 0;
   for (; at < bytes; at += kBlock) {
@@ -69,7 +90,6 @@ double direct_write(const std::filesystem::path& path, std::uint64_t bytes) {
   ::fsync(fd);
   const double rate = at < bytes ? 0 : static_cast<double>(bytes) / since(t0);
   ::close(fd);
-  std::free(block);
   std::filesystem::remove(path);
   return rate;
 }
@@ -83,12 +103,22 @@ int open_uncached(const std::filesystem::path& path) {
 }
 
 #ifdef SLUICE_HAVE_LIBURING
-// The same file read in 8 MiB blocks with `depth` reads in flight through io_uring.
-double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsigned depth) {
+// The same file read in 8 MiB blocks with `depth` reads in flight through io_uring, with
+// O_DIRECT or through the page cache.
+double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsigned depth,
+                  bool direct) {
   io_uring ring;
   if (io_uring_queue_init(depth, &ring, 0) != 0) return 0;  // no io_uring in this kernel
-  std::vector<std::vector<char>> blocks(depth, std::vector<char>(kBlock));
+  const HugeBlock memory(depth * kBlock);
+  std::vector<std::byte*> blocks;
+  for (unsigned i = 0; i < depth; ++i) blocks.push_back(memory.p + i * kBlock);
   const int fd = open_uncached(path);
+  const int direct_fd = direct ? ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC) : -1;
+  if (direct && direct_fd < 0) {  // the file system refuses O_DIRECT
+    ::close(fd);
+    io_uring_queue_exit(&ring);
+    return 0;
+  }
   const auto t0 = Clock::now();
   std::uint64_t next = 0, done = 0;
   std::vector<unsigned> free_blocks;
@@ -98,7 +128,7 @@ double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsign
       const unsigned b = free_blocks.back();
       free_blocks.pop_back();
       io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-      io_uring_prep_read(sqe, fd, blocks[b].data(), kBlock, next);
+      io_uring_prep_read(sqe, direct ? direct_fd : fd, blocks[b], kBlock, next);
       io_uring_sqe_set_data64(sqe, b);
       next += kBlock;
     }
@@ -114,6 +144,7 @@ double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsign
   const double rate = static_cast<double>(bytes) / since(t0);
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
   ::close(fd);
+  if (direct_fd >= 0) ::close(direct_fd);
   io_uring_queue_exit(&ring);
   return rate;
 }
@@ -136,8 +167,11 @@ Raw raw_sequential(const std::filesystem::path& path, std::uint64_t bytes, bool 
   ::close(fd);
   r.direct_write_bytes_per_s = direct_write(path.string() + ".direct", bytes);
 #ifdef SLUICE_HAVE_LIBURING
-  // Alternated by round: each reader goes first as often as the other.
-  if (uring_first) r.uring_read_bytes_per_s = uring_read(path, bytes, 4);
+  // Alternated by round: each reader goes first as often as the others.
+  if (uring_first) {
+    r.uring_read_bytes_per_s = uring_read(path, bytes, 4, false);
+    r.uring_direct_read_bytes_per_s = uring_read(path, bytes, 4, true);
+  }
 #endif
   fd = open_uncached(path);
   t0 = Clock::now();
@@ -149,7 +183,10 @@ Raw raw_sequential(const std::filesystem::path& path, std::uint64_t bytes, bool 
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
   ::close(fd);
 #ifdef SLUICE_HAVE_LIBURING
-  if (!uring_first) r.uring_read_bytes_per_s = uring_read(path, bytes, 4);
+  if (!uring_first) {
+    r.uring_direct_read_bytes_per_s = uring_read(path, bytes, 4, true);
+    r.uring_read_bytes_per_s = uring_read(path, bytes, 4, false);
+  }
 #endif
   return r;
 }
@@ -261,14 +298,15 @@ int run(int argc, char** argv) {
     const double disk = read_bytes / raw.best_read() + write_bytes / raw.best_write();
     std::printf(
         "    {\"raw_read_bytes_per_s\": %.4g, \"raw_uring_read_bytes_per_s\": %.4g, "
+        "\"raw_uring_direct_read_bytes_per_s\": %.4g, "
         "\"raw_write_bytes_per_s\": %.4g, \"raw_direct_write_bytes_per_s\": %.4g, "
         "\"store_read_bytes_per_s\": %.4g, \"store_read_fraction_of_raw\": %.3f, "
         "\"step_seconds\": %.3f, \"compute_seconds\": %.3f, \"disk_seconds_at_raw\": %.3f, "
         "\"step_over_max\": %.3f, \"read_bytes_per_step\": %.4g, \"write_bytes_per_step\": "
         "%.4g, \"wait_seconds_per_step\": %.3f, \"read_seconds_per_step\": %.3f, "
         "\"write_seconds_per_step\": %.3f, \"optimizer_seconds_per_step\": %.3f}%s\n",
-        raw.read_bytes_per_s, raw.uring_read_bytes_per_s, raw.write_bytes_per_s,
-        raw.direct_write_bytes_per_s, read_bytes / read_seconds,
+        raw.read_bytes_per_s, raw.uring_read_bytes_per_s, raw.uring_direct_read_bytes_per_s,
+        raw.write_bytes_per_s, raw.direct_write_bytes_per_s, read_bytes / read_seconds,
         read_bytes / read_seconds / raw.best_read(), wall, compute, disk,
         wall / std::max(compute, disk), read_bytes, write_bytes,
         (after.wait_seconds - before.wait_seconds) / steps, read_seconds,
