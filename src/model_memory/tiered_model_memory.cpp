@@ -444,8 +444,7 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
   std::lock_guard lock(c.placement_mutex);
   c.column_counts = std::move(column_counts);
   for (auto& [lanes, p] : c.placements) p = round_robin_placement(c.column_counts, lanes);
-  remove_quietly(old_pattern);
-  remove_quietly(old_state);
+  st.remove_in_background({old_pattern, old_state});  // as a step's commit does
 }
 
 void TieredModelMemory::commit_counters() {
