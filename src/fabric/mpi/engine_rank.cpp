@@ -106,9 +106,11 @@ void EngineRank::run_on_stream(const Command& cmd, const StreamHeader& header, F
   });
   // Blocks on the engine's future between polls (woken the moment it is done) rather than
   // yielding: a thread that yields in a loop stays runnable, and where ranks share cores it
-  // takes turns on the engine's core with the engine's own thread for the whole pass.
+  // takes turns on the engine's core with the engine's own thread for the whole pass. The
+  // polls only answer roll calls (which wait seconds), so they are far apart: each wakes
+  // this thread on the engine's core.
   auto finished = [&] {
-    return done.wait_for(std::chrono::milliseconds(1)) == std::future_status::ready;
+    return done.wait_for(std::chrono::milliseconds(20)) == std::future_status::ready;
   };
   try {
     frames_.receive(cmd.first, header.precision, channel);
