@@ -17,7 +17,6 @@
 // creating the store builds each layer whole, its transpose too, which is not what
 // training holds). JSON on stdout, progress on stderr. Deletes the scratch files.
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 #ifdef SLUICE_HAVE_LIBURING
@@ -30,12 +29,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <new>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core/huge_pages.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/tiered_model_memory.hpp"
@@ -60,33 +60,30 @@ struct Raw {
   double best_write() const { return std::max(write_bytes_per_s, direct_write_bytes_per_s); }
 };
 
-// Memory for direct transfers, in 2 MiB pages where the kernel gives them: a request to the
-// device holds a bounded number of memory segments, so from 4 KiB pages a large transfer
-// goes as several small requests (the store asks for huge pages for the same reason).
-struct HugeBlock {
-  std::byte* p;
-  explicit HugeBlock(std::size_t bytes)
-      : p(static_cast<std::byte*>(std::aligned_alloc(std::size_t{2} << 20, bytes))) {
-    if (p == nullptr) throw std::bad_alloc();
-    ::madvise(p, bytes, MADV_HUGEPAGE);
-    std::memset(p, 7, bytes);
-  }
-  ~HugeBlock() { std::free(p); }
-  HugeBlock(const HugeBlock&) = delete;
-  HugeBlock& operator=(const HugeBlock&) = delete;
+// Memory for direct transfers, in 2 MiB pages where the kernel gives them (as the store's
+// buffers are: a request to the device holds a bounded number of memory segments), faulted
+// in before any timing.
+struct FreeHuge {
+  void operator()(std::byte* p) const { std::free(p); }
 };
+using HugeBlock = std::unique_ptr<std::byte, FreeHuge>;
+HugeBlock huge_block(std::size_t bytes) {
+  HugeBlock block(static_cast<std::byte*>(sluice::detail::allocate_huge_pages(bytes)));
+  std::memset(block.get(), 7, bytes);
+  return block;
+}
 
 // The store writes its state files' whole blocks with O_DIRECT: the same file written so,
 // 8 MiB at a time from an aligned buffer, then fsync'd.
 double direct_write(const std::filesystem::path& path, std::uint64_t bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);
   if (fd < 0) return 0;
-  const HugeBlock huge(kBlock);
-  std::byte* const block = huge.p;
+  const HugeBlock block = huge_block(kBlock);
   const auto t0 = Clock::now();
   std::uint64_t at = 0;
   for (; at < bytes; at += kBlock) {
-    if (::pwrite(fd, block, kBlock, static_cast<off_t>(at)) != static_cast<ssize_t>(kBlock)) break;
+    if (::pwrite(fd, block.get(), kBlock, static_cast<off_t>(at)) != static_cast<ssize_t>(kBlock))
+      break;
   }
   ::fsync(fd);
   const double rate = at < bytes ? 0 : static_cast<double>(bytes) / since(t0);
@@ -110,9 +107,7 @@ double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsign
                   bool direct) {
   io_uring ring;
   if (io_uring_queue_init(depth, &ring, 0) != 0) return 0;  // no io_uring in this kernel
-  const HugeBlock memory(depth * kBlock);
-  std::vector<std::byte*> blocks;
-  for (unsigned i = 0; i < depth; ++i) blocks.push_back(memory.p + i * kBlock);
+  const HugeBlock blocks = huge_block(depth * kBlock);
   const int fd = open_uncached(path);
   const int direct_fd = direct ? ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC) : -1;
   if (direct && direct_fd < 0) {  // the file system refuses O_DIRECT
@@ -129,7 +124,7 @@ double uring_read(const std::filesystem::path& path, std::uint64_t bytes, unsign
       const unsigned b = free_blocks.back();
       free_blocks.pop_back();
       io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-      io_uring_prep_read(sqe, direct ? direct_fd : fd, blocks[b], kBlock, next);
+      io_uring_prep_read(sqe, direct ? direct_fd : fd, blocks.get() + b * kBlock, kBlock, next);
       io_uring_sqe_set_data64(sqe, b);
       next += kBlock;
     }
