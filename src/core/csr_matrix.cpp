@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "core/huge_pages.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
@@ -228,8 +229,8 @@ TransposedPattern transposed_pattern(const CsrMatrix& w) {
   t.row_offsets.assign(static_cast<std::size_t>(t.rows) + 1, 0);
   for (const std::uint32_t c : w.col_indices()) ++t.row_offsets[c + 1];
   std::partial_sum(t.row_offsets.begin(), t.row_offsets.end(), t.row_offsets.begin());
-  t.col_indices.resize(static_cast<std::size_t>(w.nnz()));
-  t.source.resize(static_cast<std::size_t>(w.nnz()));
+  detail::resize_for_overwrite(t.col_indices, static_cast<std::size_t>(w.nnz()));
+  detail::resize_for_overwrite(t.source, static_cast<std::size_t>(w.nnz()));
   std::vector<std::int64_t> next(t.row_offsets.begin(), t.row_offsets.end() - 1);
   const auto& offsets = w.row_offsets();
   const auto& indices = w.col_indices();

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/huge_pages.hpp"
 #include "sluice/csr_matrix.hpp"
 
 namespace sluice::detail {
@@ -20,20 +19,5 @@ struct CsrMatrixAccess {
     m.cols_ = cols;
   }
 };
-
-/// Makes `v` hold `n` elements for the caller to overwrite, keeping its memory where it has
-/// room for them and is not much larger (a larger buffer kept would hold memory the model
-/// store's budget does not count); only elements beyond its old size are value-initialised.
-/// New memory is asked to be in huge pages: a layer's arrays are tens of megabytes, read
-/// in whole, and a 4 KiB page fault per page of them was most of a reload's time.
-template <typename T>
-void resize_for_overwrite(std::vector<T>& v, std::size_t n) {
-  if (v.capacity() < n || v.capacity() - n > n / 4 + 1024) {
-    std::vector<T>().swap(v);
-    v.reserve(n);
-    ask_for_huge_pages(v.data(), n * sizeof(T));
-  }
-  v.resize(n);
-}
 
 }  // namespace sluice::detail

@@ -1,12 +1,14 @@
 #pragma once
 // Memory in 2 MiB pages where the kernel allows: the engine's resident tiles (read at
-// random rows), stream chunks (read by other processes, which pin every page), and the
-// model store's large buffers (direct transfers, and layers reloaded every step).
+// random rows), stream chunks (read by other processes, which pin every page), the model
+// store's large buffers (direct transfers, and layers reloaded every step), and the large
+// arrays a training step writes whole (activations, the optimizer's update and state).
 // Internal.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -43,6 +45,22 @@ inline void* allocate_huge_pages(std::size_t bytes) {
   if (p == nullptr) throw std::bad_alloc();
   ask_for_huge_pages(p, bytes);
   return p;
+}
+
+/// Makes `v` hold `n` elements for the caller to overwrite, keeping its memory where it has
+/// room for them and is not much larger (a larger buffer kept would hold memory the model
+/// store's budget does not count); only elements beyond its old size are value-initialised.
+/// New memory is asked to be in huge pages: a layer's arrays are tens of megabytes, written
+/// in whole, and a 4 KiB page fault per page of them was most of a model store's reload
+/// and of a first training step.
+template <typename T>
+void resize_for_overwrite(std::vector<T>& v, std::size_t n) {
+  if (v.capacity() < n || v.capacity() - n > n / 4 + 1024) {
+    std::vector<T>().swap(v);
+    v.reserve(n);
+    ask_for_huge_pages(v.data(), n * sizeof(T));
+  }
+  v.resize(n);
 }
 
 }  // namespace sluice::detail

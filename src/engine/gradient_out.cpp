@@ -1,5 +1,6 @@
 #include "engine/gradient_out.hpp"
 
+#include "core/huge_pages.hpp"
 #include "core/parallel.hpp"
 #include "sluice/error.hpp"
 #include "stream/stream_check.hpp"
@@ -18,7 +19,8 @@ GradientOut::GradientOut(EngineState& engine, const BackwardPlan& plan, std::int
       gradient_(most_chunks_),
       partials_(static_cast<std::size_t>(blocks_), std::vector<float*>(most_chunks_)) {
   const std::size_t wanted = static_cast<std::size_t>(blocks_) * block_packets_;
-  if (engine.gradient_scratch.size() < wanted) engine.gradient_scratch.resize(wanted);
+  if (engine.gradient_scratch.size() < wanted)
+    resize_for_overwrite(engine.gradient_scratch, wanted);
 }
 
 void GradientOut::add(std::size_t c) {

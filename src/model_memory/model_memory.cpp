@@ -1,6 +1,7 @@
 #include "sluice/model_memory.hpp"
 
 #include <tbb/blocked_range.h>
+#include "core/huge_pages.hpp"
 #include "core/parallel.hpp"
 
 #include <algorithm>
@@ -270,7 +271,8 @@ void reset_optimizer_state(HostLayer& layer, int slots) {
   const auto nnz = static_cast<std::size_t>(layer.weights.nnz());
   for (int s = 0; s < kMaxOptimizerSlots; ++s) {
     if (s < slots) {
-      layer.state[s].assign(nnz, 0.0F);
+      layer.state[s].clear();  // zeros: resize_for_overwrite value-initialises new elements
+      resize_for_overwrite(layer.state[s], nnz);
       layer.bias_state[s].assign(layer.bias.size(), 0.0F);
     } else {
       layer.state[s] = {};
@@ -292,10 +294,10 @@ void compute_update(HostLayer& layer, const OptimizerConfig& config, double lear
   const int slots = optimizer_slot_count(config.kind);
   const auto nnz = layer.weights.values().size();
   const auto bias_size = layer.bias.size();
-  p.new_values.resize(nnz);
+  resize_for_overwrite(p.new_values, nnz);
   p.new_bias.resize(bias_size);
   for (int s = 0; s < slots; ++s) {
-    p.new_state[s].resize(nnz);
+    resize_for_overwrite(p.new_state[s], nnz);
     p.new_bias_state[s].resize(bias_size);
   }
   const UpdateScalars scalars =
@@ -405,7 +407,7 @@ void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStrea
                      " already has a gradient for this step (commit_step first)");
   }
 
-  p.gradient.resize(l.weights.values().size());
+  detail::resize_for_overwrite(p.gradient, l.weights.values().size());  // scan_gradient writes all
   const TransposedPattern* t = gradient.header.by_input() ? &transposed_impl(layer) : nullptr;
   double sum_of_squares = detail::scan_gradient(layer, gradient, l.weights, t, p.gradient.data());
   p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/csr_matrix_access.hpp"
+#include "core/huge_pages.hpp"
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/schedule_section.hpp"
 
