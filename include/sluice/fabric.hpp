@@ -51,7 +51,8 @@ struct BlockResult {
   LossSums loss;             ///< summed in engine order (the loss operation)
 };
 
-/// One engine's bias gradient: the row sums of its dY, accumulated in double.
+/// One engine's bias gradient: the row sums of its dY, accumulated in double (in eight
+/// partial sums, over every eighth column, added in a fixed order: the same on every CPU).
 std::vector<float> bias_gradient(ConstMatrixView dy);
 
 /// What the driver's side of a fabric (the caller of its operations; over MPI rank 0)
