@@ -12,6 +12,7 @@
 #include "reference.hpp"
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"  // beside sparse_linear.hpp: their names must not clash
+#include "sluice/fabric.hpp"
 #include "test_support.hpp"
 
 namespace sluice {
@@ -115,6 +116,7 @@ TEST_P(SparseLinearShapes, MatchesReference) {
   EXPECT_LT(backward_weight_error(w, dy, x, g.weights), kTolerance);
   ASSERT_EQ(g.bias.size(), static_cast<std::size_t>(s.out));
   EXPECT_LT(bias_gradient_error(dy, g.bias), kTolerance);
+  EXPECT_EQ(g.bias, bias_gradient(dy));  // what an engine of a training run sums, bit for bit
 
   // Without dX the mask alone is streamed (by output): the same weight gradient.
   const SparseLinearGradient g2 = layer.backward(engine, x_in, dy_in, nullptr, options);

@@ -10,6 +10,7 @@
 
 #include "core/parallel.hpp"
 #include "sluice/error.hpp"
+#include "sluice/fabric.hpp"
 
 namespace sluice {
 
@@ -102,16 +103,16 @@ void add_bias(MutableMatrixView y, std::span<const float> bias) {
                               });
 }
 
-/// db[o] = sum over tokens of dY[o, :], summed in double so the order does not matter.
+/// db[o] = sum over tokens of dY[o, :]: the fabric's bias gradient (so the layer's equals one
+/// engine's in a training run bit for bit), over ranges of rows on the caller's threads.
 std::vector<float> row_sums(ConstMatrixView dy) {
   std::vector<float> sums(static_cast<std::size_t>(dy.rows));
   detail::parallel_for_ranges(0, sums.size(), 16, [&](std::size_t lo, std::size_t hi) {
-    for (std::size_t o = lo; o < hi; ++o) {
-      const float* row = dy.row(static_cast<std::int64_t>(o));
-      double s = 0;
-      for (std::int64_t t = 0; t < dy.cols; ++t) s += row[t];
-      sums[o] = static_cast<float>(s);
-    }
+    const auto first = static_cast<std::int64_t>(lo);
+    const ConstMatrixView rows{dy.row(first), static_cast<std::int64_t>(hi) - first, dy.cols,
+                               dy.stride};
+    const std::vector<float> part = bias_gradient(rows);
+    std::copy(part.begin(), part.end(), sums.begin() + static_cast<std::ptrdiff_t>(lo));
   });
   return sums;
 }
