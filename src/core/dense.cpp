@@ -33,12 +33,10 @@ DenseMatrix::DenseMatrix(std::int64_t rows, std::int64_t cols) : rows_(rows), co
   // A large matrix (a step's activations) is touched for the first time here, and a page
   // fault per 4 KiB is a large part of a short run's first step where faults are slow (in
   // virtual machines most of all); in 2 MiB pages it is one fault per 512 of them.
-  const bool large = bytes >= kLargeBytes;
-  const std::size_t alignment = large ? detail::kHugePage : 64;
-  auto* p = static_cast<float*>(
-      std::aligned_alloc(alignment, (bytes + alignment - 1) / alignment * alignment));
+  auto* p =
+      static_cast<float*>(bytes >= kLargeBytes ? detail::allocate_huge_pages(bytes)
+                                               : std::aligned_alloc(64, (bytes + 63) / 64 * 64));
   if (p == nullptr) throw std::bad_alloc();
-  if (large) detail::ask_for_huge_pages(p, bytes);
   std::memset(p, 0, bytes);
   data_.reset(p);
 }
