@@ -27,15 +27,15 @@ DenseMatrix::DenseMatrix(std::int64_t rows, std::int64_t cols) : rows_(rows), co
     throw ShapeError("DenseMatrix: negative shape " + std::to_string(rows) + "x" +
                      std::to_string(cols));
   }
-  // 16 floats = one 64-byte cache line: every row starts on a line.
+  // 16 floats = one 64-byte cache line: every row starts on a line, and the size is a
+  // whole number of lines, as aligned_alloc wants.
   stride_ = (cols + 15) / 16 * 16;
   const std::size_t bytes = std::max<std::size_t>(64, sizeof(float) * rows * stride_);
   // A large matrix (a step's activations) is touched for the first time here, and a page
   // fault per 4 KiB is a large part of a short run's first step where faults are slow (in
   // virtual machines most of all); in 2 MiB pages it is one fault per 512 of them.
-  auto* p =
-      static_cast<float*>(bytes >= kLargeBytes ? detail::allocate_huge_pages(bytes)
-                                               : std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  auto* p = static_cast<float*>(bytes >= kLargeBytes ? detail::allocate_huge_pages(bytes)
+                                                     : std::aligned_alloc(64, bytes));
   if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, bytes);
   data_.reset(p);
