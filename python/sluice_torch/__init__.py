@@ -10,6 +10,12 @@ forward, for gradient checks). The values (one per mask position) and the bias a
 parameters for a torch optimizer; with ``sluice_optimizer="adam"`` (or "sgd", "adamw")
 they stay in sluice's ModelMemory instead: backward hands it the gradient and
 ``layer.step()`` applies it.
+
+``state_dict()`` holds the mask too (``mask_indices``: the values' flat positions
+row * in_features + column), and the values and bias also of a sluice_optimizer layer;
+``load_state_dict`` takes that mask, so a layer built with another mask (another seed)
+loads to compute what the saved one did. A sluice_optimizer layer's optimizer state is not
+in it and starts afresh, as a torch optimizer's does without its own state_dict.
 """
 import math
 import os
@@ -52,10 +58,12 @@ class SparseLinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         owned = sluice_optimizer is not None
+        self._optimizer = (sluice_optimizer or "adam", lr, weight_decay)
+        self._has_bias = _bias is not None
         self.layer = torch.ops.sluice.make_layer(
             _weight.detach().float(), None if _mask is None else _mask.detach().float(),
             sparsity, None if _bias is None else _bias.detach().float(), owned,
-            sluice_optimizer or "adam", lr, weight_decay)
+            *self._optimizer)
         if owned:
             # No parameters: an empty tensor that wants a gradient stands in for the
             # values, so that autograd runs the backward (which submits the gradient).
@@ -93,6 +101,66 @@ class SparseLinear(torch.nn.Module):
 
     def mask(self):
         return self.layer.mask()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "mask_indices"] = self.layer.mask_indices()
+        if self.layer.sluice_owned():
+            destination[prefix + "values"] = self.layer.values()
+            if self._has_bias:
+                destination[prefix + "bias"] = self.layer.bias()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        owned = self.layer.sluice_owned()
+        indices = state_dict.get(prefix + "mask_indices")
+        values = state_dict.get(prefix + "values")
+        bias = state_dict.get(prefix + "bias")
+        if not self._has_bias:
+            bias = None  # (strict: super() reports it unexpected)
+        elif bias is None:  # (strict: reported missing, by super() or below)
+            bias = self.layer.bias() if owned else self.bias
+        if indices is None:  # saved before the mask was: its values are for this mask
+            if strict and not owned:  # (an owned layer's missing keys are listed below)
+                missing_keys.append(prefix + "mask_indices")
+        elif problem := self._state_problem(indices, values, bias):
+            error_msgs.append(f"sluice SparseLinear {prefix or '(top)'}: {problem}")
+            return
+        elif owned or not torch.equal(indices, self.layer.mask_indices()):
+            n = self.in_features * self.out_features
+            weight, mask = torch.zeros(n), torch.zeros(n)
+            weight[indices] = values.detach().float()
+            mask[indices] = 1.0
+            self.layer = torch.ops.sluice.make_layer(
+                weight.view(self.out_features, -1), mask.view(self.out_features, -1), 0.0,
+                None if bias is None else bias.detach().float(), owned, *self._optimizer)
+            if not owned:  # sized for the new mask; the values are copied in below
+                self.values.data = torch.empty(values.numel())
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # An owned layer has no parameters: its saved values and bias are ours, as the mask.
+        ours = {prefix + "mask_indices"}
+        if owned:
+            ours |= {prefix + "values"} | ({prefix + "bias"} if self._has_bias else set())
+            if strict:
+                missing_keys.extend(k for k in sorted(ours) if k not in state_dict)
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]
+
+    def _state_problem(self, indices, values, bias):
+        """What is wrong with a saved mask, values and bias for this layer (None: fine)."""
+        n = self.in_features * self.out_features
+        if values is None:
+            return "values missing"
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            return f"bias of shape {tuple(bias.shape)} for {self.out_features} outputs"
+        if indices.dtype != torch.int64 or indices.dim() != 1:
+            return "mask_indices must be a 1-D int64 tensor"
+        if values.dim() != 1 or values.numel() != indices.numel():
+            return f"{tuple(values.shape)} values for {indices.numel()} mask positions"
+        if indices.numel() and (indices[0] < 0 or indices[-1] >= n or
+                                bool((indices[1:] <= indices[:-1]).any())):
+            return f"mask_indices are not increasing positions below {n}"
+        return None
 
     def extra_repr(self):
         nnz = self.layer.nnz()

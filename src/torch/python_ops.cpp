@@ -61,6 +61,7 @@ TORCH_LIBRARY(sluice, m) {
       .def("values", &LayerBinding::values)
       .def("bias", &LayerBinding::bias)
       .def("mask", &LayerBinding::mask)
+      .def("mask_indices", &LayerBinding::mask_indices)
       .def("dense", &LayerBinding::dense)
       .def("in_features",
            [](const c10::intrusive_ptr<LayerBinding>& self) { return self->layer().in_features(); })

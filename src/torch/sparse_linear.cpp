@@ -144,20 +144,26 @@ Tensor LayerBinding::mask() const {
   return dense(::torch::ones({layer_.nnz()}, ::torch::kFloat)).to(::torch::kBool);
 }
 
+Tensor LayerBinding::mask_indices() const {
+  const CsrMatrix& w = layer_.weights();
+  Tensor flat = ::torch::empty({w.nnz()}, ::torch::kLong);
+  auto* at = flat.data_ptr<std::int64_t>();
+  for (std::int64_t r = 0; r < w.rows(); ++r) {
+    for (std::int64_t k = w.row_offsets()[r]; k < w.row_offsets()[r + 1]; ++k) {
+      at[k] = r * w.cols() + w.col_indices()[k];
+    }
+  }
+  return flat;
+}
+
 Tensor LayerBinding::dense(const Tensor& values) const {
   const CsrMatrix& w = layer_.weights();
   if (values.dim() != 1 || values.size(0) != w.nnz()) {
     throw ShapeError("sluice SparseLinear: values of size " + sizes_of(values) + " for a mask of " +
                      std::to_string(w.nnz()));
   }
-  std::vector<std::int64_t> flat(static_cast<std::size_t>(w.nnz()));
-  for (std::int64_t r = 0; r < w.rows(); ++r) {
-    for (std::int64_t k = w.row_offsets()[r]; k < w.row_offsets()[r + 1]; ++k) {
-      flat[static_cast<std::size_t>(k)] = r * w.cols() + w.col_indices()[k];
-    }
-  }
   Tensor out = ::torch::zeros({w.rows() * w.cols()}, values.options());
-  out.index_put_({::torch::tensor(flat, ::torch::kLong)}, values.detach());
+  out.index_put_({mask_indices()}, values.detach());
   return out.view({w.rows(), w.cols()});
 }
 
@@ -302,13 +308,14 @@ std::vector<float> vector_of(const Tensor& t) {
 
 }  // namespace
 
-SparseLinearImpl::SparseLinearImpl(const SparseLinearOptions& options) : options_(options) {
+SparseLinearImpl::SparseLinearImpl(const SparseLinearOptions& options)
+    : options_(options), own_memory_(!options.memory()) {
   init(random_layer(options_));
 }
 
 SparseLinearImpl::SparseLinearImpl(const Tensor& weight, const Tensor& mask, const Tensor& bias,
                                    SparseLinearOptions options)
-    : options_(std::move(options)) {
+    : options_(std::move(options)), own_memory_(!options_.memory()) {
   const Matrix2d w = matrix_of(weight, "weight"), m = matrix_of(mask, "mask");
   init(sluice::SparseLinear::from_dense(memory_for(options_), w.view, m.view, vector_of(bias)));
 }
@@ -322,9 +329,12 @@ std::shared_ptr<SparseLinearImpl> SparseLinearImpl::pruned(const ::torch::nn::Li
                                                            double sparsity,
                                                            SparseLinearOptions options) {
   const Matrix2d w = matrix_of(dense->weight, "weight");
+  const bool own_memory = !options.memory();
   sluice::SparseLinear layer =
       sluice::SparseLinear::pruned(memory_for(options), w.view, sparsity, vector_of(dense->bias));
-  return std::make_shared<SparseLinearImpl>(std::move(options), std::move(layer));
+  auto module = std::make_shared<SparseLinearImpl>(std::move(options), std::move(layer));
+  module->own_memory_ = own_memory;
+  return module;
 }
 
 void SparseLinearImpl::init(sluice::SparseLinear layer) {
@@ -370,6 +380,99 @@ Tensor SparseLinearImpl::dense_weight() const {
 
 Tensor SparseLinearImpl::mask() const {
   return binding_->mask();
+}
+
+void SparseLinearImpl::save(::torch::serialize::OutputArchive& archive) const {
+  archive.write("mask_indices", binding_->mask_indices(), /*is_buffer=*/true);
+  archive.write("values", values().detach());
+  if (options_.bias()) archive.write("bias", bias().detach());
+}
+
+namespace {
+
+/// A saved mask's flat positions, checked: int64, one per value, increasing, in the layer.
+Tensor checked_mask_indices(const Tensor& indices, std::int64_t values, std::int64_t positions) {
+  const std::string what = "sluice SparseLinear: the archive's mask_indices ";
+  if (indices.scalar_type() != ::torch::kLong || indices.dim() != 1) {
+    throw ShapeError(what + "are not a 1-D int64 tensor");
+  }
+  if (indices.size(0) != values) {
+    throw ShapeError(what + "hold " + std::to_string(indices.size(0)) + " positions for " +
+                     std::to_string(values) + " values");
+  }
+  const Tensor c = indices.contiguous();
+  const auto* at = c.data_ptr<std::int64_t>();
+  for (std::int64_t k = 0; k < values; ++k) {
+    if (at[k] < 0 || at[k] >= positions || (k > 0 && at[k] <= at[k - 1])) {
+      throw ShapeError(what + "are not increasing positions below " + std::to_string(positions) +
+                       " (at " + std::to_string(k) + ": " + std::to_string(at[k]) + ")");
+    }
+  }
+  return c;
+}
+
+/// A layer of `options`' shape in a ModelMemory of its own, with `values` at the flat
+/// positions `indices` (checked) and `bias`.
+sluice::SparseLinear layer_at(SparseLinearOptions& options, const Tensor& indices,
+                              const Tensor& values, const Tensor& bias) {
+  const std::int64_t in = options.in_features(), out = options.out_features();
+  Tensor mask = ::torch::zeros({in * out}, ::torch::kFloat);
+  mask.index_put_({indices}, 1.0F);
+  Tensor weight = ::torch::zeros({in * out}, ::torch::kFloat);
+  weight.index_put_({indices}, values.detach().to(::torch::kFloat));
+  const Matrix2d w = matrix_of(weight.view({out, in}), "weight");
+  const Matrix2d m = matrix_of(mask.view({out, in}), "mask");
+  return sluice::SparseLinear::from_dense(memory_for(options), w.view, m.view, vector_of(bias));
+}
+
+}  // namespace
+
+void SparseLinearImpl::load(::torch::serialize::InputArchive& archive) {
+  if (options_.weights() == WeightOwner::sluice) {
+    throw UnsupportedError(
+        "sluice SparseLinear: a layer whose weights are sluice's is loaded with its ModelMemory "
+        "(ModelMemory::load, which keeps the optimizer's state too)");
+  }
+  const std::int64_t in = options_.in_features(), out = options_.out_features();
+  Tensor values, bias, indices;
+  archive.read("values", values);
+  if (archive.try_read("bias", bias) != options_.bias()) {
+    throw ShapeError(std::string("sluice SparseLinear: the archive has ") +
+                     (options_.bias() ? "no bias" : "a bias") + ", the layer " +
+                     (options_.bias() ? "has one" : "none"));
+  }
+  if (values.dim() != 1 || (bias.defined() && (bias.dim() != 1 || bias.size(0) != out))) {
+    throw ShapeError("sluice SparseLinear: the archive's values " + sizes_of(values) +
+                     (bias.defined() ? " and bias " + sizes_of(bias) : std::string()) +
+                     " do not fit a layer of " + std::to_string(out) + " outputs");
+  }
+  // An archive from before the mask was saved: its values are for this layer's mask.
+  const bool with_mask = archive.try_read("mask_indices", indices, /*is_buffer=*/true);
+  if (with_mask) indices = checked_mask_indices(indices, values.size(0), in * out);
+  if (with_mask && !indices.equal(binding_->mask_indices())) {
+    if (!own_memory_) {
+      throw UnsupportedError(
+          "sluice SparseLinear: the archive's mask differs from the layer's, whose ModelMemory "
+          "other layers share: build the layer with that mask (or load the ModelMemory)");
+    }
+    SparseLinearOptions options = options_;
+    options.memory(nullptr).optimizer(binding_->layer().memory().optimizer());
+    sluice::SparseLinear layer = layer_at(options, indices, values, bias);
+    options_ = options;
+    binding_ =
+        c10::make_intrusive<LayerBinding>(std::move(layer), options_.engine(), options_.weights());
+    options_.sparsity(binding_->layer().weights().sparsity());
+    ::torch::NoGradGuard no_grad;
+    values_.set_data(::torch::empty({values.size(0)}, ::torch::kFloat));
+  }
+  if (values.size(0) != binding_->layer().nnz()) {
+    throw ShapeError("sluice SparseLinear: the archive's " + std::to_string(values.size(0)) +
+                     " values do not fit the layer's mask of " +
+                     std::to_string(binding_->layer().nnz()));
+  }
+  ::torch::NoGradGuard no_grad;
+  values_.copy_(values);
+  if (bias.defined()) bias_.copy_(bias);
 }
 
 }  // namespace sluice::torch

@@ -1,5 +1,7 @@
 """The Python module sluice_torch under Debian's python3-torch: gradcheck of the op,
-drop-in equality with a masked torch.nn.Linear, the constructors, sluice's optimizer."""
+drop-in equality with a masked torch.nn.Linear, the constructors, sluice's optimizer, and
+state_dict round trips that carry the mask."""
+import io
 import unittest
 
 import torch
@@ -121,6 +123,75 @@ class DropIn(unittest.TestCase):
             layer(torch.randn(3, 5))
         with self.assertRaises(ValueError):
             sluice_torch.SparseLinear(4, 2, sparsity=1.0)
+
+
+class StateDict(unittest.TestCase):
+    def round_trip(self, state):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return torch.load(buffer)
+
+    def test_loads_into_a_layer_of_another_mask_and_trains_on(self):
+        torch.manual_seed(7)
+        saved = sluice_torch.SparseLinear(40, 30, sparsity=0.8)
+        x = torch.randn(9, 40)
+        for sparsity in (0.8, 0.5):
+            other = sluice_torch.SparseLinear(40, 30, sparsity=sparsity)  # another mask
+            sgd = torch.optim.SGD(other.parameters(), lr=0.1)  # made before the load
+            self.assertFalse(torch.equal(other.mask(), saved.mask()))
+            other.load_state_dict(self.round_trip(saved.state_dict()))
+            self.assertTrue(torch.equal(other.mask(), saved.mask()))
+            self.assertTrue(torch.equal(other(x), saved(x)))
+            other(x).sum().backward()
+            sgd.step()
+            self.assertFalse(torch.equal(other(x), saved(x)))
+
+    def test_sluice_owned_layers_save_their_values(self):
+        torch.manual_seed(8)
+        x = torch.randn(6, 20)
+        owned = sluice_torch.SparseLinear(20, 10, sparsity=0.7, sluice_optimizer="adam")
+        state = owned.state_dict()
+        self.assertEqual(sorted(state), ["bias", "mask_indices", "values"])
+        again = sluice_torch.SparseLinear(20, 10, sparsity=0.7, sluice_optimizer="adam")
+        again.load_state_dict(self.round_trip(state))
+        self.assertTrue(torch.equal(again(x), owned(x)))
+        torch_owned = sluice_torch.SparseLinear(20, 10, sparsity=0.9)
+        torch_owned.load_state_dict(state)
+        self.assertTrue(torch.equal(torch_owned(x), owned(x)))
+        again(x).square().sum().backward()  # its ModelMemory goes on training
+        self.assertTrue(again.step())
+        self.assertFalse(torch.equal(again(x), owned(x)))
+        # A whole model, as trainers save it.
+        net = torch.nn.Sequential(sluice_torch.SparseLinear(20, 16), torch.nn.ReLU(),
+                                  sluice_torch.SparseLinear(16, 3, sluice_optimizer="sgd"))
+        twin = torch.nn.Sequential(sluice_torch.SparseLinear(20, 16), torch.nn.ReLU(),
+                                   sluice_torch.SparseLinear(16, 3, sluice_optimizer="sgd"))
+        twin.load_state_dict(self.round_trip(net.state_dict()))
+        self.assertTrue(torch.equal(twin(x), net(x)))
+
+    def test_a_state_that_does_not_fit_is_refused_and_changes_nothing(self):
+        torch.manual_seed(9)
+        saved = sluice_torch.SparseLinear(12, 7, sparsity=0.5)
+        layer = sluice_torch.SparseLinear(12, 7, sparsity=0.5)
+        x = torch.randn(5, 12)
+        before = layer(x).detach()
+        good = saved.state_dict()
+        for indices, words in ((good["mask_indices"].flip(0), "not increasing"),
+                               (good["mask_indices"] + 84, "not increasing positions below 84"),
+                               (good["mask_indices"][1:], "values for"),
+                               (good["mask_indices"].int(), "int64")):
+            with self.assertRaisesRegex(RuntimeError, words):
+                layer.load_state_dict(dict(good, mask_indices=indices))
+            self.assertTrue(torch.equal(layer(x), before))
+        with self.assertRaisesRegex(RuntimeError, "Unexpected key.*bias"):
+            sluice_torch.SparseLinear(12, 7, bias=False).load_state_dict(good)
+        # A state saved without its mask loads into this layer's mask, when not strict.
+        old = {"values": good["values"], "bias": good["bias"]}
+        with self.assertRaisesRegex(RuntimeError, "Missing key.*mask_indices"):
+            layer.load_state_dict(old)
+        layer.load_state_dict(old, strict=False)
+        self.assertTrue(torch.equal(layer.values.detach(), good["values"]))
 
 
 if __name__ == "__main__":

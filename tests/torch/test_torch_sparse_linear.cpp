@@ -1,10 +1,12 @@
 // sluice::torch::SparseLinear inside libtorch: forward and both gradients against a
 // masked dense torch::nn::Linear, fp32 and bf16, every layout; weights kept by sluice;
-// magnitude pruning; and an MLP trained on digits against the same masked dense model.
+// magnitude pruning; saved and loaded with torch::save / torch::load, the mask with the
+// values; and an MLP trained on digits against the same masked dense model.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <sstream>
 
 #include "sluice/dataset.hpp"
 #include "sluice/error.hpp"
@@ -139,6 +141,73 @@ struct Mlp {
   std::vector<Tensor> weights, masks, biases;  // the dense model's
   std::vector<SparseLinear> sparse;
 };
+
+/// `from` saved by torch::save and loaded by torch::load into `into`.
+void save_and_load(const SparseLinear& from, SparseLinear& into) {
+  std::stringstream archive;
+  torch::save(from, archive);
+  torch::load(into, archive);
+}
+
+// The mask is saved with the values: a layer built with another (another seed, another
+// sparsity) loads to compute what the saved one does, and goes on training.
+TEST(TorchSparseLinearSaved, LoadsIntoALayerOfAnotherMask) {
+  const Tensor x = torch::randn({9, 40});
+  SparseLinear saved(SparseLinearOptions(40, 30).sparsity(0.8).seed(3));
+  for (const double sparsity : {0.8, 0.5}) {
+    SparseLinear other(SparseLinearOptions(40, 30).sparsity(sparsity).seed(4));
+    torch::optim::SGD sgd(other->parameters(), 0.1);  // made before: still its parameters
+    ASSERT_FALSE(torch::equal(other->mask(), saved->mask()));
+    save_and_load(saved, other);
+    EXPECT_TRUE(torch::equal(other->mask(), saved->mask())) << sparsity;
+    EXPECT_TRUE(torch::equal(other(x), saved(x))) << sparsity;
+    other(x).sum().backward();
+    sgd.step();
+    EXPECT_FALSE(torch::equal(other(x), saved(x))) << sparsity;
+  }
+}
+
+// An archive that does not fit is refused and the layer is left as it was; a layer whose
+// weights are sluice's is loaded through its ModelMemory.
+TEST(TorchSparseLinearSaved, AnArchiveThatDoesNotFitChangesNothing) {
+  const Tensor x = torch::randn({5, 12});
+  SparseLinear saved(SparseLinearOptions(12, 7).sparsity(0.5).seed(1));
+  SparseLinear layer(SparseLinearOptions(12, 7).sparsity(0.5).seed(2));
+  const Tensor before = layer(x).detach();
+  auto refused = [&](const Tensor& indices, const char* words) {
+    torch::serialize::OutputArchive out;
+    out.write("mask_indices", indices, true);
+    out.write("values", saved->values().detach());
+    out.write("bias", saved->bias().detach());
+    std::stringstream archive;
+    out.save_to(archive);
+    try {
+      torch::load(layer, archive);
+      ADD_FAILURE() << words;
+    } catch (const sluice::ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(torch::equal(layer(x), before)) << words;
+  };
+  const Tensor good = saved->binding()->mask_indices();
+  refused(good.flip(0), "not increasing");
+  refused(good + 12 * 7, "not increasing positions below 84");
+  refused(good.slice(0, 1), "positions for");
+  refused(good.to(torch::kInt), "int64");
+  SparseLinear without_bias(SparseLinearOptions(12, 7).bias(false));
+  EXPECT_THROW(save_and_load(saved, without_bias), sluice::ShapeError);
+
+  SparseLinear owned(SparseLinearOptions(12, 7).weights(WeightOwner::sluice));
+  EXPECT_THROW(save_and_load(saved, owned), sluice::UnsupportedError);
+  save_and_load(owned, layer);  // what an owned layer saves, a torch one loads
+  EXPECT_TRUE(torch::equal(layer(x), owned(x)));
+  // A new mask cannot replace the layer in a ModelMemory other layers share.
+  auto shared = std::make_shared<sluice::HostModelMemory>();
+  SparseLinear first(SparseLinearOptions(12, 7).memory(shared).seed(5));
+  SparseLinear second(SparseLinearOptions(12, 7).memory(shared).seed(6));
+  EXPECT_THROW(save_and_load(saved, second), sluice::UnsupportedError);
+  save_and_load(second, second);  // the same mask: the values only
+}
 
 TEST(TorchSparseLinearDigits, TrainsLikeTheMaskedDenseModel) {
   const std::filesystem::path file = SLUICE_TEST_DATA_DIR "/digits.csv.gz";

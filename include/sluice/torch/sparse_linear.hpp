@@ -25,6 +25,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <cstdint>
 #include <memory>
@@ -64,6 +66,9 @@ class LayerBinding : public ::torch::CustomClassHolder {
   /// into a dense [out, in] tensor of their dtype.
   ::torch::Tensor mask() const;
   ::torch::Tensor dense(const ::torch::Tensor& values) const;
+  /// The mask as the flat positions (row * in_features + column, int64) of its values, in
+  /// their order: what a saved layer records of its mask.
+  ::torch::Tensor mask_indices() const;
 
  private:
   sluice::SparseLinear layer_;
@@ -142,10 +147,24 @@ class SparseLinearImpl : public ::torch::nn::Module {
   const c10::intrusive_ptr<LayerBinding>& binding() const { return binding_; }
   const SparseLinearOptions& options() const { return options_; }
 
+  /// torch::save: the mask (its flat positions, "mask_indices"), the values and the bias,
+  /// so that a layer loaded from it computes what this one does whatever mask it was built
+  /// with (the mask is not a parameter, and a random one depends on the seed).
+  void save(::torch::serialize::OutputArchive& archive) const override;
+  /// torch::load: takes the archive's mask (the layer is rebuilt if it differs; nothing
+  /// changes if the archive is refused), values and bias. ShapeError for an archive that
+  /// does not fit the layer or whose mask is not valid. UnsupportedError for a layer whose
+  /// weights are sluice's (load its ModelMemory, which keeps the optimizer's state too), and
+  /// for a new mask in a ModelMemory the layer shares with others.
+  void load(::torch::serialize::InputArchive& archive) override;
+
  private:
   void init(sluice::SparseLinear layer);
 
   SparseLinearOptions options_;
+  /// Whether the ModelMemory was made for this layer alone (options.memory() was null):
+  /// a loaded mask then replaces it, else it would leave the old layer in a shared one.
+  bool own_memory_ = false;
   c10::intrusive_ptr<LayerBinding> binding_;
   ::torch::Tensor values_;  // the parameter, or (WeightOwner::sluice) the empty stand-in
   ::torch::Tensor bias_;    // WeightOwner::torch only
