@@ -15,7 +15,8 @@ they stay in sluice's ModelMemory instead: backward hands it the gradient and
 row * in_features + column), and the values and bias also of a sluice_optimizer layer;
 ``load_state_dict`` takes that mask, so a layer built with another mask (another seed)
 loads to compute what the saved one did. A sluice_optimizer layer's optimizer state is not
-in it and starts afresh, as a torch optimizer's does without its own state_dict.
+in it and starts afresh, as a torch optimizer's does without its own state_dict. The same
+holds for copy.deepcopy, torch.save of a module and torch.jit.save.
 """
 import math
 import os

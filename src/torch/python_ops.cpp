@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "sluice/error.hpp"
 #include "sluice/optimizer.hpp"
@@ -44,6 +46,41 @@ c10::intrusive_ptr<LayerBinding> make_layer(const Tensor& weight, const c10::opt
   return module->binding();
 }
 
+/// What pickling (copy.deepcopy, torch.save of a module, torch.jit.save) keeps of a layer:
+/// its mask as flat positions, values, bias (empty for none), in and out features, whether
+/// the weights are sluice's, and its ModelMemory's optimizer as make_layer takes it (kind,
+/// learning rate, weight decay; its state is not kept, as in a state_dict).
+using PickledLayer = std::tuple<Tensor, Tensor, Tensor, std::int64_t, std::int64_t, bool,
+                                std::string, double, double>;
+
+PickledLayer pickle_layer(const c10::intrusive_ptr<LayerBinding>& self) {
+  const OptimizerConfig& config = self->layer().memory().optimizer();
+  const Tensor bias = self->bias();
+  return {self->mask_indices(),
+          self->values(),
+          bias.defined() ? bias : ::torch::empty({0}),
+          self->layer().in_features(),
+          self->layer().out_features(),
+          self->owner() == WeightOwner::sluice,
+          to_string(config.kind),
+          config.learning_rate,
+          config.weight_decay};
+}
+
+c10::intrusive_ptr<LayerBinding> unpickle_layer(PickledLayer state) {
+  auto [indices, values, bias, in, out, owned, optimizer, learning_rate, weight_decay] =
+      std::move(state);
+  if (indices.dim() != 1 || values.dim() != 1 || indices.numel() != values.numel()) {
+    throw ShapeError("sluice_torch: a pickled layer's mask and values do not match");
+  }
+  Tensor weight = ::torch::zeros({out * in}), mask = ::torch::zeros({out * in});
+  weight.index_put_({indices}, values);
+  mask.index_put_({indices}, 1.0F);
+  return make_layer(weight.view({out, in}), mask.view({out, in}), 0.0,
+                    bias.numel() > 0 ? c10::optional<Tensor>(bias) : c10::nullopt, owned, optimizer,
+                    learning_rate, weight_decay);
+}
+
 Tensor sparse_linear(const Tensor& x, const c10::optional<Tensor>& values,
                      const c10::optional<Tensor>& bias,
                      const c10::intrusive_ptr<LayerBinding>& layer) {
@@ -73,6 +110,13 @@ TORCH_LIBRARY(sluice, m) {
            [](const c10::intrusive_ptr<LayerBinding>& self) {
              return self->owner() == sluice::torch::WeightOwner::sluice;
            })
+      .def_pickle(  // (lambdas: def_pickle takes no function pointers)
+          [](const c10::intrusive_ptr<LayerBinding>& self) {
+            return sluice::torch::pickle_layer(self);
+          },
+          [](sluice::torch::PickledLayer state) {
+            return sluice::torch::unpickle_layer(std::move(state));
+          })
       .def("step", [](const c10::intrusive_ptr<LayerBinding>& self) {
         if (self->owner() != sluice::torch::WeightOwner::sluice) {
           throw sluice::Error(

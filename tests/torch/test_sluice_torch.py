@@ -1,6 +1,7 @@
 """The Python module sluice_torch under Debian's python3-torch: gradcheck of the op,
 drop-in equality with a masked torch.nn.Linear, the constructors, sluice's optimizer, and
-state_dict round trips that carry the mask."""
+state_dict, deepcopy, pickle and TorchScript round trips that carry the mask."""
+import copy
 import io
 import unittest
 
@@ -169,6 +170,29 @@ class StateDict(unittest.TestCase):
                                    sluice_torch.SparseLinear(16, 3, sluice_optimizer="sgd"))
         twin.load_state_dict(self.round_trip(net.state_dict()))
         self.assertTrue(torch.equal(twin(x), net(x)))
+
+    def test_deepcopy_pickle_and_torchscript_keep_the_layer(self):
+        torch.manual_seed(10)
+        x = torch.randn(4, 33)
+        for kwargs in ({}, {"bias": False}, {"sluice_optimizer": "sgd", "lr": 0.05}):
+            layer = sluice_torch.SparseLinear(33, 17, sparsity=0.7, **kwargs)
+            twin = copy.deepcopy(layer)
+            self.assertTrue(torch.equal(twin(x), layer(x)), kwargs)
+            self.assertTrue(torch.equal(twin.mask(), layer.mask()), kwargs)
+            self.assertEqual(twin.layer.sluice_owned(), layer.layer.sluice_owned())
+            twin(x).sum().backward()  # the copy trains apart from the original
+            if twin.layer.sluice_owned():
+                self.assertTrue(twin.step())
+            else:
+                with torch.no_grad():
+                    twin.values -= 0.1 * twin.values.grad
+            self.assertFalse(torch.equal(twin(x), layer(x)), kwargs)
+            self.assertTrue(torch.equal(self.round_trip(layer)(x), layer(x)), kwargs)
+        scripted = torch.jit.script(layer)
+        buffer = io.BytesIO()
+        torch.jit.save(scripted, buffer)
+        buffer.seek(0)
+        self.assertTrue(torch.equal(torch.jit.load(buffer)(x), layer(x)))
 
     def test_a_state_that_does_not_fit_is_refused_and_changes_nothing(self):
         torch.manual_seed(9)
