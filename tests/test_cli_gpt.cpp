@@ -3,6 +3,7 @@
 // the arguments and data that must be refused. `--steps` for the MLP as well.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -81,6 +82,33 @@ TEST_F(CliGpt, TrainsReportsResumesAndGenerates) {
   EXPECT_EQ(run(gen + "--seed 3", false).output, a.output);
   EXPECT_EQ(run(gen + "--temperature 0 --seed 1", false).output,
             run(gen + "--temperature 0 --seed 2", false).output);
+
+  // Any byte can be sampled: raw (and through a pipe, by default) as generated; escaped, no
+  // control byte reaches a terminal, and UTF-8 passes as it is.
+  const std::string hot = "generate --checkpoint " + ckpt + " --bytes 2000 --temperature 100 ";
+  const std::string raw = run(hot + "--controls raw", false).output;
+  EXPECT_EQ(raw.size(), 2001U);
+  EXPECT_EQ(run(hot, false).output, raw);
+  auto controls = [](const std::string& text) {
+    return std::count_if(text.begin(), text.end(), [](char c) {
+      const auto b = static_cast<unsigned char>(c);
+      return (b < 0x20 && b != '\n' && b != '\t') || b == 0x7F;
+    });
+  };
+  EXPECT_GT(controls(raw), 0);
+  const std::string escaped = run(hot + "--controls escape", false).output;
+  EXPECT_EQ(controls(escaped), 0);
+  EXPECT_NE(escaped.find("\\x"), std::string::npos);
+  // ESC, C1's CSI in UTF-8, the euro sign, a stray byte, a surrogate, an emoji.
+  const std::string mixed =
+      "\"$(printf 'a\\033b\\302\\233c\\342\\202\\254d\\377\\355\\240\\200e\\360\\237\\230\\200')\"";
+  EXPECT_EQ(
+      run("generate --checkpoint " + ckpt + " --bytes 0 --controls escape --prompt " + mixed, false)
+          .output,
+      "a\\x1bb\\xc2\\x9bc\xe2\x82\xac"
+      "d\\xff\\xed\\xa0\\x80"
+      "e\xf0\x9f\x98\x80\n");
+  expect_exit(run(gen + "--controls some"), 2, "--controls");
 }
 
 TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {

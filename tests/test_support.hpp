@@ -122,8 +122,10 @@ inline CliOutcome run_cli(const std::string& cli, const std::string& args,
   CliOutcome out;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return out;
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), pipe) != nullptr) out.output += buf.data();
+  std::array<char, 4096> buf{};  // read as bytes: an output may hold NULs (generated text)
+  for (std::size_t n; (n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0;) {
+    out.output.append(buf.data(), n);
+  }
   const int status = pclose(pipe);
   out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return out;

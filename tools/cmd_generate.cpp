@@ -1,5 +1,7 @@
 // `sluice generate`: text sampled from a GPT checkpoint (`sluice train --model gpt
 // --checkpoint FILE`), a byte at a time.
+#include <unistd.h>
+
 #include <iostream>
 #include <string>
 
@@ -11,6 +13,7 @@
 #include "sluice/fabric.hpp"
 #include "sluice/gpt.hpp"
 #include "sluice/model_memory.hpp"
+#include "terminal_text.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -22,6 +25,7 @@ struct GenerateOptions {
   double temperature = 1.0;
   std::uint64_t seed = 1;
   int threads = 0;
+  std::string controls = "auto";
 };
 
 }  // namespace
@@ -42,6 +46,10 @@ Command add_generate_command(CLI::App& app) {
       ->check(non_negative_number());
   cmd->add_option("--threads", o->threads, "Threads of the engine (default: every core)")
       ->check(number_range(1, 4096));
+  cmd->add_option("--controls", o->controls,
+                  "Control bytes and bytes that are not UTF-8: written as \\xHH on a terminal "
+                  "(auto), always (escape), or as generated (raw)")
+      ->check(CLI::IsMember({"auto", "escape", "raw"}));
   return [o] {
     HostModelMemory memory;
     memory.load(o->checkpoint);
@@ -55,8 +63,11 @@ Command add_generate_command(CLI::App& app) {
     fo.engine.threads = o->threads > 0 ? runnable_threads(o->threads, "generate") : 0;
     LocalFabric fabric(fo);
     GptModel model(memory, fabric, config);
-    const std::string text = generate_text(model, o->prompt, o->bytes, o->temperature, o->seed);
-    std::cout << o->prompt << text << "\n" << std::flush;
+    const std::string text =
+        o->prompt + generate_text(model, o->prompt, o->bytes, o->temperature, o->seed);
+    const bool escape =
+        o->controls == "escape" || (o->controls == "auto" && isatty(STDOUT_FILENO) == 1);
+    std::cout << (escape ? escape_for_terminal(text) : text) << "\n" << std::flush;
     return std::cout ? 0 : 1;
   };
 }
