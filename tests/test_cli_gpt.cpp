@@ -135,6 +135,16 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
   expect_exit(run(gpt() + "--steps 1 --resume " + mlp), 1, "holds no GPT");
 }
 
+// A text that never ends (a device, a pipe left open) is refused once it passes the most a
+// corpus may hold (here a quarter of RLIMIT_AS at 1 GB), not read until memory runs out.
+TEST_F(CliGpt, ATextThatNeverEndsIsRefused) {
+  if (sluice::testing::kUnderSanitizer) GTEST_SKIP() << "a sanitizer cannot start under RLIMIT_AS";
+  const Outcome o =
+      sluice::testing::run_cli(std::string("prlimit --as=1000000000 ") + SLUICE_CLI_PATH,
+                               "train --model gpt --steps 1 --text /dev/zero");
+  expect_exit(o, 1, "/dev/zero: more than 250000000 bytes (0.25 GB) of text");
+}
+
 // --dynamic on the GPT: the JSON keys, updates counted, and 3 + 3 resumed steps planned as
 // the first half of 6 (--horizon-steps 6) end with the checkpoint of 6 in one run, byte
 // for byte (the schedule is kept by the checkpoint).

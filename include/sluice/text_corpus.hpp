@@ -23,12 +23,17 @@ class TextCorpus {
   static constexpr int kSymbols = 256;
   /// The held-out part: the last floor(bytes / 20) bytes.
   static constexpr std::int64_t kHeldOutDivisor = 20;
+  /// The most bytes load() reads (4 GiB, or a quarter of the memory the process can have
+  /// if that is less): a corpus is held in RAM.
+  static constexpr std::uint64_t kMaxCorpusBytes = std::uint64_t{4} << 30;
 
   /// Reads a file, or a directory's regular files concatenated in sorted name order (not
   /// recursing; skipping hidden files, symbolic links - fortune's *.u8 aliases - and the
   /// *.dat indexes strfile writes beside fortune files). IoError naming the path if it cannot
   /// be read; FormatError naming it if it holds no text or too little for one window of
-  /// context + 1 bytes in each of the training and held-out parts.
+  /// context + 1 bytes in each of the training and held-out parts; ResourceError naming it
+  /// if it holds more than the most a corpus may (a device or pipe that never ends
+  /// included).
   static TextCorpus load(const std::filesystem::path& path, std::int64_t context);
 
   /// The same from bytes in memory; `name` stands for the source in error messages.
