@@ -142,7 +142,7 @@ TEST_F(CliGpt, ATextThatNeverEndsIsRefused) {
   const Outcome o =
       sluice::testing::run_cli(std::string("prlimit --as=1000000000 ") + SLUICE_CLI_PATH,
                                "train --model gpt --steps 1 --text /dev/zero");
-  expect_exit(o, 1, "/dev/zero: more than 250000000 bytes (0.25 GB) of text");
+  expect_exit(o, 1, "/dev/zero: more than 250000000 bytes (0.25 GB), the most read of one input");
 }
 
 // --dynamic on the GPT: the JSON keys, updates counted, and 3 + 3 resumed steps planned as

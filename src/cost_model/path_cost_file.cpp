@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "core/input_file.hpp"
 #include "sluice/error.hpp"
 #include "sluice/path_cost.hpp"
 
@@ -60,12 +59,7 @@ void read_precision(const std::filesystem::path& file, const nlohmann::json& j,
 }  // namespace
 
 PathCosts PathCosts::read(const std::filesystem::path& file, const PathCosts& base) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw IoError("path costs " + file.string() + ": cannot be opened for reading");
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw IoError("path costs " + file.string() + ": read failed");
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, false);
+  const nlohmann::json j = nlohmann::json::parse(detail::read_file_bytes(file), nullptr, false);
   if (j.is_discarded()) refuse(file, "not JSON");
   if (!j.is_object()) refuse(file, "not a JSON object");
   if (j.value("format", "") != kFormat)

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/excerpt.hpp"
+#include "core/input_file.hpp"
 #include "core/splitmix.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
@@ -36,8 +37,14 @@ std::vector<std::string> read_lines(const std::filesystem::path& path) {
   std::string text;
   char buffer[1 << 16];
   int n = 0;
-  while ((n = gzread(file, buffer, sizeof buffer)) > 0)
+  const std::uint64_t limit = detail::max_input_bytes();  // also what a device never ends
+  while ((n = gzread(file, buffer, sizeof buffer)) > 0) {
+    if (text.size() + static_cast<std::size_t>(n) > limit) {
+      gzclose(file);
+      detail::throw_input_too_large(path, limit);
+    }
     text.append(buffer, static_cast<std::size_t>(n));
+  }
   int err = Z_OK;
   const char* message = gzerror(file, &err);
   const std::string error_text = message != nullptr ? message : "";

@@ -22,6 +22,7 @@
 
 #include "core/available_memory.hpp"
 #include "core/excerpt.hpp"
+#include "core/input_file.hpp"
 #include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
 
@@ -41,28 +42,6 @@ constexpr std::int64_t kMaxDimension = (std::int64_t{1} << 31) - 1;
 
 std::string quoted(std::string_view text) {
   return detail::excerpt(text);
-}
-
-std::string read_whole_file(const fs::path& path) {
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) {
-    throw IoError("cannot open '" + path.string() + "': " + std::strerror(errno));
-  }
-  std::string text;
-  std::error_code size_unknown;
-  const auto size = fs::file_size(path, size_unknown);
-  if (!size_unknown) text.reserve(size);
-  std::array<char, 1 << 16> chunk{};
-  for (;;) {
-    const std::size_t got = std::fread(chunk.data(), 1, chunk.size(), file);
-    text.append(chunk.data(), got);
-    if (got < chunk.size()) break;
-  }
-  const bool failed = std::ferror(file) != 0;
-  const int error = errno;
-  std::fclose(file);
-  if (failed) throw IoError("cannot read '" + path.string() + "': " + std::strerror(error));
-  return text;
 }
 
 /// Hands out the lines of a text one by one (without '\n' or a trailing '\r'),
@@ -322,7 +301,7 @@ std::uint32_t parse_market_index(const fs::path& path, std::int64_t line, std::s
 }  // namespace
 
 CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
-  const std::string text = read_whole_file(path);
+  const std::string text = detail::read_file_bytes(path);
   LineReader lines(text);
   const MarketField field = read_market_header(path, lines);
 
@@ -503,7 +482,7 @@ void parse_number_line(const fs::path& path, std::int64_t line_number, std::stri
 }  // namespace
 
 CsrMatrix read_smtx(const fs::path& path, std::uint64_t seed) {
-  const std::string text = read_whole_file(path);
+  const std::string text = detail::read_file_bytes(path);
   LineReader lines(text);
   std::string_view line;
   if (!lines.next(line)) fail(path, 1, "empty file, expected 'rows, cols, nnz'");

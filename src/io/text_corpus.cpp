@@ -3,48 +3,18 @@
 #include "sluice/text_corpus.hpp"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <iterator>
-#include <vector>
 
-#include "core/available_memory.hpp"
+#include "core/input_file.hpp"
 #include "core/splitmix.hpp"
 #include "sluice/error.hpp"
 
 namespace sluice {
 namespace {
 
-/// The most bytes a corpus may hold. It is kept in RAM beside the model, so at most a
-/// quarter of the memory this process can have; and a path that never ends (/dev/zero, a
-/// pipe left open) must end in an error, not in a load that never returns.
+/// The most bytes a corpus may hold (it is kept in RAM beside the model).
 std::uint64_t max_corpus_bytes() {
-  return std::min(TextCorpus::kMaxCorpusBytes, detail::available_memory().bytes / 4);
-}
-
-[[noreturn]] void throw_too_large(const std::filesystem::path& path, std::uint64_t limit) {
-  throw ResourceError(path.string() + ": more than " + detail::bytes_text(double(limit)) +
-                      " of text, the most a corpus holds (at most a quarter of the memory this "
-                      "process can have)");
-}
-
-/// Appends the file's bytes to `text`, which may grow to `limit` bytes at most.
-void read_whole_file(const std::filesystem::path& path, std::string& text, std::uint64_t limit) {
-  std::error_code ec;
-  const std::uintmax_t size = std::filesystem::file_size(path, ec);  // devices and pipes: none
-  if (!ec && text.size() + size > limit) throw_too_large(path, limit);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError("cannot open " + path.string() + ": " + std::strerror(errno));
-  if (!ec) text.reserve(text.size() + size);
-  std::vector<char> chunk(std::size_t{1} << 20);
-  while (in) {
-    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
-    const auto n = static_cast<std::size_t>(in.gcount());
-    if (text.size() + n > limit) throw_too_large(path, limit);
-    text.append(chunk.data(), n);
-  }
-  if (in.bad()) throw IoError("cannot read " + path.string() + ": " + std::strerror(errno));
+  return std::min(TextCorpus::kMaxCorpusBytes, detail::max_input_bytes());
 }
 
 bool is_text_member(const std::filesystem::directory_entry& entry) {
@@ -66,7 +36,7 @@ std::string read_directory(const std::filesystem::path& dir) {
   std::sort(files.begin(), files.end());  // the same corpus whatever order readdir gives
   std::string text;
   const std::uint64_t limit = max_corpus_bytes();
-  for (const auto& file : files) read_whole_file(file, text, limit);
+  for (const auto& file : files) detail::append_file_bytes(file, text, limit);
   return text;
 }
 
@@ -89,7 +59,7 @@ TextCorpus TextCorpus::load(const std::filesystem::path& path, std::int64_t cont
   if (std::filesystem::is_directory(status)) {
     text = read_directory(path);
   } else {
-    read_whole_file(path, text, max_corpus_bytes());
+    detail::append_file_bytes(path, text, max_corpus_bytes());
   }
   return TextCorpus(std::move(text), context, path.string());
 }
