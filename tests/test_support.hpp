@@ -5,8 +5,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -72,15 +76,19 @@ std::string thrown_message(F&& body) {
 #define EXPECT_CONTAINS(text, part) \
   EXPECT_NE((text).find(part), std::string::npos) << "message: " << (text)
 
-/// A fresh directory named after the running test, removed when the test ends.
+/// A fresh, empty directory named after the running test, removed when the test ends.
+/// Made by mkdtemp: a name of the test and the pid alone could be a directory that a killed
+/// earlier run left behind under a pid now reused, and a store found there is resumed.
 class TempDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           (std::string("sluice-") + info->test_suite_name() + "-" + info->name() + "-" +
-            std::to_string(::getpid()));
-    std::filesystem::create_directories(dir_);
+    std::string name = std::string("sluice-") + info->test_suite_name() + "-" + info->name() + "-" +
+                       std::to_string(::getpid()) + "-XXXXXX";
+    std::replace(name.begin(), name.end(), '/', '_');  // parameterised tests' names hold '/'
+    std::string path = (std::filesystem::temp_directory_path() / name).string();
+    ASSERT_NE(::mkdtemp(path.data()), nullptr) << path << ": " << std::strerror(errno);
+    dir_ = path;
   }
   void TearDown() override {
     std::error_code ec;
@@ -110,7 +118,7 @@ inline std::string read_file(const std::filesystem::path& path) {
 }
 
 struct CliOutcome {
-  int exit_code = -1;  // -1: killed by a signal (or timed out)
+  int exit_code = -1;  // -1: killed by a signal; 124: timed out (timeout's code)
   std::string output;
 };
 
