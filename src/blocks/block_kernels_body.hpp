@@ -33,11 +33,17 @@ void head_product(RowMajor a, RowMajor b, MutableRowMajor c, std::int64_t m, std
   detail::product_columns<kTileWidth, kTileRows>(a, b, c, m, width, k);
 }
 
-/// The head's rows of m, token-major: buffer[i * d_head + f] = m(first_row + f, first_token + i).
+/// The head's rows of m, token-major: buffer[i * d_head + f] = m(first_row + f, first_token + i),
+/// in tiles as transpose_lower (the buffer's rows are d_head floats apart).
 void gather_head(ConstMatrixView m, const HeadTask& task, float* buffer) {
-  for (std::int64_t f = 0; f < task.d_head; ++f) {
-    const float* row = m.row(task.first_row + f) + task.first_token;
-    for (std::int64_t i = 0; i < task.context; ++i) buffer[i * task.d_head + f] = row[i];
+  constexpr std::int64_t b = kTransposeTile;
+  const std::int64_t dh = task.d_head, n = task.context;
+  for (std::int64_t i0 = 0; i0 < n; i0 += b) {
+    const std::int64_t i1 = i0 + b < n ? i0 + b : n;
+    for (std::int64_t f = 0; f < dh; ++f) {
+      const float* row = m.row(task.first_row + f) + task.first_token;
+      for (std::int64_t i = i0; i < i1; ++i) buffer[i * dh + f] = row[i];
+    }
   }
 }
 
@@ -135,7 +141,7 @@ void attention_forward(ConstMatrixView q, ConstMatrixView k, ConstMatrixView v,
     softmax_row(probs + i * c, i + 1, scale);
     zero(probs + i * c + i + 1, c - i - 1);
   }
-  transpose_square({probs, c}, {pt, c}, c);
+  transpose_lower({probs, c}, {pt, c}, c);
   times_upper(compact_head(v, task, pt + c * c), pt, task, head_rows(out, task));
 }
 
@@ -162,7 +168,7 @@ void attention_backward(ConstMatrixView q, ConstMatrixView k, ConstMatrixView v,
   }
   times_lower(compact_head(d_out, task, rows), probs, task, head_rows(dv, task));
   times_lower(compact_head(q, task, rows), ds, task, head_rows(dk, task));
-  transpose_square({ds, c}, {ds_t, c}, c);
+  transpose_lower({ds, c}, {ds_t, c}, c);
   times_upper(compact_head(k, task, rows), ds_t, task, head_rows(dq, task));
 }
 

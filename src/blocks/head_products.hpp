@@ -90,11 +90,27 @@ template <std::int64_t Width, std::int64_t Rows>
   }
 }
 
-/// out(j, i) = in(i, j) for an n x n block (row strides given).
-[[gnu::always_inline]] inline void transpose_square(RowMajor in, MutableRowMajor out,
-                                                    std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    for (std::int64_t j = 0; j < n; ++j) out.data[j * out.stride + i] = in.data[i * in.stride + j];
+/// Tiles of a transpose, kTransposeTile squared: element by element, a whole column of a
+/// 128-wide block is written 512 bytes apart, a stride that maps every store to the same
+/// few L1 sets, so each missed; a tile's rows stay in L1 whatever the stride.
+inline constexpr std::int64_t kTransposeTile = 16;
+
+/// out(j, i) = in(i, j) for the lower triangle of an n x n block, tile by tile: the tiles
+/// wholly above in's diagonal are neither read nor written (those of a diagonal tile are),
+/// which is all that a product by the upper triangle of out (times_upper) reads.
+[[gnu::always_inline]] inline void transpose_lower(RowMajor in, MutableRowMajor out,
+                                                   std::int64_t n) {
+  constexpr std::int64_t b = kTransposeTile;
+  for (std::int64_t i0 = 0; i0 < n; i0 += b) {
+    const std::int64_t i1 = i0 + b < n ? i0 + b : n;
+    for (std::int64_t j0 = 0; j0 < i1; j0 += b) {
+      const std::int64_t j1 = j0 + b < n ? j0 + b : n;
+      for (std::int64_t i = i0; i < i1; ++i) {
+        for (std::int64_t j = j0; j < j1; ++j) {
+          out.data[j * out.stride + i] = in.data[i * in.stride + j];
+        }
+      }
+    }
   }
 }
 
