@@ -1,7 +1,8 @@
 // The GPT trained by weight streaming (sluice/gpt.hpp): a tiny model's loss and every
 // layer's gradient against central differences of a float64 dense-masked reference (its
 // sparse weights as dense matrices with zeros off the mask), on 1 and 2 local engines;
-// training that learns; checkpoints that resume exactly; seeded generation.
+// training that learns; checkpoints that resume exactly; seeded generation; an engine's
+// block store keeping its buffers from step to step.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "gpt_reference.hpp"
+#include "sluice/block_store.hpp"
 #include "sluice/engine.hpp"
 #include "sluice/gpt.hpp"
 #include "sluice/stream_codec.hpp"
@@ -19,6 +21,33 @@ namespace sluice {
 namespace {
 
 using namespace testing::gpt_reference;
+
+// A held-out batch between two training steps (a trainer's periodic evaluation) reuses
+// the training batch's buffers, and the next step finds them again: a store rebuilt every
+// step would zero fresh memory for every activation of every block.
+TEST(BlockStore, KeepsATrainingBatchsBuffersThroughAnEvaluation) {
+  const BlockShape training{256, 4, 8, 2, 2, true};
+  BlockShape evaluation = training;
+  evaluation.training = false;
+  const std::vector<std::int32_t> tokens(12, 7);
+  BlockStore s;
+  s.load(training, tokens, tokens);
+  s.blocks[1].h(5, 3) = 42.0F;  // a rebuilt store would be zero here
+  s.dx(2, 1) = 43.0F;
+  s.load(evaluation, tokens, {});
+  EXPECT_FALSE(s.shape().training);  // no backward on an evaluation's batch
+  s.load(training, tokens, tokens);
+  EXPECT_TRUE(s.shape().training);
+  EXPECT_EQ(s.blocks[1].h(5, 3), 42.0F);
+  EXPECT_EQ(s.dx(2, 1), 43.0F);
+  // An evaluation first holds no deltas: the training batch after it gets them.
+  BlockStore fresh;
+  fresh.load(evaluation, tokens, {});
+  EXPECT_EQ(fresh.dx.cols(), 0);
+  fresh.load(training, tokens, tokens);
+  EXPECT_EQ(fresh.dx.rows(), 8);
+  EXPECT_EQ(fresh.dx.cols(), 12);
+}
 
 struct GptCase {
   std::int64_t blocks;

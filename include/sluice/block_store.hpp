@@ -111,7 +111,8 @@ class BlockStore {
   };
 
   /// Takes a shard's tokens (whole sequences of shape.context) and sizes every buffer;
-  /// the previous batch's buffers are kept when they fit. ShapeError / ArgumentError for
+  /// the previous batch's buffers are kept when they fit (a training batch's also through
+  /// an evaluation's of as many tokens between two steps). ShapeError / ArgumentError for
   /// a shape that makes no model, a partial sequence, or a token outside the vocabulary.
   void load(const BlockShape& shape, std::span<const std::int32_t> inputs,
             std::span<const std::int32_t> targets);
@@ -138,8 +139,9 @@ class BlockStore {
   Norm final;
 
  private:
-  BlockShape shape_;
+  BlockShape shape_;  ///< the batch's: training says whether its backward may run
   std::int64_t tokens_ = 0;
+  bool training_buffers_ = false;  ///< whether the buffers include the backward's deltas
 };
 
 }  // namespace sluice

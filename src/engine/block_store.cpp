@@ -126,10 +126,11 @@ void BlockStore::load(const BlockShape& shape, std::span<const std::int32_t> in,
   const bool fits = tokens_ == t && shape_.vocab == shape.vocab &&
                     shape_.d_model == shape.d_model && shape_.heads == shape.heads &&
                     shape_.context == shape.context && shape_.blocks == shape.blocks &&
-                    (shape_.training || !shape.training);
+                    (training_buffers_ || !shape.training);
   shape_ = shape;
   tokens_ = t;
   if (fits) return;  // the previous batch's buffers
+  training_buffers_ = shape.training;
   const std::int64_t d = shape.d_model;
   blocks.clear();
   blocks.resize(static_cast<std::size_t>(shape.blocks));
