@@ -128,12 +128,8 @@ class SparseLinear(torch.nn.Module):
             error_msgs.append(f"sluice SparseLinear {prefix or '(top)'}: {problem}")
             return
         elif owned or not torch.equal(indices, self.layer.mask_indices()):
-            n = self.in_features * self.out_features
-            weight, mask = torch.zeros(n), torch.zeros(n)
-            weight[indices] = values.detach().float()
-            mask[indices] = 1.0
-            self.layer = torch.ops.sluice.make_layer(
-                weight.view(self.out_features, -1), mask.view(self.out_features, -1), 0.0,
+            self.layer = torch.ops.sluice.make_layer_at(
+                indices, values.detach().float(), self.in_features, self.out_features,
                 None if bias is None else bias.detach().float(), owned, *self._optimizer)
             if not owned:  # sized for the new mask; the values are copied in below
                 self.values.data = torch.empty(values.numel())

@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "sluice/error.hpp"
 #include "sluice/optimizer.hpp"
@@ -18,6 +19,20 @@ namespace {
 
 using ::torch::Tensor;
 
+/// A layer's options: who owns its weights and the ModelMemory's optimizer ("sgd",
+/// "adam", "adamw"), which runs when the weights are sluice's.
+SparseLinearOptions options_for(std::int64_t in, std::int64_t out, bool sluice_owned,
+                                const std::string& optimizer, double learning_rate,
+                                double weight_decay) {
+  SparseLinearOptions options(in, out);
+  OptimizerConfig config;
+  config.kind = parse_optimizer(optimizer);
+  config.learning_rate = learning_rate;
+  config.weight_decay = weight_decay;
+  options.optimizer(config).weights(sluice_owned ? WeightOwner::sluice : WeightOwner::torch);
+  return options;
+}
+
 /// A layer from a dense weight [out, in]: under `mask` if given, else pruned by magnitude
 /// to `sparsity`. `optimizer` ("sgd", "adam", "adamw") runs in the ModelMemory when the
 /// weights are sluice's; with `sluice_owned` false they are the caller's torch parameters.
@@ -26,12 +41,8 @@ c10::intrusive_ptr<LayerBinding> make_layer(const Tensor& weight, const c10::opt
                                             bool sluice_owned, const std::string& optimizer,
                                             double learning_rate, double weight_decay) {
   if (weight.dim() != 2) throw ShapeError("sluice_torch: weight must be [out, in]");
-  SparseLinearOptions options(weight.size(1), weight.size(0));
-  OptimizerConfig config;
-  config.kind = parse_optimizer(optimizer);
-  config.learning_rate = learning_rate;
-  config.weight_decay = weight_decay;
-  options.optimizer(config).weights(sluice_owned ? WeightOwner::sluice : WeightOwner::torch);
+  SparseLinearOptions options = options_for(weight.size(1), weight.size(0), sluice_owned, optimizer,
+                                            learning_rate, weight_decay);
   const Tensor b = bias.has_value() ? *bias : Tensor();
   ::torch::nn::Linear dense(
       ::torch::nn::LinearOptions(weight.size(1), weight.size(0)).bias(b.defined()));
@@ -44,6 +55,25 @@ c10::intrusive_ptr<LayerBinding> make_layer(const Tensor& weight, const c10::opt
                           ? std::make_shared<SparseLinearImpl>(weight, *mask, b, options)
                           : SparseLinearImpl::pruned(dense, sparsity, options);
   return module->binding();
+}
+
+/// A layer of out x in with `values` at the flat positions `indices` (matrix_at): a saved
+/// or pickled layer's mask and values, as they were.
+c10::intrusive_ptr<LayerBinding> make_layer_at(const Tensor& indices, const Tensor& values,
+                                               std::int64_t in, std::int64_t out,
+                                               const c10::optional<Tensor>& bias, bool sluice_owned,
+                                               const std::string& optimizer, double learning_rate,
+                                               double weight_decay) {
+  SparseLinearOptions options =
+      options_for(in, out, sluice_owned, optimizer, learning_rate, weight_decay);
+  std::vector<float> b;
+  if (bias.has_value()) {
+    const Tensor c = bias->detach().to(::torch::kFloat).contiguous();
+    b.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  sluice::SparseLinear layer(memory_for(options), matrix_at(out, in, indices, values),
+                             std::move(b));
+  return SparseLinearImpl(options, std::move(layer)).binding();
 }
 
 /// What pickling (copy.deepcopy, torch.save of a module, torch.jit.save) keeps of a layer:
@@ -70,15 +100,9 @@ PickledLayer pickle_layer(const c10::intrusive_ptr<LayerBinding>& self) {
 c10::intrusive_ptr<LayerBinding> unpickle_layer(PickledLayer state) {
   auto [indices, values, bias, in, out, owned, optimizer, learning_rate, weight_decay] =
       std::move(state);
-  if (indices.dim() != 1 || values.dim() != 1 || indices.numel() != values.numel()) {
-    throw ShapeError("sluice_torch: a pickled layer's mask and values do not match");
-  }
-  Tensor weight = ::torch::zeros({out * in}), mask = ::torch::zeros({out * in});
-  weight.index_put_({indices}, values);
-  mask.index_put_({indices}, 1.0F);
-  return make_layer(weight.view({out, in}), mask.view({out, in}), 0.0,
-                    bias.numel() > 0 ? c10::optional<Tensor>(bias) : c10::nullopt, owned, optimizer,
-                    learning_rate, weight_decay);
+  return make_layer_at(indices, values, in, out,
+                       bias.numel() > 0 ? c10::optional<Tensor>(bias) : c10::nullopt, owned,
+                       optimizer, learning_rate, weight_decay);
 }
 
 Tensor sparse_linear(const Tensor& x, const c10::optional<Tensor>& values,
@@ -125,5 +149,6 @@ TORCH_LIBRARY(sluice, m) {
         return self->layer().step().applied;
       });
   m.def("make_layer", &sluice::torch::make_layer);
+  m.def("make_layer_at", &sluice::torch::make_layer_at);
   m.def("sparse_linear", &sluice::torch::sparse_linear);
 }

@@ -411,21 +411,25 @@ Tensor checked_mask_indices(const Tensor& indices, std::int64_t values, std::int
   return c;
 }
 
-/// A layer of `options`' shape in a ModelMemory of its own, with `values` at the flat
-/// positions `indices` (checked) and `bias`.
-sluice::SparseLinear layer_at(SparseLinearOptions& options, const Tensor& indices,
-                              const Tensor& values, const Tensor& bias) {
-  const std::int64_t in = options.in_features(), out = options.out_features();
-  Tensor mask = ::torch::zeros({in * out}, ::torch::kFloat);
-  mask.index_put_({indices}, 1.0F);
-  Tensor weight = ::torch::zeros({in * out}, ::torch::kFloat);
-  weight.index_put_({indices}, values.detach().to(::torch::kFloat));
-  const Matrix2d w = matrix_of(weight.view({out, in}), "weight");
-  const Matrix2d m = matrix_of(mask.view({out, in}), "mask");
-  return sluice::SparseLinear::from_dense(memory_for(options), w.view, m.view, vector_of(bias));
-}
-
 }  // namespace
+
+CsrMatrix matrix_at(std::int64_t out, std::int64_t in, const Tensor& indices,
+                    const Tensor& values) {
+  if (values.dim() != 1) {
+    throw ShapeError("sluice SparseLinear: the archive's values " + sizes_of(values) +
+                     " are not one per mask position");
+  }
+  const Tensor checked = checked_mask_indices(indices, values.size(0), out * in);
+  const auto* at = checked.data_ptr<std::int64_t>();
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(out) + 1, 0);
+  std::vector<std::uint32_t> cols(static_cast<std::size_t>(values.size(0)));
+  for (std::size_t k = 0; k < cols.size(); ++k) {
+    offsets[static_cast<std::size_t>(at[k] / in) + 1] += 1;
+    cols[k] = static_cast<std::uint32_t>(at[k] % in);
+  }
+  for (std::size_t r = 0; r < static_cast<std::size_t>(out); ++r) offsets[r + 1] += offsets[r];
+  return {out, in, std::move(offsets), std::move(cols), vector_of(values)};
+}
 
 void SparseLinearImpl::load(::torch::serialize::InputArchive& archive) {
   if (options_.weights() == WeightOwner::sluice) {
@@ -457,7 +461,8 @@ void SparseLinearImpl::load(::torch::serialize::InputArchive& archive) {
     }
     SparseLinearOptions options = options_;
     options.memory(nullptr).optimizer(binding_->layer().memory().optimizer());
-    sluice::SparseLinear layer = layer_at(options, indices, values, bias);
+    sluice::SparseLinear layer(memory_for(options), matrix_at(out, in, indices, values),
+                               vector_of(bias));
     options_ = options;
     binding_ =
         c10::make_intrusive<LayerBinding>(std::move(layer), options_.engine(), options_.weights());

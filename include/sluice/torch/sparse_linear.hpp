@@ -77,6 +77,12 @@ class LayerBinding : public ::torch::CustomClassHolder {
   WeightOwner owner_;
 };
 
+/// The out x in matrix with `values` at the flat positions `indices` (row * in + column,
+/// int64, increasing): what a saved layer's mask and values make. ShapeError naming what
+/// is wrong with them.
+CsrMatrix matrix_at(std::int64_t out, std::int64_t in, const ::torch::Tensor& indices,
+                    const ::torch::Tensor& values);
+
 /// One CpuEngine for the process (every core), created on first use.
 std::shared_ptr<Engine> default_engine();
 
