@@ -37,7 +37,8 @@ std::vector<std::string> read_lines(const std::filesystem::path& path) {
   std::string text;
   char buffer[1 << 16];
   int n = 0;
-  const std::uint64_t limit = detail::max_input_bytes();  // also what a device never ends
+  // Bounded as every input is: a device or pipe that never ends must not be read forever.
+  const std::uint64_t limit = detail::max_input_bytes();
   while ((n = gzread(file, buffer, sizeof buffer)) > 0) {
     if (text.size() + static_cast<std::size_t>(n) > limit) {
       gzclose(file);
