@@ -480,4 +480,15 @@ void SparseLinearImpl::load(::torch::serialize::InputArchive& archive) {
   if (bias.defined()) bias_.copy_(bias);
 }
 
+void SparseLinearImpl::reset() {
+  // clone() calls this on a copy of the module, which still holds this layer's binding.
+  const sluice::SparseLinear& original = binding_->layer();
+  SparseLinearOptions options = options_;
+  options.memory(nullptr).optimizer(original.memory().optimizer());
+  sluice::SparseLinear layer(memory_for(options), original.weights(), original.bias());
+  options_ = std::move(options);
+  own_memory_ = true;
+  init(std::move(layer));
+}
+
 }  // namespace sluice::torch

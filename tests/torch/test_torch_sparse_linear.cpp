@@ -1,7 +1,7 @@
 // sluice::torch::SparseLinear inside libtorch: forward and both gradients against a
 // masked dense torch::nn::Linear, fp32 and bf16, every layout; weights kept by sluice;
 // magnitude pruning; saved and loaded with torch::save / torch::load, the mask with the
-// values; and an MLP trained on digits against the same masked dense model.
+// values; cloned; and an MLP trained on digits against the same masked dense model.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -207,6 +207,63 @@ TEST(TorchSparseLinearSaved, AnArchiveThatDoesNotFitChangesNothing) {
   SparseLinear second(SparseLinearOptions(12, 7).memory(shared).seed(6));
   EXPECT_THROW(save_and_load(saved, second), sluice::UnsupportedError);
   save_and_load(second, second);  // the same mask: the values only
+}
+
+// clone() of a model holding sluice layers gives a model that computes the same and trains
+// apart: its parameters, its ModelMemory and its optimizer's state are its own.
+TEST(TorchSparseLinearCloned, ComputesTheSameAndTrainsApart) {
+  torch::manual_seed(8);
+  const Tensor x = torch::randn({6, 24});
+  torch::nn::Sequential model(SparseLinear(SparseLinearOptions(24, 17).sparsity(0.6).seed(2)),
+                              torch::nn::ReLU(),
+                              SparseLinear(SparseLinearOptions(17, 5).sparsity(0.3).seed(3)));
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  model->forward(x).square().sum().backward();
+  sgd.step();  // the values now differ from those the ModelMemory was given
+  const Tensor before = model->forward(x).detach();
+
+  const auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(torch::equal(copy->forward(x), before));
+  const auto layer = std::dynamic_pointer_cast<SparseLinearImpl>(copy->ptr(0));
+  const auto original = std::dynamic_pointer_cast<SparseLinearImpl>(model->ptr(0));
+  ASSERT_TRUE(layer && original);
+  EXPECT_TRUE(torch::equal(layer->mask(), original->mask()));
+  EXPECT_NE(&layer->layer().memory(), &original->layer().memory());
+  torch::optim::SGD copy_sgd(copy->parameters(), 0.1);
+  copy->forward(x).square().sum().backward();
+  copy_sgd.step();
+  EXPECT_FALSE(torch::equal(copy->forward(x), before));
+  EXPECT_TRUE(torch::equal(model->forward(x), before));
+}
+
+TEST(TorchSparseLinearCloned, SluiceOwnedAndSharedLayersGetAModelMemoryOfTheirOwn) {
+  torch::manual_seed(9);
+  const Tensor x = torch::randn({4, 15});
+  sluice::OptimizerConfig sgd;
+  sgd.kind = sluice::OptimizerKind::sgd;
+  sgd.learning_rate = 0.05;
+  auto shared = std::make_shared<sluice::HostModelMemory>();
+  shared->set_optimizer(sgd);
+  SparseLinear owned(
+      SparseLinearOptions(15, 11).weights(WeightOwner::sluice).memory(shared).sparsity(0.4));
+  SparseLinear neighbour(SparseLinearOptions(11, 3).weights(WeightOwner::sluice).memory(shared));
+  neighbour(owned(x)).sum().backward();
+  EXPECT_TRUE(owned->step().applied);  // commits both layers' step
+  const Tensor before = owned(x).detach();
+
+  const auto copy = std::dynamic_pointer_cast<SparseLinearImpl>(owned->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_EQ(shared->layer_count(), 2);
+  EXPECT_NE(&copy->layer().memory(), shared.get());
+  EXPECT_EQ(copy->layer().memory().optimizer().learning_rate, 0.05);
+  EXPECT_TRUE(torch::equal(copy->forward(x), before));
+  copy->forward(x).sum().backward();
+  const sluice::StepReport report = copy->step();
+  EXPECT_TRUE(report.applied);
+  EXPECT_EQ(report.step, 1);  // the clone's own first step
+  EXPECT_FALSE(torch::equal(copy->forward(x), before));
+  EXPECT_TRUE(torch::equal(owned(x), before));
 }
 
 TEST(TorchSparseLinearDigits, TrainsLikeTheMaskedDenseModel) {

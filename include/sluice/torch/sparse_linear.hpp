@@ -22,6 +22,7 @@
 // engine are serialised); as for torch::nn modules, do not change it while it runs.
 #include <torch/arg.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
@@ -121,7 +122,7 @@ struct SparseLinearOptions {
 /// HostModelMemory with options.optimizer() (then kept in the options).
 std::shared_ptr<ModelMemory> memory_for(SparseLinearOptions& options);
 
-class SparseLinearImpl : public ::torch::nn::Module {
+class SparseLinearImpl : public ::torch::nn::Cloneable<SparseLinearImpl> {
  public:
   /// A random mask at options.sparsity(); values uniform in +-1/sqrt(fan-in kept) and the
   /// bias uniform in +-1/sqrt(in_features), drawn from options.seed().
@@ -163,6 +164,13 @@ class SparseLinearImpl : public ::torch::nn::Module {
   /// weights are sluice's (load its ModelMemory, which keeps the optimizer's state too), and
   /// for a new mask in a ModelMemory the layer shares with others.
   void load(::torch::serialize::InputArchive& archive) override;
+
+  /// torch::nn::Cloneable, for clone() (of this module or of one holding it): the copy
+  /// gets a layer of its own, with this one's mask, values, bias, engine and optimizer
+  /// settings, in a ModelMemory of its own even where this layer shares one (a clone that
+  /// joined it would step with the others). A sluice optimizer's state starts afresh in
+  /// the clone, as a torch optimizer made for a cloned module would.
+  void reset() override;
 
  private:
   void init(sluice::SparseLinear layer);
