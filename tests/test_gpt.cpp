@@ -49,6 +49,37 @@ TEST(BlockStore, KeepsATrainingBatchsBuffersThroughAnEvaluation) {
   EXPECT_EQ(fresh.dx.cols(), 12);
 }
 
+// An evaluation's shorter last batch, and the training batch after it, are zeros of their
+// shape in the memory the store already has.
+TEST(BlockStore, ReshapesInTheMemoryItHas) {
+  const BlockShape training{256, 4, 8, 2, 2, true};
+  BlockShape evaluation = training;
+  evaluation.training = false;
+  const std::vector<std::int32_t> twelve(12, 7), eight(8, 3);
+  BlockStore s;
+  s.load(training, twelve, twelve);
+  const float* h = s.blocks[1].h.data();
+  const float* dx = s.dx.data();
+  s.blocks[1].h(5, 3) = 42.0F;
+  s.dx(2, 1) = 43.0F;
+  s.load(evaluation, eight, {});
+  EXPECT_EQ(s.blocks[1].h.data(), h);
+  EXPECT_EQ(s.blocks[1].h.cols(), 8);
+  EXPECT_EQ(s.dx.cols(), 0);
+  for (std::int64_t r = 0; r < s.blocks[1].h.rows(); ++r) {
+    for (std::int64_t c = 0; c < 8; ++c) ASSERT_EQ(s.blocks[1].h(r, c), 0.0F) << r << " " << c;
+  }
+  s.load(training, twelve, twelve);
+  EXPECT_EQ(s.blocks[1].h.data(), h);
+  EXPECT_EQ(s.dx.data(), dx);
+  EXPECT_EQ(s.blocks[1].h(5, 3), 0.0F);
+  EXPECT_EQ(s.dx(2, 1), 0.0F);
+  EXPECT_EQ(s.dx.cols(), 12);
+  s.load(training, std::vector<std::int32_t>(16, 1), std::vector<std::int32_t>(16, 2));
+  EXPECT_EQ(s.blocks[1].h.cols(), 16);  // more than it had: new memory
+  EXPECT_EQ(s.blocks[1].h(31, 15), 0.0F);
+}
+
 struct GptCase {
   std::int64_t blocks;
   std::int32_t engines;

@@ -112,7 +112,8 @@ class BlockStore {
 
   /// Takes a shard's tokens (whole sequences of shape.context) and sizes every buffer;
   /// the previous batch's buffers are kept when they fit (a training batch's also through
-  /// an evaluation's of as many tokens between two steps). ShapeError / ArgumentError for
+  /// an evaluation's of as many tokens between two steps), and another shape is zeroed in
+  /// the memory the buffers have where it holds it. ShapeError / ArgumentError for
   /// a shape that makes no model, a partial sequence, or a token outside the vocabulary.
   void load(const BlockShape& shape, std::span<const std::int32_t> inputs,
             std::span<const std::int32_t> targets);

@@ -48,12 +48,17 @@ class DenseMatrix {
 
   void fill(float value);
   DenseMatrix clone() const;
+  /// Makes this rows x cols zeros, as DenseMatrix(rows, cols) would, in the memory it has
+  /// when that holds them: a buffer reshaped from batch to batch is touched for the first
+  /// time once.
+  void resize(std::int64_t rows, std::int64_t cols);
 
  private:
   struct FreeAligned {
     void operator()(float* p) const noexcept;
   };
   std::int64_t rows_ = 0, cols_ = 0, stride_ = 0;
+  std::size_t capacity_ = 0;  // floats allocated
   std::unique_ptr<float[], FreeAligned> data_;
 };
 

@@ -39,6 +39,19 @@ DenseMatrix::DenseMatrix(std::int64_t rows, std::int64_t cols) : rows_(rows), co
   if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, bytes);
   data_.reset(p);
+  capacity_ = bytes / sizeof(float);
+}
+
+void DenseMatrix::resize(std::int64_t rows, std::int64_t cols) {
+  const std::int64_t stride = (cols + 15) / 16 * 16;
+  if (rows < 0 || cols < 0 || static_cast<std::size_t>(rows * stride) > capacity_) {
+    *this = DenseMatrix(rows, cols);  // checks the shape
+    return;
+  }
+  rows_ = rows;
+  cols_ = cols;
+  stride_ = stride;
+  if (rows * stride > 0) std::memset(data_.get(), 0, sizeof(float) * rows * stride);
 }
 
 void DenseMatrix::fill(float value) {

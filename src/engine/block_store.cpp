@@ -130,31 +130,32 @@ void BlockStore::load(const BlockShape& shape, std::span<const std::int32_t> in,
   shape_ = shape;
   tokens_ = t;
   if (fits) return;  // the previous batch's buffers
+  // Another shape: zeros of it, in the memory the buffers have where it holds them (an
+  // evaluation's shorter last batch, and the training batch after it, touch none anew).
   training_buffers_ = shape.training;
   const std::int64_t d = shape.d_model;
-  blocks.clear();
   blocks.resize(static_cast<std::size_t>(shape.blocks));
   const auto tokens = static_cast<std::size_t>(t);
   for (Block& b : blocks) {
     for (DenseMatrix* m : {&b.x, &b.n1, &b.q, &b.k, &b.v, &b.att, &b.mid, &b.n2}) {
-      *m = DenseMatrix(d, t);
+      m->resize(d, t);
     }
-    b.u = DenseMatrix(4 * d, t);
-    b.h = DenseMatrix(4 * d, t);
+    b.u.resize(4 * d, t);
+    b.h.resize(4 * d, t);
     for (auto* v : {&b.mean1, &b.inv1, &b.mean2, &b.inv2}) v->assign(tokens, 0.0F);
     b.probabilities.assign(static_cast<std::size_t>(attention_probabilities_size(t, attention())),
                            0.0F);
   }
-  x_out = DenseMatrix(d, t);
-  nf = DenseMatrix(d, t);
-  logits = DenseMatrix(shape.vocab, t);
+  x_out.resize(d, t);
+  nf.resize(d, t);
+  logits.resize(shape.vocab, t);
   mean_f.assign(tokens, 0.0F);
   inv_f.assign(tokens, 0.0F);
-  d_logits = DenseMatrix(shape.training ? shape.vocab : 0, shape.training ? t : 0);
+  d_logits.resize(shape.training ? shape.vocab : 0, shape.training ? t : 0);
   const std::int64_t bt = shape.training ? t : 0;
-  for (DenseMatrix* m : {&dnf, &dx, &dn, &dmid, &datt, &dq, &dk, &dv}) *m = DenseMatrix(d, bt);
-  dh = DenseMatrix(4 * d, bt);
-  du = DenseMatrix(4 * d, bt);
+  for (DenseMatrix* m : {&dnf, &dx, &dn, &dmid, &datt, &dq, &dk, &dv}) m->resize(d, bt);
+  dh.resize(4 * d, bt);
+  du.resize(4 * d, bt);
 }
 
 }  // namespace sluice
