@@ -112,6 +112,211 @@ struct HugeBuffer {
   char* data;
 };
 
+/// The layer every rank builds (same seed) and its streams: 4096 outputs, 16384 inputs,
+/// the density chosen for the fp32 stream's size, so the plain collectives move exactly
+/// its bytes.
+struct Layer {
+  static constexpr std::int64_t kOutputs = 4096, kInputs = 16384;
+  sluice::CsrMatrix w;
+  sluice::WeightStream stream, stream_bf16, mask;
+  std::uint64_t stream_bytes = 0, bf16_bytes = 0, nnz = 0;  // nnz: the values a return moves
+
+  explicit Layer(double megabytes) {
+    using namespace sluice;
+    const double packets = megabytes * 1e6 / sizeof(Packet);
+    const double density = std::min(1.0, packets / static_cast<double>(kOutputs * kInputs));
+    w = CsrMatrix::random(kOutputs, kInputs, 1.0 - density, 1);
+    w.fill_values(2, 0.01F);
+    stream = encode_stream(w, StreamKind::weights);
+    stream_bf16 = encode_stream(w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
+    mask = encode_stream(w, StreamKind::mask);
+    stream_bytes = stream.byte_size();
+    bf16_bytes = stream_bf16.byte_size();
+    nnz = stream.header.nnz;
+  }
+};
+
+/// Rank 0's per-round medians of the transport comparison, and the per-round ratios.
+struct Transport {
+  std::vector<double> bcast, bcast_huge, bcast_bf16, reduce;
+  std::vector<double> probe, probe_bf16, gradient_return, echo;
+  std::vector<double> bcast_ratio, bcast_huge_ratio, bcast_bf16_ratio, reduce_ratio;
+};
+
+/// Rounds of plain collectives and fabric probes back to back (a fresh fabric each round,
+/// as serve() holds the engine ranks until stop()), so both see the same load on a shared
+/// machine; ratios are taken per round. Every rank calls it; rank 0's result holds the times.
+Transport measure_transport(const Layer& layer, int rank, int rounds) {
+  using namespace sluice;
+  constexpr int kPerRound = 3;
+  std::vector<char> buffer(layer.stream_bytes, 1), buffer_bf16(layer.bf16_bytes, 1);
+  HugeBuffer huge(layer.stream_bytes);
+  std::vector<float> values(layer.nnz, 1.0F), sums(rank == 0 ? layer.nnz : 0);
+  Transport t;
+  for (int round = 0; round < rounds; ++round) {
+    const double bcast = collective_median(kPerRound, [&] { plain_bcast(buffer); });
+    const double bcast_huge = collective_median(kPerRound, [&] {
+      plain_bcast({huge.data, layer.stream_bytes});
+    });
+    const double bcast_bf16 = collective_median(kPerRound, [&] { plain_bcast(buffer_bf16); });
+    const double reduce = collective_median(kPerRound, [&] {
+      MPI_Reduce(values.data(), sums.data(), static_cast<int>(layer.nnz), MPI_FLOAT, MPI_SUM, 0,
+                 MPI_COMM_WORLD);
+    });
+    double probe = 0, probe_bf16 = 0, gradient_return = 0;
+    {
+      MpiFabric fabric{MpiFabricOptions{}};
+      if (!fabric.is_driver()) {
+        fabric.serve();
+      } else {
+        probe = median_of(kPerRound, [&] {
+          MemoryStreamSource source(layer.stream);
+          (void)fabric.probe(source, false);
+        });
+        probe_bf16 = median_of(kPerRound, [&] {
+          MemoryStreamSource source(layer.stream_bf16);
+          (void)fabric.probe(source, false);
+        });
+        std::vector<double> returns;
+        t.echo.push_back(median_of(kPerRound, [&] {
+          MemoryStreamSource source(layer.stream);
+          (void)fabric.probe(source, true);
+          returns.push_back(fabric.last_gradient_seconds());
+        }));
+        returns.erase(returns.begin());  // the warm-up
+        gradient_return = median(returns);
+        fabric.stop();
+      }
+    }
+    if (rank != 0) continue;
+    t.bcast.push_back(bcast);
+    t.bcast_huge.push_back(bcast_huge);
+    t.bcast_bf16.push_back(bcast_bf16);
+    t.reduce.push_back(reduce);
+    t.probe.push_back(probe);
+    t.probe_bf16.push_back(probe_bf16);
+    t.gradient_return.push_back(gradient_return);
+    t.bcast_ratio.push_back(bcast / probe);
+    t.bcast_huge_ratio.push_back(bcast_huge / probe);
+    t.bcast_bf16_ratio.push_back(bcast_bf16 / probe_bf16);
+    t.reduce_ratio.push_back(reduce / gradient_return);
+  }
+  return t;
+}
+
+/// Whole operations through the fabric, and the same engine work on one CpuEngine in this
+/// process (no MPI) for the bound.
+struct Operations {
+  std::int32_t engines = 0;
+  double forward = 0, forward_bf16 = 0, backward = 0, backward_return = 0;
+  double engine_forward = 0, engine_forward_bf16 = 0, engine_backward = 0;
+};
+
+Operations measure_operations(sluice::MpiFabric& fabric, const Layer& layer, int reps) {
+  using namespace sluice;
+  Operations o;
+  o.engines = fabric.engine_count();
+  const Geometry g = fabric.engine(0).geometry_for(Layer::kOutputs, Layer::kInputs, 1);
+  const Placement placement = round_robin_placement(layer.w, std::max(1, g.lanes));
+  std::vector<DenseMatrix> x, y, dy;
+  std::vector<const Placement*> ps(static_cast<std::size_t>(o.engines), &placement);
+  std::vector<ConstMatrixView> xs, dys;
+  std::vector<MutableMatrixView> ys;
+  for (std::int32_t k = 0; k < o.engines; ++k) {
+    x.emplace_back(Layer::kInputs, 1);
+    x.back().fill(1.0F);
+    y.emplace_back(Layer::kOutputs, 1);
+    dy.emplace_back(Layer::kOutputs, 1);
+    dy.back().fill(1.0F);
+  }
+  for (std::int32_t k = 0; k < o.engines; ++k) {
+    xs.push_back(x[static_cast<std::size_t>(k)].view());
+    ys.push_back(y[static_cast<std::size_t>(k)].view());
+    dys.push_back(dy[static_cast<std::size_t>(k)].view());
+  }
+  o.forward = median_of(reps, [&] {
+    MemoryStreamSource source(layer.stream);
+    fabric.forward(source, ps, xs, ys);
+  });
+  o.forward_bf16 = median_of(reps, [&] {
+    MemoryStreamSource source(layer.stream_bf16);
+    fabric.forward(source, ps, xs, ys);
+  });
+  std::vector<double> returns;
+  o.backward = median_of(reps, [&] {
+    MemoryStreamSource source(layer.mask);
+    (void)fabric.backward(source, ps, xs, dys, {}, false);
+    returns.push_back(fabric.last_gradient_seconds());
+  });
+  returns.erase(returns.begin());
+  o.backward_return = median(returns);
+  fabric.stop();
+  CpuEngine local(EngineOptions{.threads = fabric.engine(0).threads()});
+  DenseMatrix ly(Layer::kOutputs, 1);
+  o.engine_forward =
+      median_of(reps, [&] { local.forward(layer.stream, placement, x[0].view(), ly.view()); });
+  o.engine_forward_bf16 =
+      median_of(reps, [&] { local.forward(layer.stream_bf16, placement, x[0].view(), ly.view()); });
+  o.engine_backward = median_of(reps, [&] {
+    (void)local.backward(layer.mask, placement, x[0].view(), dy[0].view(), nullptr);
+  });
+  return o;
+}
+
+void print_report(const Layer& layer, const Transport& t, const Operations& o, int ranks,
+                  int reps) {
+  const double gb = 1e9;
+  const auto stream_bytes = static_cast<double>(layer.stream_bytes);
+  const auto bf16_bytes = static_cast<double>(layer.bf16_bytes);
+  const double value_bytes = static_cast<double>(layer.nnz * sizeof(float));
+  std::printf(
+      "ranks %d (%d engines); layer %lldx%lld, %llu weights; fp32 stream %.1f MB, bf16 "
+      "stream %.1f MB, gradient values %.1f MB; medians over %d rounds\n",
+      ranks, o.engines, static_cast<long long>(Layer::kOutputs),
+      static_cast<long long>(Layer::kInputs), static_cast<unsigned long long>(layer.nnz),
+      stream_bytes / 1e6, bf16_bytes / 1e6, value_bytes / 1e6, reps);
+  const double bcast_time = median(t.bcast), bcast_bf16_time = median(t.bcast_bf16);
+  const double reduce_time = median(t.reduce);
+  const double probe_bcast = median(t.probe), probe_bcast_bf16 = median(t.probe_bf16);
+  const double gradient_return = median(t.gradient_return);
+  std::printf(
+      "broadcast fp32: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
+      "ratio %.2f\n",
+      probe_bcast * 1e3, stream_bytes / probe_bcast / gb, bcast_time * 1e3,
+      stream_bytes / bcast_time / gb, median(t.bcast_ratio));
+  const double bcast_huge_time = median(t.bcast_huge);
+  std::printf("  the same MPI_Bcast from huge pages: %.2f ms (%.2f GB/s) | ratio %.2f\n",
+              bcast_huge_time * 1e3, stream_bytes / bcast_huge_time / gb,
+              median(t.bcast_huge_ratio));
+  std::printf(
+      "broadcast bf16: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
+      "ratio %.2f | %.2fx faster than the fp32 stream\n",
+      probe_bcast_bf16 * 1e3, bf16_bytes / probe_bcast_bf16 / gb, bcast_bf16_time * 1e3,
+      bf16_bytes / bcast_bf16_time / gb, median(t.bcast_bf16_ratio),
+      probe_bcast / probe_bcast_bf16);
+  std::printf(
+      "gradient return: fabric %.2f ms (%.2f GB/s) | MPI_Reduce %.2f ms (%.2f GB/s) | "
+      "ratio %.2f (broadcast + return %.2f ms)\n",
+      gradient_return * 1e3, value_bytes / gradient_return / gb, reduce_time * 1e3,
+      value_bytes / reduce_time / gb, median(t.reduce_ratio), median(t.echo) * 1e3);
+  std::printf(
+      "forward fp32: fabric %.2f ms | MPI_Bcast %.2f ms | engine alone %.2f ms | "
+      "max(plain,engine)/fabric %.2f\n",
+      o.forward * 1e3, bcast_time * 1e3, o.engine_forward * 1e3,
+      std::max(bcast_time, o.engine_forward) / o.forward);
+  std::printf(
+      "forward bf16: fabric %.2f ms | MPI_Bcast %.2f ms | engine alone %.2f ms | "
+      "max(plain,engine)/fabric %.2f\n",
+      o.forward_bf16 * 1e3, bcast_bf16_time * 1e3, o.engine_forward_bf16 * 1e3,
+      std::max(bcast_bf16_time, o.engine_forward_bf16) / o.forward_bf16);
+  const double plain_back = bcast_time + reduce_time;
+  std::printf(
+      "backward: fabric %.2f ms (gradient return %.2f ms) | MPI_Bcast + MPI_Reduce "
+      "%.2f ms | engine alone %.2f ms | max(plain,engine)/fabric %.2f\n",
+      o.backward * 1e3, o.backward_return * 1e3, plain_back * 1e3, o.engine_backward * 1e3,
+      std::max(plain_back, o.engine_backward) / o.backward);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -128,182 +333,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    using namespace sluice;
-    // The layer: 4096 outputs, 16384 inputs, density chosen for the fp32 stream's size.
-    // Every rank builds it (same seed), so the plain collectives move exactly its bytes.
-    const std::int64_t outputs = 4096, inputs = 16384;
-    const double packets = megabytes * 1e6 / sizeof(Packet);
-    const double density = std::min(1.0, packets / static_cast<double>(outputs * inputs));
-    CsrMatrix w = CsrMatrix::random(outputs, inputs, 1.0 - density, 1);
-    w.fill_values(2, 0.01F);
-    const WeightStream stream = encode_stream(w, StreamKind::weights);
-    const WeightStream stream_bf16 =
-        encode_stream(w, StreamKind::weights, kDefaultChunkPackets, Precision::bf16);
-    const WeightStream mask = encode_stream(w, StreamKind::mask);
-    const std::uint64_t stream_bytes = stream.byte_size();
-    const std::uint64_t bf16_bytes = stream_bf16.byte_size();
-    const std::uint64_t nnz = stream.header.nnz;  // the values a gradient return moves
-
-    std::vector<char> buffer(stream_bytes, 1), buffer_bf16(bf16_bytes, 1);
-    HugeBuffer huge(stream_bytes);
-    std::vector<float> values(nnz, 1.0F), sums(rank == 0 ? nnz : 0);
-    MpiFabricOptions options;
-
-    // Transport: rounds of plain collectives and fabric probes back to back (a fresh
-    // fabric each round, as serve() holds the engine ranks until stop()), so both see the
-    // same load on a shared machine; ratios are taken per round, then their median.
-    constexpr int kPerRound = 3;
-    std::vector<double> bcast_times, bcast_huge_times, bcast_bf16_times, reduce_times;
-    std::vector<double> probe_times, probe_bf16_times, return_times, echo_times;
-    std::vector<double> bcast_ratios, bcast_huge_ratios, bcast_bf16_ratios, reduce_ratios;
-    for (int round = 0; round < reps; ++round) {
-      const double bcast = collective_median(kPerRound, [&] { plain_bcast(buffer); });
-      const double bcast_huge = collective_median(kPerRound, [&] {
-        plain_bcast({huge.data, stream_bytes});
-      });
-      const double bcast_bf16 = collective_median(kPerRound, [&] { plain_bcast(buffer_bf16); });
-      const double reduce = collective_median(kPerRound, [&] {
-        MPI_Reduce(values.data(), sums.data(), static_cast<int>(nnz), MPI_FLOAT, MPI_SUM, 0,
-                   MPI_COMM_WORLD);
-      });
-      double probe = 0, probe_bf16 = 0, gradient_return = 0;
-      {
-        MpiFabric fabric(options);
-        if (!fabric.is_driver()) {
-          fabric.serve();
-        } else {
-          probe = median_of(kPerRound, [&] {
-            MemoryStreamSource source(stream);
-            (void)fabric.probe(source, false);
-          });
-          probe_bf16 = median_of(kPerRound, [&] {
-            MemoryStreamSource source(stream_bf16);
-            (void)fabric.probe(source, false);
-          });
-          std::vector<double> returns;
-          echo_times.push_back(median_of(kPerRound, [&] {
-            MemoryStreamSource source(stream);
-            (void)fabric.probe(source, true);
-            returns.push_back(fabric.last_gradient_seconds());
-          }));
-          returns.erase(returns.begin());  // the warm-up
-          gradient_return = median(returns);
-          fabric.stop();
-        }
-      }
-      if (rank != 0) continue;
-      bcast_times.push_back(bcast);
-      bcast_huge_times.push_back(bcast_huge);
-      bcast_bf16_times.push_back(bcast_bf16);
-      reduce_times.push_back(reduce);
-      probe_times.push_back(probe);
-      probe_bf16_times.push_back(probe_bf16);
-      return_times.push_back(gradient_return);
-      bcast_ratios.push_back(bcast / probe);
-      bcast_huge_ratios.push_back(bcast_huge / probe);
-      bcast_bf16_ratios.push_back(bcast_bf16 / probe_bf16);
-      reduce_ratios.push_back(reduce / gradient_return);
-    }
-
-    // Whole operations, on one fabric.
-    MpiFabric fabric(options);
+    const Layer layer(megabytes);
+    const Transport transport = measure_transport(layer, rank, reps);
+    sluice::MpiFabric fabric{sluice::MpiFabricOptions{}};
     if (!fabric.is_driver()) {
       fabric.serve();
     } else {
-      const std::int32_t engines = fabric.engine_count();
-      const Geometry g = fabric.engine(0).geometry_for(outputs, inputs, 1);
-      const Placement placement = round_robin_placement(w, std::max(1, g.lanes));
-      std::vector<DenseMatrix> x, y, dy;
-      std::vector<const Placement*> ps(static_cast<std::size_t>(engines), &placement);
-      std::vector<ConstMatrixView> xs, dys;
-      std::vector<MutableMatrixView> ys;
-      for (std::int32_t k = 0; k < engines; ++k) {
-        x.emplace_back(inputs, 1);
-        x.back().fill(1.0F);
-        y.emplace_back(outputs, 1);
-        dy.emplace_back(outputs, 1);
-        dy.back().fill(1.0F);
-      }
-      for (std::int32_t k = 0; k < engines; ++k) {
-        xs.push_back(x[static_cast<std::size_t>(k)].view());
-        ys.push_back(y[static_cast<std::size_t>(k)].view());
-        dys.push_back(dy[static_cast<std::size_t>(k)].view());
-      }
-      const double fabric_forward = median_of(reps, [&] {
-        MemoryStreamSource source(stream);
-        fabric.forward(source, ps, xs, ys);
-      });
-      const double fabric_forward_bf16 = median_of(reps, [&] {
-        MemoryStreamSource source(stream_bf16);
-        fabric.forward(source, ps, xs, ys);
-      });
-      std::vector<double> backward_returns;
-      const double fabric_backward = median_of(reps, [&] {
-        MemoryStreamSource source(mask);
-        (void)fabric.backward(source, ps, xs, dys, {}, false);
-        backward_returns.push_back(fabric.last_gradient_seconds());
-      });
-      backward_returns.erase(backward_returns.begin());
-      const double backward_return = median(backward_returns);
-      fabric.stop();
-      // The engines' own work, in this process, for the bound.
-      CpuEngine local(EngineOptions{.threads = fabric.engine(0).threads()});
-      DenseMatrix ly(outputs, 1);
-      const double engine_forward =
-          median_of(reps, [&] { local.forward(stream, placement, x[0].view(), ly.view()); });
-      const double engine_forward_bf16 =
-          median_of(reps, [&] { local.forward(stream_bf16, placement, x[0].view(), ly.view()); });
-      const double engine_backward = median_of(
-          reps, [&] { (void)local.backward(mask, placement, x[0].view(), dy[0].view(), nullptr); });
-
-      const double gb = 1e9;
-      const double value_bytes = static_cast<double>(nnz * sizeof(float));
-      std::printf(
-          "ranks %d (%d engines); layer %lldx%lld, %llu weights; fp32 stream %.1f MB, bf16 "
-          "stream %.1f MB, gradient values %.1f MB; medians over %d rounds\n",
-          size, engines, static_cast<long long>(outputs), static_cast<long long>(inputs),
-          static_cast<unsigned long long>(nnz), static_cast<double>(stream_bytes) / 1e6,
-          static_cast<double>(bf16_bytes) / 1e6, value_bytes / 1e6, reps);
-      const double bcast_time = median(bcast_times), bcast_bf16_time = median(bcast_bf16_times);
-      const double reduce_time = median(reduce_times);
-      const double probe_bcast = median(probe_times), probe_bcast_bf16 = median(probe_bf16_times);
-      const double gradient_return = median(return_times);
-      std::printf(
-          "broadcast fp32: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
-          "ratio %.2f\n",
-          probe_bcast * 1e3, static_cast<double>(stream_bytes) / probe_bcast / gb, bcast_time * 1e3,
-          static_cast<double>(stream_bytes) / bcast_time / gb, median(bcast_ratios));
-      const double bcast_huge_time = median(bcast_huge_times);
-      std::printf("  the same MPI_Bcast from huge pages: %.2f ms (%.2f GB/s) | ratio %.2f\n",
-                  bcast_huge_time * 1e3, static_cast<double>(stream_bytes) / bcast_huge_time / gb,
-                  median(bcast_huge_ratios));
-      std::printf(
-          "broadcast bf16: fabric %.2f ms (%.2f GB/s) | MPI_Bcast %.2f ms (%.2f GB/s) | "
-          "ratio %.2f | %.2fx faster than the fp32 stream\n",
-          probe_bcast_bf16 * 1e3, static_cast<double>(bf16_bytes) / probe_bcast_bf16 / gb,
-          bcast_bf16_time * 1e3, static_cast<double>(bf16_bytes) / bcast_bf16_time / gb,
-          median(bcast_bf16_ratios), probe_bcast / probe_bcast_bf16);
-      std::printf(
-          "gradient return: fabric %.2f ms (%.2f GB/s) | MPI_Reduce %.2f ms (%.2f GB/s) | "
-          "ratio %.2f (broadcast + return %.2f ms)\n",
-          gradient_return * 1e3, value_bytes / gradient_return / gb, reduce_time * 1e3,
-          value_bytes / reduce_time / gb, median(reduce_ratios), median(echo_times) * 1e3);
-      std::printf(
-          "forward fp32: fabric %.2f ms | MPI_Bcast %.2f ms | engine alone %.2f ms | "
-          "max(plain,engine)/fabric %.2f\n",
-          fabric_forward * 1e3, bcast_time * 1e3, engine_forward * 1e3,
-          std::max(bcast_time, engine_forward) / fabric_forward);
-      std::printf(
-          "forward bf16: fabric %.2f ms | MPI_Bcast %.2f ms | engine alone %.2f ms | "
-          "max(plain,engine)/fabric %.2f\n",
-          fabric_forward_bf16 * 1e3, bcast_bf16_time * 1e3, engine_forward_bf16 * 1e3,
-          std::max(bcast_bf16_time, engine_forward_bf16) / fabric_forward_bf16);
-      const double plain_back = bcast_time + reduce_time;
-      std::printf(
-          "backward: fabric %.2f ms (gradient return %.2f ms) | MPI_Bcast + MPI_Reduce "
-          "%.2f ms | engine alone %.2f ms | max(plain,engine)/fabric %.2f\n",
-          fabric_backward * 1e3, backward_return * 1e3, plain_back * 1e3, engine_backward * 1e3,
-          std::max(plain_back, engine_backward) / fabric_backward);
+      const Operations operations = measure_operations(fabric, layer, reps);
+      print_report(layer, transport, operations, size, reps);
     }
   } catch (const std::exception& e) {
     sluice::abort_all_ranks(e);
