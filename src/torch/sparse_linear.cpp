@@ -481,11 +481,24 @@ void SparseLinearImpl::load(::torch::serialize::InputArchive& archive) {
 }
 
 void SparseLinearImpl::reset() {
-  // clone() calls this on a copy of the module, which still holds this layer's binding.
+  // clone() calls this on a copy of the module, which still holds this layer's binding,
+  // its parameters cleared. The weights are the parameters where torch owns them (the
+  // ModelMemory's copy is the one the layer was built with).
+  if (!parameters_.is_empty()) {
+    throw UnsupportedError(
+        "sluice SparseLinear: reset() rebuilds the layer of a copy that clone() makes; this "
+        "module's parameters are registered already");
+  }
   const sluice::SparseLinear& original = binding_->layer();
+  CsrMatrix weights = original.weights();
+  std::vector<float> bias = original.bias();
+  if (options_.weights() == WeightOwner::torch) {
+    weights.values() = vector_of(values_);
+    bias = vector_of(bias_);
+  }
   SparseLinearOptions options = options_;
   options.memory(nullptr).optimizer(original.memory().optimizer());
-  sluice::SparseLinear layer(memory_for(options), original.weights(), original.bias());
+  sluice::SparseLinear layer(memory_for(options), std::move(weights), std::move(bias));
   options_ = std::move(options);
   own_memory_ = true;
   init(std::move(layer));

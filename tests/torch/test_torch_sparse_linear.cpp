@@ -230,11 +230,18 @@ TEST(TorchSparseLinearCloned, ComputesTheSameAndTrainsApart) {
   ASSERT_TRUE(layer && original);
   EXPECT_TRUE(torch::equal(layer->mask(), original->mask()));
   EXPECT_NE(&layer->layer().memory(), &original->layer().memory());
+  const std::vector<float>& in_memory = layer->layer().weights().values();  // the trained ones
+  EXPECT_TRUE(torch::equal(torch::tensor(in_memory), original->values().detach()));
   torch::optim::SGD copy_sgd(copy->parameters(), 0.1);
   copy->forward(x).square().sum().backward();
   copy_sgd.step();
   EXPECT_FALSE(torch::equal(copy->forward(x), before));
   EXPECT_TRUE(torch::equal(model->forward(x), before));
+  // reset() is clone()'s: called on a module whose parameters are registered, as for
+  // torch's own modules, it is refused, and the module is left as it was.
+  EXPECT_THROW(original->reset(), sluice::UnsupportedError);
+  EXPECT_TRUE(torch::equal(model->forward(x), before));
+  EXPECT_TRUE(original->values().is_same(original->named_parameters()["values"]));
 }
 
 TEST(TorchSparseLinearCloned, SluiceOwnedAndSharedLayersGetAModelMemoryOfTheirOwn) {

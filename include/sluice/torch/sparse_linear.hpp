@@ -165,11 +165,12 @@ class SparseLinearImpl : public ::torch::nn::Cloneable<SparseLinearImpl> {
   /// for a new mask in a ModelMemory the layer shares with others.
   void load(::torch::serialize::InputArchive& archive) override;
 
-  /// torch::nn::Cloneable, for clone() (of this module or of one holding it): the copy
-  /// gets a layer of its own, with this one's mask, values, bias, engine and optimizer
-  /// settings, in a ModelMemory of its own even where this layer shares one (a clone that
-  /// joined it would step with the others). A sluice optimizer's state starts afresh in
-  /// the clone, as a torch optimizer made for a cloned module would.
+  /// torch::nn::Cloneable, for clone() (of this module or of one holding it): the layer
+  /// rebuilt with its mask, current values and bias, engine and optimizer settings, in a
+  /// ModelMemory of its own even where it shares one (a clone that joined it would step
+  /// with the others). A sluice optimizer's state starts afresh, as a torch optimizer made
+  /// for a cloned module would; torch-owned values and bias become new parameters.
+  /// UnsupportedError on a module whose parameters are registered (not clone()'s copy).
   void reset() override;
 
  private:
