@@ -633,12 +633,14 @@ TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
   EXPECT_EQ(m.optimizer().learning_rate, 0.003);
   EXPECT_EQ(m.optimizer().weight_decay, 0.01);
 }
-TEST_F(TieredStore, TheSchedulesAreCommittedAndOlderManifestsHaveNone) {
+TEST_F(TieredStore, TheSchedulesAndTheModelAreCommittedAndOlderManifestsHaveNone) {
   make_store(1);
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
     EXPECT_EQ(m.dynamic.rule, MaskUpdateRule::none);
     EXPECT_FALSE(m.optimizer().decay.active());
+    EXPECT_EQ(m.model, "");
+    m.model = "gpt vocab=256 (a description)";
     m.dynamic.rule = MaskUpdateRule::set;
     m.dynamic.drop = 0.25;
     m.dynamic.total_steps = 40;
@@ -655,13 +657,28 @@ TEST_F(TieredStore, TheSchedulesAreCommittedAndOlderManifestsHaveNone) {
     EXPECT_EQ(m.dynamic.total_steps, 40);
     EXPECT_EQ(m.dynamic.seed, 8U);
     EXPECT_EQ(m.optimizer().decay, (LearningRateDecay{5, 30, 0.2}));
+    EXPECT_EQ(m.model, "gpt vocab=256 (a description)");
+    m.model = std::string(1, '\n');  // no manifest holds it: refused, nothing written
+    EXPECT_THROW(m.commit_counters(), ShapeError);
   }
-  // Version 3 wrote no decay section: it opens with none; version 2 no schedule either.
+  // Version 4 wrote no model section: it opens as a stack of layers; version 3 no decay
+  // section either, version 2 no schedule.
   std::string bytes = files()["MANIFEST"];
+  const std::size_t model = bytes.find("MODL");
+  ASSERT_NE(model, std::string::npos);
+  bytes.erase(model, 16 + 29);
+  std::uint32_t version = 4;
+  std::memcpy(bytes.data() + 8, &version, 4);
+  write("MANIFEST", bytes);
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_EQ(m.model, "");
+    EXPECT_EQ(m.optimizer().decay, (LearningRateDecay{5, 30, 0.2}));
+  }
   const std::size_t decay = bytes.find("LRDC");
   ASSERT_NE(decay, std::string::npos);
   bytes.erase(decay, 16 + 24);
-  std::uint32_t version = 3;
+  version = 3;
   std::memcpy(bytes.data() + 8, &version, 4);
   write("MANIFEST", bytes);
   {

@@ -24,8 +24,8 @@
 //   "MODL"  once (version 3 on): ModelMemory::model, its characters (printable ASCII, at
 //       most ModelMemory::kMaxModelDescription; empty for a stack of layers)
 //   "DYNS"  once (version 4 on): ModelMemory::dynamic, the mask-update schedule
-//       (model_memory/schedule_section.hpp)
-//   "LRDC"  once (version 5 on): the optimizer's LearningRateDecay (schedule_section.hpp)
+//       (model_memory/model_sections.hpp)
+//   "LRDC"  once (version 5 on): the optimizer's LearningRateDecay (model_sections.hpp)
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -58,8 +58,8 @@
 #include "core/crc32.hpp"
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/host_model_memory_state.hpp"
+#include "model_memory/model_sections.hpp"
 #include "model_memory/optimizer_kernels.hpp"
-#include "model_memory/schedule_section.hpp"
 
 namespace sluice {
 namespace {
@@ -89,7 +89,6 @@ constexpr std::uint32_t kOldestReadableVersion = 1;
 constexpr std::int64_t kMaxCounter = std::int64_t{1} << 53;
 
 constexpr std::uint32_t kHeadTag = fourcc("HEAD");
-constexpr std::uint32_t kModelTag = fourcc("MODL");
 constexpr std::uint32_t kLayerTag = fourcc("LAYR");
 constexpr std::uint32_t kEndTag = fourcc("END ");
 
@@ -117,12 +116,6 @@ struct Counters {
   DynamicSparsity dynamic;
 };
 
-/// Whether `model` can be kept in a checkpoint: printable ASCII, not too long.
-bool storable_model(const std::string& model) {
-  if (model.size() > ModelMemory::kMaxModelDescription) return false;
-  return std::all_of(model.begin(), model.end(), [](char c) { return c >= 0x20 && c < 0x7F; });
-}
-
 void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counters& counters) {
   out.write(std::as_bytes(std::span(kMagic)));
   out.put(kFormatVersion);
@@ -140,10 +133,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   head.fields.put(counters.epochs);
   write_section(out, head);
 
-  Section model;
-  model.tag = kModelTag;
-  model.arrays.push_back(std::as_bytes(std::span(counters.model)));
-  write_section(out, model);
+  write_section(out, detail::model_section(counters.model));
   write_section(out, detail::schedule_section(counters.dynamic));
   write_section(out, detail::decay_section(c.decay));
 
@@ -310,17 +300,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
   } catch (const ArgumentError& e) {
     head.fail(e.what());
   }
-  if (version >= 3) {
-    SectionReader model(in, kModelTag, "model section");
-    if (model.length() > ModelMemory::kMaxModelDescription) {
-      model.fail("length " + std::to_string(model.length()) + ", at most " +
-                 std::to_string(ModelMemory::kMaxModelDescription));
-    }
-    const std::vector<char> text = model.get_array<char>(model.length(), "model");
-    model.finish();
-    counters.model.assign(text.begin(), text.end());
-    if (!storable_model(counters.model)) model.fail("not printable ASCII");
-  }
+  if (version >= 3) counters.model = detail::read_model_section(in);
   if (version >= 4) counters.dynamic = detail::read_schedule_section(in);
   if (version >= 5) c.decay = detail::read_decay_section(in);
   // Every layer section takes at least its header and fixed fields: a huge count in a
@@ -369,7 +349,7 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
   bool renamed = false;
   try {
     {
-      if (!storable_model(model)) {
+      if (!detail::storable_model(model)) {
         throw ShapeError("save checkpoint " + path.string() +
                          ": the model description is not printable ASCII of at most " +
                          std::to_string(kMaxModelDescription) + " characters");

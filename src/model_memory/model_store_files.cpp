@@ -11,7 +11,7 @@
 #include "core/csr_matrix_access.hpp"
 #include "core/huge_pages.hpp"
 #include "model_memory/checkpoint_io.hpp"
-#include "model_memory/schedule_section.hpp"
+#include "model_memory/model_sections.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -24,9 +24,10 @@ constexpr char kStateMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'S', 'T'};
 constexpr std::uint32_t kVersion = 1;
 /// The manifest's version 2 adds the epoch count and each layer's pattern generation,
 /// version 3 the mask-update schedule (a "DYNS" section after "HEAD"), version 4 the
-/// learning-rate decay (an "LRDC" section after "DYNS"); versions 1 (0 epochs, the first
-/// pattern files), 2 (rule none) and 3 (no decay) are still read.
-constexpr std::uint32_t kManifestVersion = 4;
+/// learning-rate decay (an "LRDC" section after "DYNS"), version 5 the model description
+/// (a "MODL" section after "LRDC"); versions 1 (0 epochs, the first pattern files), 2
+/// (rule none), 3 (no decay) and 4 (a stack of layers) are still read.
+constexpr std::uint32_t kManifestVersion = 5;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
 
@@ -130,6 +131,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
     write_section(out, head);
     write_section(out, schedule_section(m.dynamic));
     write_section(out, decay_section(c.decay));
+    write_section(out, model_section(m.model));
     for (std::size_t i = 0; i < m.layers.size(); ++i) {
       const ManifestLayer& l = m.layers[i];
       Section s;
@@ -184,6 +186,7 @@ Manifest read_manifest(const std::filesystem::path& dir) {
   }
   if (version >= 3) m.dynamic = read_schedule_section(in);
   if (version >= 4) c.decay = read_decay_section(in);
+  if (version >= 5) m.model = read_model_section(in);
   if (count > in.remaining() / kSectionHeaderBytes) head.fail("more layers than the file holds");
   for (std::uint32_t i = 0; i < count; ++i) {
     SectionReader s(in, kLayerTag, "LAYR section of layer " + std::to_string(i));

@@ -3,8 +3,9 @@
 // checkpoint format's sections (tag, length, CRC-32, payload; checkpoint_io.hpp):
 //
 //   MANIFEST                     what is committed: step, epochs, seed, optimizer, the
-//                                mask-update schedule (schedule_section.hpp), every
-//                                layer's shape, update count and its state file's generation
+//                                schedules and the model description (model_sections.hpp),
+//                                every layer's shape, update count and its state file's
+//                                generation
 //   layer-LLLLLL.pattern         the mask and its transpose as the layer was added
 //   layer-LLLLLL.gGGGGGGGG.pattern  ... after a mask change (regrow) of that generation
 //   layer-LLLLLL.gGGGGGGGG.state master values, bias, optimizer state of one generation
@@ -46,6 +47,7 @@ struct Manifest {
   std::int64_t next_generation = 1;  ///< of the next state files written
   std::uint64_t seed = 0;
   DynamicSparsity dynamic;  ///< ModelMemory::dynamic (manifest version 3 on)
+  std::string model;        ///< ModelMemory::model (manifest version 5 on)
   OptimizerConfig config;   ///< without the schedule (code, not data)
   NonFinitePolicy policy = NonFinitePolicy::skip_step;
   std::vector<ManifestLayer> layers;

@@ -10,6 +10,7 @@
 #include "core/heap_trim.hpp"
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/layer_streams.hpp"
+#include "model_memory/model_sections.hpp"
 #include "model_memory/placement_cache.hpp"
 #include "model_memory/tiered_model_memory_state.hpp"
 
@@ -50,6 +51,7 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   seed = st.manifest.seed;
   epochs = st.manifest.epochs;
   dynamic = st.manifest.dynamic;
+  model = st.manifest.model;
   for (std::size_t l = 0; l < st.manifest.layers.size(); ++l) {
     const LayerShape& s = st.manifest.layers[l].shape;
     if (working_set_bytes(s) > budget_bytes) {
@@ -154,6 +156,23 @@ ModelStoreCounters TieredModelMemory::counters() const {
   return c;
 }
 
+namespace {
+
+/// A ModelMemory's public fields into the manifest about to be written. ShapeError, before
+/// anything is written, for a model description a manifest cannot hold.
+void stamp(detail::Manifest& next, const ModelMemory& memory) {
+  if (!detail::storable_model(memory.model)) {
+    throw ShapeError("model store: the model description is not printable ASCII of at most " +
+                     std::to_string(ModelMemory::kMaxModelDescription) + " characters");
+  }
+  next.seed = memory.seed;
+  next.epochs = memory.epochs;
+  next.dynamic = memory.dynamic;
+  next.model = memory.model;
+}
+
+}  // namespace
+
 std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<float> bias) {
   State& st = *state_;
   const LayerShape s{weights.rows(), weights.cols(), weights.nnz(),
@@ -166,6 +185,8 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
         (st.reserved > 0 ? ", of which a trainer holds " + std::to_string(st.reserved) : ""));
   }
   detail::refuse_if_pending(st.layers, "add_layer");
+  detail::Manifest next = st.manifest;
+  stamp(next, *this);
   const auto l = static_cast<std::int32_t>(st.layers.size());
   auto t = std::make_shared<TransposedPattern>(transposed_pattern(weights));
   detail::write_pattern(detail::pattern_path(st.dir, l, 0), weights, *t);
@@ -178,12 +199,8 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
     out.finish();
   }
   detail::fsync_directory(st.dir, "model store");
-  detail::Manifest next = st.manifest;
   next.layers.push_back({s, 0, generation, false});
   next.next_generation = generation + 1;
-  next.seed = seed;
-  next.epochs = epochs;
-  next.dynamic = dynamic;
   detail::write_manifest(st.dir, next);
 
   auto layer = std::make_unique<detail::TieredLayer>();
@@ -363,10 +380,8 @@ StepReport TieredModelMemory::commit_step_impl() {
   }
   next.step += 1;
   next.next_generation += 1;
-  next.seed = seed;
-  next.epochs = epochs;
-  next.dynamic = dynamic;
   try {
+    stamp(next, *this);
     detail::fsync_directory(st.dir, "model store");
     detail::write_manifest(st.dir, next);
   } catch (...) {
@@ -414,6 +429,7 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
   const std::int64_t generation = st.manifest.next_generation;
   const std::filesystem::path pattern = detail::pattern_path(st.dir, layer, generation);
   detail::Manifest next = st.manifest;
+  stamp(next, *this);
   try {
     detail::write_pattern(pattern, change.weights, transposed_pattern(change.weights));
     st.write_mask_change(layer, change, generation);
@@ -422,9 +438,6 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
     m.generation = generation;
     m.pattern_generation = generation;
     next.next_generation = generation + 1;
-    next.seed = seed;
-    next.epochs = epochs;
-    next.dynamic = dynamic;
     detail::write_manifest(st.dir, next);
   } catch (...) {
     remove_quietly(pattern);
@@ -450,9 +463,7 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
 void TieredModelMemory::commit_counters() {
   State& st = *state_;
   detail::Manifest next = st.manifest;
-  next.seed = seed;
-  next.epochs = epochs;
-  next.dynamic = dynamic;
+  stamp(next, *this);
   detail::write_manifest(st.dir, next);
   std::lock_guard lock(st.mutex);
   st.manifest = std::move(next);

@@ -1,20 +1,34 @@
 #pragma once
-// Internal: the sections that keep a model's schedules in checkpoints and model store
-// manifests, so a resumed run goes on along the schedules it started with: "DYNS",
+// Internal: the sections checkpoints and model store manifests share, so that a resumed
+// run goes on with the model and the schedules it started with: "MODL", ModelMemory::model
+// (what the layers make; checkpoints from version 3, manifests from version 5), "DYNS",
 // ModelMemory::dynamic (the mask-update schedule; checkpoints from version 4, manifests
 // from version 3), and "LRDC", the optimizer's LearningRateDecay (checkpoints from
 // version 5, manifests from version 4).
 //
+//   "MODL" payload: the description's characters (printable ASCII, at most
+//                   ModelMemory::kMaxModelDescription; empty for a stack of layers)
 //   "DYNS" payload: u32 rule (0 none, 1 set, 2 rigl), i64 update_every, f64 drop,
 //                   f64 update_until, i64 total_steps, u64 seed
 //   "LRDC" payload: i64 warmup_steps, i64 decay_steps, f64 final_fraction
 #include <cstdint>
+#include <string>
 
 #include "model_memory/checkpoint_io.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/optimizer.hpp"
 
 namespace sluice::detail {
+
+constexpr std::uint32_t kModelTag = fourcc("MODL");
+
+/// Whether `model` can be kept in a checkpoint or manifest: printable ASCII, not too long.
+bool storable_model(const std::string& model);
+/// The section holding `model` (storable_model: the writer checks before writing).
+Section model_section(const std::string& model);
+/// Reads the next section as a model description; FormatError naming the file and the
+/// byte for a wrong CRC, a length over the bound or a character that is not printable.
+std::string read_model_section(FileReader& in);
 
 constexpr std::uint32_t kScheduleTag = fourcc("DYNS");
 

@@ -1,6 +1,9 @@
-#include "model_memory/schedule_section.hpp"
+#include "model_memory/model_sections.hpp"
 
+#include <algorithm>
 #include <string>
+
+#include "sluice/model_memory.hpp"
 
 namespace sluice::detail {
 namespace {
@@ -13,6 +16,31 @@ constexpr std::int64_t kMaxUpdateEvery = std::int64_t{1} << 40;
 constexpr std::int64_t kMaxTotalSteps = std::int64_t{1} << 53;
 
 }  // namespace
+
+bool storable_model(const std::string& model) {
+  if (model.size() > ModelMemory::kMaxModelDescription) return false;
+  return std::all_of(model.begin(), model.end(), [](char c) { return c >= 0x20 && c < 0x7F; });
+}
+
+Section model_section(const std::string& model) {
+  Section s;
+  s.tag = kModelTag;
+  s.arrays.push_back(std::as_bytes(std::span(model)));
+  return s;
+}
+
+std::string read_model_section(FileReader& in) {
+  SectionReader s(in, kModelTag, "model section");
+  if (s.length() > ModelMemory::kMaxModelDescription) {
+    s.fail("length " + std::to_string(s.length()) + ", at most " +
+           std::to_string(ModelMemory::kMaxModelDescription));
+  }
+  const std::vector<char> text = s.get_array<char>(s.length(), "model");
+  s.finish();
+  std::string model(text.begin(), text.end());
+  if (!storable_model(model)) s.fail("not printable ASCII");
+  return model;
+}
 
 Section schedule_section(const DynamicSparsity& schedule) {
   Section s;
