@@ -15,6 +15,7 @@
 #include "sluice/engine.hpp"
 #include "sluice/gpt.hpp"
 #include "sluice/stream_codec.hpp"
+#include "sluice/tiered_model_memory.hpp"
 #include "test_support.hpp"
 
 namespace sluice {
@@ -203,6 +204,91 @@ TEST_F(GptCheckpoint, ResumesExactlyAsAnUninterruptedRun) {
     EXPECT_EQ(resumed.weights(l).values(), straight.weights(l).values()) << "layer " << l;
     EXPECT_EQ(resumed.bias(l), straight.bias(l)) << "layer " << l;
   }
+}
+
+// A GPT in a model store (MemoryX's flash tier) under a budget smaller than the model
+// trains bit for bit as in RAM, and a store reopened goes on as if never closed.
+class GptModelStore : public testing::TempDirTest {
+ protected:
+  GptConfig config_ = text_config();
+  TextCorpus corpus_{small_text(8000), config_.context};
+  LocalFabric fabric_{LocalFabricOptions{.engines = 2}};
+
+  static OptimizerConfig adamw() {
+    OptimizerConfig opt;
+    opt.kind = OptimizerKind::adamw;
+    opt.learning_rate = 2e-3;
+    opt.weight_decay = 0.01;
+    return opt;
+  }
+  /// A budget that holds the largest layer's working set twice, and not the model.
+  std::int64_t budget() const {
+    HostModelMemory m;
+    build_gpt(m, config_, 5);
+    std::int64_t largest = 0, all = 0;
+    for (std::int32_t l = 0; l < m.layer_count(); ++l) {
+      const std::int64_t w = TieredModelMemory::working_set_bytes(m.layer_shape(l));
+      largest = std::max(largest, w);
+      all += w;
+    }
+    EXPECT_GT(all, 2 * largest);
+    return 2 * largest;
+  }
+  /// The losses of steps [first, last) of `model`.
+  std::vector<double> train(GptModel& model, int first, int last) {
+    std::vector<double> losses;
+    for (int step = first; step < last; ++step) {
+      const GptStep s = model.train_step(corpus_.sample(4, 9, static_cast<std::uint64_t>(step)));
+      EXPECT_TRUE(s.report.applied) << step;
+      losses.push_back(s.loss);
+    }
+    return losses;
+  }
+};
+
+// What a store's budget is checked against before a GPT is built is what build_gpt adds.
+TEST(Gpt, LayerShapesAreThoseBuildGptAdds) {
+  GptConfig c = text_config();
+  c.blocks = 3;
+  HostModelMemory m;
+  build_gpt(m, c, 2);
+  const std::vector<GptLayerShape> shapes = gpt_layer_shapes(c);
+  ASSERT_EQ(static_cast<std::int32_t>(shapes.size()), m.layer_count());
+  for (std::int32_t l = 0; l < m.layer_count(); ++l) {
+    const GptLayerShape& want = shapes[static_cast<std::size_t>(l)];
+    const LayerShape got = m.layer_shape(l);
+    EXPECT_EQ(got.rows, want.rows) << l;
+    EXPECT_EQ(got.cols, want.cols) << l;
+    EXPECT_EQ(got.bias, want.bias ? want.rows : 0) << l;
+    EXPECT_EQ(got.nnz < got.rows * got.cols, want.sparse) << l;
+  }
+}
+
+TEST_F(GptModelStore, TrainsBitForBitAsInRamAndResumes) {
+  HostModelMemory host;
+  build_gpt(host, config_, 5);
+  host.set_optimizer(adamw());
+  GptModel in_ram(host, fabric_, config_);
+  const std::vector<double> want = train(in_ram, 0, 6);
+  const TextBatch held_out = corpus_.held_out_batch(0, 4);
+
+  std::vector<double> got;
+  {
+    TieredModelMemory store(dir_ / "store", budget());
+    build_gpt(store, config_, 5);
+    store.set_optimizer(adamw());
+    GptModel model(store, fabric_, config_);
+    got = train(model, 0, 3);
+    EXPECT_GT(store.counters().read_bytes, 0U);  // layers evicted and read back
+  }
+  TieredModelMemory reopened(dir_ / "store", budget());
+  EXPECT_EQ(reopened.model, config_.describe());
+  EXPECT_EQ(reopened.step(), 3);
+  GptModel model(reopened, fabric_, gpt_config_of(reopened));
+  const std::vector<double> rest = train(model, 3, 6);
+  got.insert(got.end(), rest.begin(), rest.end());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(model.loss(held_out), in_ram.loss(held_out));
 }
 
 TEST(Gpt, GenerationIsDeterministicForASeed) {

@@ -65,6 +65,17 @@ struct GptLayers {
   std::vector<std::int32_t> sparse() const;
 };
 
+/// A layer of a GPT as build_gpt adds it: its shape, whether it has a bias, and whether its
+/// mask is drawn at the config's sparsity (a projection) or full (an embedding table, a
+/// LayerNorm's gain).
+struct GptLayerShape {
+  std::int64_t rows = 0, cols = 0;
+  bool bias = false, sparse = false;
+};
+/// The layers of a GPT of `config`, in the order build_gpt adds them (GptLayers' indices):
+/// what a store's budget must hold before the model is built.
+std::vector<GptLayerShape> gpt_layer_shapes(const GptConfig& config);
+
 /// Adds a fresh GPT of `config` to `memory`, which must hold no layers (ArgumentError), and
 /// sets memory.model to config.describe(). Projections: seeded random masks at the
 /// sparsity, uniform values of variance 1 / expected fan-in (the residual branches' last

@@ -156,45 +156,51 @@ void build_gpt(ModelMemory& memory, const GptConfig& config, std::uint64_t seed)
   memory.model = config.describe();
 }
 
+std::vector<GptLayerShape> gpt_layer_shapes(const GptConfig& c) {
+  const GptLayers layers(c);
+  const std::int64_t d = c.d_model;
+  std::vector<GptLayerShape> shapes(static_cast<std::size_t>(layers.count));
+  auto set = [&](std::int32_t layer, std::int64_t rows, std::int64_t cols, bool bias, bool sparse) {
+    shapes[static_cast<std::size_t>(layer)] = {rows, cols, bias, sparse};
+  };
+  set(layers.table, c.vocab, d, false, false);
+  set(layers.positions, c.context, d, false, false);
+  for (const GptLayers::Block& b : layers.blocks) {
+    set(b.norm1, d, 1, true, false);
+    for (std::int32_t l : {b.q, b.k, b.v, b.o}) set(l, d, d, true, true);
+    set(b.norm2, d, 1, true, false);
+    set(b.up, 4 * d, d, true, true);
+    set(b.down, d, 4 * d, true, true);
+  }
+  set(layers.final_norm, d, 1, true, false);
+  set(layers.head, c.vocab, d, true, true);
+  return shapes;
+}
+
 GptConfig gpt_config_of(const ModelMemory& memory) {
   GptConfig c = GptConfig::parse(memory.model);
-  const GptLayers layers(c);
-  if (memory.layer_count() != layers.count) {
-    throw FormatError("gpt: " + c.describe() + " has " + std::to_string(layers.count) +
+  const std::vector<GptLayerShape> shapes = gpt_layer_shapes(c);
+  if (memory.layer_count() != static_cast<std::int32_t>(shapes.size())) {
+    throw FormatError("gpt: " + c.describe() + " has " + std::to_string(shapes.size()) +
                       " layers, the ModelMemory " + std::to_string(memory.layer_count()));
   }
-  const std::int64_t d = c.d_model;
-  auto expect = [&](std::int32_t layer, std::int64_t rows, std::int64_t cols, bool bias) {
+  double nnz = 0, positions = 0;
+  for (std::int32_t layer = 0; layer < memory.layer_count(); ++layer) {
+    const GptLayerShape& want = shapes[static_cast<std::size_t>(layer)];
     const LayerShape w = memory.layer_shape(layer);
-    if (w.rows != rows || w.cols != cols || (w.bias != 0) != bias) {
+    if (w.rows != want.rows || w.cols != want.cols || (w.bias != 0) != want.bias) {
       throw FormatError("gpt: layer " + std::to_string(layer) + " is " + std::to_string(w.rows) +
                         "x" + std::to_string(w.cols) + " (bias " + std::to_string(w.bias) + "), " +
-                        c.describe() + " wants " + std::to_string(rows) + "x" +
-                        std::to_string(cols));
+                        c.describe() + " wants " + std::to_string(want.rows) + "x" +
+                        std::to_string(want.cols));
     }
-    return w;
-  };
-  auto expect_full = [&](std::int32_t layer, std::int64_t rows, std::int64_t cols, bool bias) {
-    if (expect(layer, rows, cols, bias).nnz != rows * cols) {
+    if (want.sparse) {
+      nnz += static_cast<double>(w.nnz);
+      positions += static_cast<double>(w.rows * w.cols);
+    } else if (w.nnz != w.rows * w.cols) {
       throw FormatError("gpt: dense parameter layer " + std::to_string(layer) + " is not dense");
     }
-  };
-  expect_full(layers.table, c.vocab, d, false);
-  expect_full(layers.positions, c.context, d, false);
-  double nnz = 0, positions = 0;
-  auto projection_layer = [&](std::int32_t layer, std::int64_t rows, std::int64_t cols) {
-    nnz += static_cast<double>(expect(layer, rows, cols, true).nnz);
-    positions += static_cast<double>(rows * cols);
-  };
-  for (const GptLayers::Block& b : layers.blocks) {
-    expect_full(b.norm1, d, 1, true);
-    for (std::int32_t l : {b.q, b.k, b.v, b.o}) projection_layer(l, d, d);
-    expect_full(b.norm2, d, 1, true);
-    projection_layer(b.up, 4 * d, d);
-    projection_layer(b.down, d, 4 * d);
   }
-  expect_full(layers.final_norm, d, 1, true);
-  projection_layer(layers.head, c.vocab, d);
   c.sparsity = 1.0 - nnz / positions;
   return c;
 }
