@@ -1,6 +1,6 @@
 // `sluice train --model gpt` and `sluice generate` end to end on the real binary, on a small
-// generated text (no download needed): the JSON keys, a resumed run, seeded generation, and
-// the arguments and data that must be refused. `--steps` for the MLP as well.
+// generated text (no download needed): the JSON keys, a resumed run, a model store, seeded
+// generation, and the arguments and data that must be refused. `--steps` for the MLP as well.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -133,6 +133,46 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
       run("train --dataset synthetic --layers 64,8,10 --steps 2 --checkpoint " + mlp).exit_code, 0);
   expect_exit(run("generate --checkpoint " + mlp), 1, "holds no GPT");
   expect_exit(run(gpt() + "--steps 1 --resume " + mlp), 1, "holds no GPT");
+}
+
+// --model-store: the GPT in files under a budget smaller than the model, its disk keys in
+// the JSON, and 3 + 2 steps resumed from the store ending as 5 in one run in RAM (the
+// decay planned to step 5 in both); what a store cannot do is refused.
+TEST_F(CliGpt, TrainsInAModelStoreAndResumesIt) {
+  // Two blocks at half density: the store (1.9 MB) is twice the budget, which holds the
+  // largest layer's working set (the byte table's).
+  const std::string text = "train --model gpt --text " + path("text.txt") + " --batch 4 ";
+  const std::string shape = "--context 16 --d-model 64 --heads 2 --blocks 2 --sparsity 0.5 ";
+  const std::string store = " --model-store " + path("store") + " --model-memory-budget 800000";
+  const json first = run_json(text + shape + "--steps 3 --decay-steps 5" + store);
+  for (const char* key : {"model_store_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
+                          "disk_wait_seconds", "peak_rss_bytes"}) {
+    EXPECT_TRUE(first.contains(key)) << key;
+  }
+  EXPECT_GT(first.value("model_store_bytes", 0), 2 * 800000);
+  EXPECT_GT(first.value("disk_read_bytes_per_s", 0.0), 0.0);  // evicted layers read back
+  const json resumed = run_json(text + "--steps 2" + store);
+  EXPECT_EQ(resumed.value("steps_total", 0), 5);
+  EXPECT_EQ(resumed.value("d_model", 0), 64);
+  const json straight = run_json(text + shape + "--steps 5 --decay-steps 5");
+  EXPECT_EQ(resumed.value("val_loss", 0.0), straight.value("val_loss", 1.0));
+
+  // A run that cannot start builds nothing: the next one makes the store's model.
+  const std::string later = " --model-store " + path("later") + " --model-memory-budget 800000";
+  expect_exit(
+      run("train --model gpt --text " + path("missing.txt") + " " + shape + "--steps 1" + later), 1,
+      "missing.txt");
+  EXPECT_EQ(run_json(text + shape + "--steps 1" + later).value("steps_total", 0), 1);
+
+  expect_exit(run(text + shape + "--steps 1" + store), 2, "fixes them");
+  expect_exit(run(text + "--steps 1 --resume x" + store), 2, "its own checkpoint");
+  expect_exit(
+      run(text + "--steps 1 --model-store " + path("small") + " --model-memory-budget 100000"), 2,
+      "too small");
+  ASSERT_EQ(run("train --dataset synthetic --layers 64,8,10 --steps 2 --model-store " + path("mlp"))
+                .exit_code,
+            0);
+  expect_exit(run(text + "--steps 1 --model-store " + path("mlp")), 1, "holds no GPT");
 }
 
 // A text that never ends (a device, a pipe left open) is refused once it passes the most a

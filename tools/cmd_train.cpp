@@ -312,6 +312,7 @@ int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
   }
   g.checkpoint = o.checkpoint;
   g.resume = o.resume;
+  g.store = o.store;
   g.json = o.json;
   g.schedule = o.schedule;
   g.fabric = o.fabric;

@@ -41,46 +41,76 @@ std::filesystem::path text_path(const GptTrainOptions& o) {
   return beside;
 }
 
-/// The model to train: the checkpoint's, or a new one of the options' shape.
-GptConfig prepare_model(HostModelMemory& memory, GptTrainOptions& o) {
-  if (o.resume.empty()) {
-    GptConfig c;
-    c.context = o.context;
-    c.d_model = o.d_model;
-    c.heads = o.heads;
-    c.blocks = o.blocks;
-    c.sparsity = o.sparsity;
-    try {
-      c.validate();
-    } catch (const ArgumentError& e) {
-      throw UsageError(e.what());
-    }
-    memory.seed = o.seed;
-    build_gpt(memory, c, o.seed);
-    OptimizerConfig opt;
-    opt.kind = parse_optimizer(o.optimizer);
-    opt.learning_rate = o.lr;
-    if (opt.kind == OptimizerKind::adamw) opt.weight_decay = 0.01;
-    // A transformer's first steps can take gradients far larger than the rest.
-    opt.clip_global_norm = 1.0;
-    memory.set_optimizer(opt);
-    return c;
+/// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
+std::string source_of(const GptTrainOptions& o) {
+  return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
+}
+
+/// The resumed model's source as a possessive, for the schedules' messages.
+std::string whose(const GptTrainOptions& o) {
+  return o.resume.empty() ? "the store's" : "the checkpoint's";
+}
+
+/// UsageError, before a new store is built, if a layer of the GPT would need more RAM at
+/// once than the store's budget.
+void check_gpt_store_budget(const ModelStoreOptions& store, const GptConfig& c) {
+  if (store.directory.empty()) return;
+  std::vector<LayerShape> shapes;
+  for (const GptLayerShape& g : gpt_layer_shapes(c)) {
+    const std::int64_t nnz =
+        g.sparse ? drawn_nnz_bound(g.rows, g.cols, c.sparsity) : g.rows * g.cols;
+    shapes.push_back({g.rows, g.cols, nnz, g.bias ? g.rows : 0});
   }
-  memory.load(o.resume);
+  check_layers_fit(store, shapes);
+}
+
+/// The shape of a new model, from the options.
+GptConfig new_config(const GptTrainOptions& o) {
+  GptConfig c;
+  c.context = o.context;
+  c.d_model = o.d_model;
+  c.heads = o.heads;
+  c.blocks = o.blocks;
+  c.sparsity = o.sparsity;
+  try {
+    c.validate();
+  } catch (const ArgumentError& e) {
+    throw UsageError(e.what());
+  }
+  return c;
+}
+
+/// A new model of `c` in `memory` (in the store, if one was given), and its optimizer.
+void build_model(ModelMemory& memory, const GptTrainOptions& o, const GptConfig& c) {
+  memory.seed = o.seed;
+  build_gpt(memory, c, o.seed);
+  OptimizerConfig opt;
+  opt.kind = parse_optimizer(o.optimizer);
+  opt.learning_rate = o.lr;
+  if (opt.kind == OptimizerKind::adamw) opt.weight_decay = 0.01;
+  // A transformer's first steps can take gradients far larger than the rest.
+  opt.clip_global_norm = 1.0;
+  memory.set_optimizer(opt);
+  commit_store_counters(memory);  // the store holds a GPT from here, not after a step
+}
+
+/// The model to resume: the checkpoint's, or the one the store holds.
+GptConfig resumed_model(ModelMemory& memory, GptTrainOptions& o) {
+  if (!o.resume.empty()) memory.load(o.resume);
   GptConfig c;
   try {
     c = gpt_config_of(memory);
   } catch (const FormatError& e) {
-    throw FormatError("checkpoint " + o.resume + " holds no GPT: " + e.what());
+    throw FormatError(source_of(o) + " holds no GPT: " + e.what());
   }
   if (o.shape_given) {
     throw UsageError(
-        "--context, --d-model, --heads, --blocks and --sparsity cannot be given "
-        "with --resume: the checkpoint (" +
-        c.describe() + ") fixes them");
+        "--context, --d-model, --heads, --blocks and --sparsity cannot be given " +
+        std::string(o.resume.empty() ? "when --model-store holds a model" : "with --resume") +
+        ": the " + source_of(o) + " (" + c.describe() + ") fixes them");
   }
   if (o.seed_given && o.seed != memory.seed) {
-    throw UsageError("--seed differs from the checkpoint's " + std::to_string(memory.seed) +
+    throw UsageError("--seed differs from " + whose(o) + " " + std::to_string(memory.seed) +
                      ", which fixes the data order (leave --seed out to resume)");
   }
   o.seed = memory.seed;
@@ -94,15 +124,16 @@ GptConfig prepare_model(HostModelMemory& memory, GptTrainOptions& o) {
 /// The learning-rate decay of the run (lr_decay_option.hpp), set in the memory's optimizer:
 /// it ends where training is planned to, --horizon-steps (as the mask-update schedule's
 /// horizon) or else where this run's --steps end.
-void set_decay(ModelMemory& memory, const GptTrainOptions& o, std::ostream& progress) {
+void set_decay(ModelMemory& memory, const GptTrainOptions& o, bool resuming,
+               std::ostream& progress) {
   const bool horizon_given =
       o.schedule.horizon_steps_option != nullptr && o.schedule.horizon_steps_option->count() > 0;
   const std::int64_t first = memory.step();
   const std::int64_t planned_end =
       horizon_given ? o.schedule.horizon_steps : (o.steps > 0 ? first + o.steps : 0);
   OptimizerConfig optimizer = memory.optimizer();
-  optimizer.decay = resolve_decay(optimizer.decay, o.decay, !o.resume.empty(), "the checkpoint's",
-                                  first, planned_end, "--steps, --horizon-steps", progress);
+  optimizer.decay = resolve_decay(optimizer.decay, o.decay, resuming, whose(o), first, planned_end,
+                                  "--steps, --horizon-steps", progress);
   memory.set_optimizer(optimizer);
 }
 
@@ -174,8 +205,8 @@ RunTotals train_steps(GptModel& model, ModelMemory& memory, const TextCorpus& co
 
 /// The mask-update schedule of the run (dynamic_schedule.hpp), stored in the memory: a GPT
 /// run counts steps, so its horizon is --horizon-steps, else where this run's --steps end.
-DynamicSparsity gpt_schedule(ModelMemory& memory, GptTrainOptions& o, std::ostream& progress) {
-  const bool resuming = !o.resume.empty();
+DynamicSparsity gpt_schedule(ModelMemory& memory, GptTrainOptions& o, bool resuming,
+                             std::ostream& progress) {
   const bool keeps = resuming && memory.dynamic.rule != MaskUpdateRule::none;
   const bool asks = o.schedule.rule_option != nullptr && o.schedule.rule_option->count() > 0 &&
                     parse_mask_update_rule(o.schedule.dynamic) != MaskUpdateRule::none;
@@ -187,7 +218,7 @@ DynamicSparsity gpt_schedule(ModelMemory& memory, GptTrainOptions& o, std::ostre
         "schedule's horizon");
   }
   const DynamicSparsity d =
-      resolve_schedule(memory, o.schedule, resuming, 1, o.steps, "the checkpoint's", progress);
+      resolve_schedule(memory, o.schedule, resuming, 1, o.steps, whose(o), progress);
   o.schedule.dynamic = to_string(d.rule);  // what the report says
   return d;
 }
@@ -198,11 +229,17 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   if (o.steps == 0 && o.max_seconds == 0) o.steps = 200;
   if (o.batch < o.engines) throw UsageError("--batch (sequences) must be at least --engines");
   std::ostream& progress = o.json ? std::cerr : std::cout;
-  HostModelMemory memory;
-  const GptConfig config = prepare_model(memory, o);
-  set_decay(memory, o, progress);
+  const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o.store);
+  ModelMemory& memory = *memory_owner;
+  const bool resuming = !o.resume.empty() || memory.layer_count() > 0;
+  const GptConfig config = resuming ? resumed_model(memory, o) : new_config(o);
+  // The budget and the text before a new model: no store is built for a run that cannot
+  // start.
+  if (!resuming) check_gpt_store_budget(o.store, config);
   const std::filesystem::path path = text_path(o);
   const TextCorpus corpus = TextCorpus::load(path, config.context);
+  if (!resuming) build_model(memory, o, config);
+  set_decay(memory, o, resuming, progress);
   std::unique_ptr<LocalFabric> local;
   if (given == nullptr) {
     o.threads = o.threads > 0 ? runnable_threads(o.threads, "train") : 0;
@@ -213,7 +250,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     local = std::make_unique<LocalFabric>(fo);
   }
   Fabric& fabric = given != nullptr ? *given : *local;
-  const DynamicSparsity dynamic = gpt_schedule(memory, o, progress);
+  const DynamicSparsity dynamic = gpt_schedule(memory, o, resuming, progress);
   GptModel model(memory, fabric, config, dynamic);
   progress << "gpt: " << config.describe() << ", sparsity " << json_number(model.config().sparsity)
            << ", " << gpt_parameters(config) << " parameters (" << stored_parameters(memory)
@@ -252,6 +289,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     j.field("lr_schedule", decay_name(decay)).field("warmup_steps", decay.warmup_steps);
     j.field("decay_steps", decay.decay_steps);
     j.field("held_out_tokens", held_out_tokens);
+    add_model_store_fields(j, memory);
     j.field("peak_rss_bytes", peak_resident_bytes());
     j.end_object();
     std::cout << j.str() << "\n";

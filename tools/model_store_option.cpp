@@ -43,50 +43,63 @@ std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o) {
   }
 }
 
+std::int64_t drawn_nnz_bound(std::int64_t rows, std::int64_t cols, double sparsity) {
+  const double cells = static_cast<double>(rows) * static_cast<double>(cols);
+  const double density = 1.0 - sparsity;
+  return std::min<std::int64_t>(
+      rows * cols, std::llround(density * cells + 6.0 * std::sqrt(cells * density * sparsity)) + 1);
+}
+
+namespace {
+
+std::string too_small(const ModelStoreOptions& o) {
+  return "--model-memory-budget " + std::to_string(o.budget) + " is too small: ";
+}
+std::string left_without_model(const ModelStoreOptions& o) {
+  return "; the store " + o.directory + " was left without a model";
+}
+
+}  // namespace
+
+std::int64_t check_layers_fit(const ModelStoreOptions& o, const std::vector<LayerShape>& shapes,
+                              std::size_t* largest_layer) {
+  std::int64_t largest = 0;
+  for (std::size_t l = 0; l < shapes.size(); ++l) {
+    const LayerShape& s = shapes[l];
+    const std::int64_t need = TieredModelMemory::working_set_bytes(s);
+    if (need > o.budget) {
+      throw UsageError(too_small(o) + "layer " + std::to_string(l) + " (" + std::to_string(s.rows) +
+                       "x" + std::to_string(s.cols) + ", up to " + std::to_string(s.nnz) +
+                       " non-zeros) needs " + std::to_string(need) + " bytes of RAM at once" +
+                       left_without_model(o));
+    }
+    if (need > largest) {
+      largest = need;
+      if (largest_layer != nullptr) *largest_layer = l;
+    }
+  }
+  return largest;
+}
+
 void check_model_store_budget(const ModelStoreOptions& o, const std::vector<std::int64_t>& sizes,
                               double sparsity, const ExecutorOptions& executor,
                               std::int32_t engines) {
   if (o.directory.empty()) return;
-  const std::string too_small =
-      "--model-memory-budget " + std::to_string(o.budget) + " is too small: ";
-  const std::string untouched = "; the store " + o.directory + " was left without a model";
   std::vector<LayerShape> shapes;
-  std::int64_t largest = 0;
-  std::size_t largest_layer = 0;
   for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
-    LayerShape s;
-    s.rows = sizes[l + 1];
-    s.cols = sizes[l];
-    // CsrMatrix::random's count, which varies around its mean, with six standard deviations
-    // to spare: a budget this passes is not refused once the model is built (the store and
-    // the executor check the exact count then).
-    const double cells = static_cast<double>(s.rows) * static_cast<double>(s.cols);
-    const double density = 1.0 - sparsity;
-    s.nnz = std::min<std::int64_t>(
-        static_cast<std::int64_t>(s.rows) * s.cols,
-        std::llround(density * cells + 6.0 * std::sqrt(cells * density * sparsity)) + 1);
-    s.bias = s.rows;
-    shapes.push_back(s);
-    const std::int64_t need = TieredModelMemory::working_set_bytes(s);
-    if (need > o.budget) {
-      throw UsageError(too_small + "layer " + std::to_string(l) + " (" + std::to_string(s.rows) +
-                       "x" + std::to_string(s.cols) + ", up to " + std::to_string(s.nnz) +
-                       " non-zeros) needs " + std::to_string(need) + " bytes of RAM at once" +
-                       untouched);
-    }
-    if (need > largest) {
-      largest = need;
-      largest_layer = l;
-    }
+    const std::int64_t rows = sizes[l + 1], cols = sizes[l];
+    shapes.push_back({rows, cols, drawn_nnz_bound(rows, cols, sparsity), rows});
   }
+  std::size_t largest_layer = 0;
+  const std::int64_t largest = check_layers_fit(o, shapes, &largest_layer);
   const std::int64_t beside = executor_ram_beside_memory(shapes, executor, engines, o.budget);
   if (largest + beside > o.budget) {
-    throw UsageError(too_small + "layer " + std::to_string(largest_layer) + "'s working set (" +
+    throw UsageError(too_small(o) + "layer " + std::to_string(largest_layer) + "'s working set (" +
                      std::to_string(largest) +
                      " bytes) and what training holds beside the "
                      "store (the layer's stream and its gradients) need at least " +
                      std::to_string(executor_least_ram_budget(shapes, executor, engines, largest)) +
-                     untouched);
+                     left_without_model(o));
   }
 }
 

@@ -26,6 +26,14 @@ void check_model_store_options(const ModelStoreOptions& o, bool resume, bool che
 /// A HostModelMemory, or the store opened (created if new; resumed if it holds a model).
 /// A budget too small for one of the store's layers is a UsageError naming it.
 std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o);
+/// The most non-zeros a rows x cols mask drawn at `sparsity` (CsrMatrix::random) is taken
+/// to have: its count varies around the mean, and six standard deviations are spared, so
+/// that a budget this passes is not refused once the model is built.
+std::int64_t drawn_nnz_bound(std::int64_t rows, std::int64_t cols, double sparsity);
+/// UsageError, before a new store is built, if one of `shapes` would need more RAM at once
+/// than the budget; the largest working set, and its layer in `largest_layer`.
+std::int64_t check_layers_fit(const ModelStoreOptions& o, const std::vector<LayerShape>& shapes,
+                              std::size_t* largest_layer = nullptr);
 /// UsageError, before a new store is built, if a layer of the MLP `sizes` at `sparsity`
 /// would need more RAM at once than the budget, or the largest layer's working set and
 /// what an executor with `executor` over `engines` engines holds beside the store would

@@ -5,6 +5,7 @@
 
 #include "dynamic_schedule.hpp"
 #include "lr_decay_option.hpp"
+#include "model_store_option.hpp"
 #include "sluice/fabric.hpp"
 
 namespace sluice::cli {
@@ -30,6 +31,7 @@ struct GptTrainOptions {
   bool lr_given = false, optimizer_given = false, seed_given = false, shape_given = false;
   std::uint64_t seed = 1;
   std::string checkpoint, resume;
+  ModelStoreOptions store;  ///< --model-store: the model in files, resumed if it holds one
   bool json = false;
   ScheduleOptions schedule;  ///< --dynamic and its options (the sparse layers' masks)
   DecayOptions decay;        ///< --lr-schedule, --warmup-steps, --decay-steps

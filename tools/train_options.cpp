@@ -15,9 +15,9 @@ namespace {
 
 /// `--model gpt`: the options it would ignore refused.
 void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
-  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--precision",
-                           "--memory-budget", "--prefetch", "--prefetch-bytes", "--backward-order",
-                           "--model-store", "--model-memory-budget"}) {
+  for (const char* name :
+       {"--dataset", "--data", "--layers", "--epochs", "--precision", "--memory-budget",
+        "--prefetch", "--prefetch-bytes", "--backward-order"}) {
     if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
   }
   if (cmd.count("--horizon-epochs") > 0) {
@@ -25,7 +25,8 @@ void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
         "--horizon-epochs is not for --model gpt, which trains by steps: give "
         "--horizon-steps");
   }
-  check_schedule_options(o.schedule, !o.resume.empty());
+  check_schedule_options(o.schedule, !o.resume.empty() || !o.store.directory.empty());
+  check_model_store_options(o.store, !o.resume.empty(), !o.checkpoint.empty());
 }
 
 }  // namespace
