@@ -206,14 +206,22 @@ TEST_F(GptCheckpoint, ResumesExactlyAsAnUninterruptedRun) {
   }
 }
 
-// A GPT in a model store (MemoryX's flash tier) under a budget smaller than the model
-// trains bit for bit as in RAM, and a store reopened goes on as if never closed.
+// A GPT in a model store (MemoryX's flash tier) trains bit for bit as in RAM and a store
+// reopened goes on as if never closed: under a budget that holds its layers' patterns (the
+// backward streams by input, as in RAM) and under one barely above its largest layer's
+// working set (by output, the transposed patterns not read back).
 class GptModelStore : public testing::TempDirTest {
  protected:
-  GptConfig config_ = text_config();
+  GptConfig config_ = store_config();
   TextCorpus corpus_{small_text(8000), config_.context};
   LocalFabric fabric_{LocalFabricOptions{.engines = 2}};
 
+  static GptConfig store_config() {
+    GptConfig c = text_config();
+    c.d_model = 64;
+    c.sparsity = 0.5;  // the blocks' projections as large as the byte table
+    return c;
+  }
   static OptimizerConfig adamw() {
     OptimizerConfig opt;
     opt.kind = OptimizerKind::adamw;
@@ -221,8 +229,8 @@ class GptModelStore : public testing::TempDirTest {
     opt.weight_decay = 0.01;
     return opt;
   }
-  /// A budget that holds the largest layer's working set twice, and not the model.
-  std::int64_t budget() const {
+  /// The largest layer's working set, and (checked) less than half the model's.
+  std::int64_t largest_working_set() const {
     HostModelMemory m;
     build_gpt(m, config_, 5);
     std::int64_t largest = 0, all = 0;
@@ -232,7 +240,7 @@ class GptModelStore : public testing::TempDirTest {
       all += w;
     }
     EXPECT_GT(all, 2 * largest);
-    return 2 * largest;
+    return largest;
   }
   /// The losses of steps [first, last) of `model`.
   std::vector<double> train(GptModel& model, int first, int last) {
@@ -245,6 +253,39 @@ class GptModelStore : public testing::TempDirTest {
     return losses;
   }
 };
+
+TEST_F(GptModelStore, TrainsBitForBitAsInRamAndResumes) {
+  HostModelMemory host;
+  build_gpt(host, config_, 5);
+  host.set_optimizer(adamw());
+  GptModel in_ram(host, fabric_, config_);
+  const std::vector<double> want = train(in_ram, 0, 6);
+  const TextBatch held_out = corpus_.held_out_batch(0, 4);
+
+  const std::int64_t largest = largest_working_set();
+  for (const bool by_input : {true, false}) {
+    const std::int64_t budget = by_input ? 3 * largest : largest + largest / 8;
+    const std::filesystem::path dir = dir_ / (by_input ? "by_input" : "by_output");
+    std::vector<double> got;
+    {
+      TieredModelMemory store(dir, budget);
+      build_gpt(store, config_, 5);
+      store.set_optimizer(adamw());
+      EXPECT_EQ(store.by_input_from_ram(), by_input);
+      GptModel model(store, fabric_, config_);
+      got = train(model, 0, 3);
+      EXPECT_GT(store.counters().read_bytes, 0U);  // layers evicted and read back
+    }
+    TieredModelMemory reopened(dir, budget);
+    EXPECT_EQ(reopened.model, config_.describe());
+    EXPECT_EQ(reopened.step(), 3);
+    GptModel model(reopened, fabric_, gpt_config_of(reopened));
+    const std::vector<double> rest = train(model, 3, 6);
+    got.insert(got.end(), rest.begin(), rest.end());
+    EXPECT_EQ(got, want) << by_input;
+    EXPECT_EQ(model.loss(held_out), in_ram.loss(held_out)) << by_input;
+  }
+}
 
 // What a store's budget is checked against before a GPT is built is what build_gpt adds.
 TEST(Gpt, LayerShapesAreThoseBuildGptAdds) {
@@ -262,33 +303,6 @@ TEST(Gpt, LayerShapesAreThoseBuildGptAdds) {
     EXPECT_EQ(got.bias, want.bias ? want.rows : 0) << l;
     EXPECT_EQ(got.nnz < got.rows * got.cols, want.sparse) << l;
   }
-}
-
-TEST_F(GptModelStore, TrainsBitForBitAsInRamAndResumes) {
-  HostModelMemory host;
-  build_gpt(host, config_, 5);
-  host.set_optimizer(adamw());
-  GptModel in_ram(host, fabric_, config_);
-  const std::vector<double> want = train(in_ram, 0, 6);
-  const TextBatch held_out = corpus_.held_out_batch(0, 4);
-
-  std::vector<double> got;
-  {
-    TieredModelMemory store(dir_ / "store", budget());
-    build_gpt(store, config_, 5);
-    store.set_optimizer(adamw());
-    GptModel model(store, fabric_, config_);
-    got = train(model, 0, 3);
-    EXPECT_GT(store.counters().read_bytes, 0U);  // layers evicted and read back
-  }
-  TieredModelMemory reopened(dir_ / "store", budget());
-  EXPECT_EQ(reopened.model, config_.describe());
-  EXPECT_EQ(reopened.step(), 3);
-  GptModel model(reopened, fabric_, gpt_config_of(reopened));
-  const std::vector<double> rest = train(model, 3, 6);
-  got.insert(got.end(), rest.begin(), rest.end());
-  EXPECT_EQ(got, want);
-  EXPECT_EQ(model.loss(held_out), in_ram.loss(held_out));
 }
 
 TEST(Gpt, GenerationIsDeterministicForASeed) {
