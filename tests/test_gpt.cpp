@@ -207,9 +207,9 @@ TEST_F(GptCheckpoint, ResumesExactlyAsAnUninterruptedRun) {
 }
 
 // A GPT in a model store (MemoryX's flash tier) trains bit for bit as in RAM and a store
-// reopened goes on as if never closed: under a budget that holds its layers' patterns (the
-// backward streams by input, as in RAM) and under one barely above its largest layer's
-// working set (by output, the transposed patterns not read back).
+// reopened goes on as if never closed: under a budget that holds its layers' patterns, and
+// under one barely above its largest layer's working set (the backward's transposed
+// patterns then read back from the store's files).
 class GptModelStore : public testing::TempDirTest {
  protected:
   GptConfig config_ = store_config();
@@ -263,15 +263,15 @@ TEST_F(GptModelStore, TrainsBitForBitAsInRamAndResumes) {
   const TextBatch held_out = corpus_.held_out_batch(0, 4);
 
   const std::int64_t largest = largest_working_set();
-  for (const bool by_input : {true, false}) {
-    const std::int64_t budget = by_input ? 3 * largest : largest + largest / 8;
-    const std::filesystem::path dir = dir_ / (by_input ? "by_input" : "by_output");
+  for (const bool patterns_fit : {true, false}) {
+    const std::int64_t budget = patterns_fit ? 3 * largest : largest + largest / 8;
+    const std::filesystem::path dir = dir_ / (patterns_fit ? "roomy" : "tight");
     std::vector<double> got;
     {
       TieredModelMemory store(dir, budget);
       build_gpt(store, config_, 5);
       store.set_optimizer(adamw());
-      EXPECT_EQ(store.by_input_from_ram(), by_input);
+      EXPECT_EQ(store.by_input_from_ram(), patterns_fit);
       GptModel model(store, fabric_, config_);
       got = train(model, 0, 3);
       EXPECT_GT(store.counters().read_bytes, 0U);  // layers evicted and read back
@@ -282,8 +282,8 @@ TEST_F(GptModelStore, TrainsBitForBitAsInRamAndResumes) {
     GptModel model(reopened, fabric_, gpt_config_of(reopened));
     const std::vector<double> rest = train(model, 3, 6);
     got.insert(got.end(), rest.begin(), rest.end());
-    EXPECT_EQ(got, want) << by_input;
-    EXPECT_EQ(model.loss(held_out), in_ram.loss(held_out)) << by_input;
+    EXPECT_EQ(got, want) << patterns_fit;
+    EXPECT_EQ(model.loss(held_out), in_ram.loss(held_out)) << patterns_fit;
   }
 }
 

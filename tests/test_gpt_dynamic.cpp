@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "sluice/gpt.hpp"
+#include "sluice/tiered_model_memory.hpp"
 #include "test_support.hpp"
 
 namespace sluice {
@@ -54,7 +55,7 @@ DynamicSparsity schedule(MaskUpdateRule rule, std::int64_t total_steps) {
   return d;
 }
 
-void build(HostModelMemory& memory) {
+void build(ModelMemory& memory) {
   build_gpt(memory, small_config(), 3);
   OptimizerConfig opt;
   opt.kind = OptimizerKind::adam;
@@ -215,6 +216,44 @@ TEST_F(GptDynamicResume, ACheckpointGoesOnWithTheSchedule) {
       EXPECT_EQ(resumed.weights(l).col_indices(), straight.weights(l).col_indices()) << l;
       EXPECT_EQ(resumed.weights(l).values(), straight.weights(l).values()) << l;
     }
+  }
+}
+
+// In a model store too small for the model (layers and transposed patterns evicted and read
+// back), SET and RigL change the masks as in RAM: every step's loss and a held-out loss
+// the same bits.
+class GptDynamicStore : public testing::TempDirTest {};
+
+TEST_F(GptDynamicStore, MasksChangeAsInRam) {
+  static const TextCorpus corpus = small_corpus();
+  LocalFabric fabric;
+  auto run = [&](ModelMemory& memory, const DynamicSparsity& d) {
+    build(memory);
+    GptModel model(memory, fabric, gpt_config_of(memory), d);
+    std::vector<double> losses;
+    for (int step = 0; step < 6; ++step) {
+      const GptStep s = model.train_step(corpus.sample(4, 5, static_cast<std::uint64_t>(step)));
+      EXPECT_TRUE(s.report.applied);
+      losses.push_back(s.loss);
+    }
+    EXPECT_EQ(model.totals().mask_updates, 2);  // after steps 2 and 4
+    losses.push_back(model.loss(corpus.held_out_batch(0, 4)));
+    return losses;
+  };
+  HostModelMemory shapes;
+  build(shapes);
+  std::int64_t largest = 0;
+  for (std::int32_t l = 0; l < shapes.layer_count(); ++l) {
+    largest = std::max(largest, TieredModelMemory::working_set_bytes(shapes.layer_shape(l)));
+  }
+  for (MaskUpdateRule rule : {MaskUpdateRule::set, MaskUpdateRule::rigl}) {
+    SCOPED_TRACE(to_string(rule));
+    const DynamicSparsity d = schedule(rule, 8);
+    HostModelMemory in_ram;
+    TieredModelMemory store(dir_ / to_string(rule), largest + largest / 8);
+    EXPECT_EQ(run(store, d), run(in_ram, d));
+    EXPECT_FALSE(store.by_input_from_ram());
+    EXPECT_GT(store.counters().read_bytes, 0U);
   }
 }
 

@@ -32,10 +32,6 @@ struct GptModel::Impl {
   std::int64_t total_tokens = 0;
   std::map<std::pair<std::int32_t, std::int32_t>, Placement> placements;
   std::uint64_t mask_generation = 0;
-  // A projection's backward streams by input (the engine gathers dY once for dX and dW),
-  // unless the ModelMemory would read each transposed pattern from storage again (a model
-  // store below the model's size): then by output, as the MLP's executor does.
-  bool backward_by_input = true;
   StepMetrics totals;
   StepMetrics metrics;  // of the current call
   detail::GptMaskUpdates mask_updates;
@@ -54,7 +50,6 @@ struct GptModel::Impl {
     }
     config.sparsity = held.sparsity;
     mask_generation = memory.mask_generation();
-    backward_by_input = memory.by_input_from_ram();
   }
 
   // --- the batch ---------------------------------------------------------------------------
@@ -121,7 +116,7 @@ struct GptModel::Impl {
     call.block = block;
     if (!takes_stream(op)) return fabric.run_block(call, nullptr, {}, {});
     const bool backward = op >= Op::head_back;
-    const bool by_input = backward && is_projection(op) && backward_by_input;
+    const bool by_input = backward && is_projection(op);
     const WeightStream w = memory.stream(layer, StreamKind::weights, Precision::fp32,
                                          by_input ? StreamOrder::by_input : StreamOrder::by_output);
     metrics.stream_packets += w.packet_count();
