@@ -349,11 +349,7 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
   bool renamed = false;
   try {
     {
-      if (!detail::storable_model(model)) {
-        throw ShapeError("save checkpoint " + path.string() +
-                         ": the model description is not printable ASCII of at most " +
-                         std::to_string(kMaxModelDescription) + " characters");
-      }
+      detail::require_storable_model(model, "save checkpoint " + path.string());
       try {  // what load would refuse is not written
         dynamic.validate();
       } catch (const ArgumentError& e) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "sluice/error.hpp"
 #include "sluice/model_memory.hpp"
 
 namespace sluice::detail {
@@ -20,6 +21,13 @@ constexpr std::int64_t kMaxTotalSteps = std::int64_t{1} << 53;
 bool storable_model(const std::string& model) {
   if (model.size() > ModelMemory::kMaxModelDescription) return false;
   return std::all_of(model.begin(), model.end(), [](char c) { return c >= 0x20 && c < 0x7F; });
+}
+
+void require_storable_model(const std::string& model, const std::string& what) {
+  if (!storable_model(model)) {
+    throw ShapeError(what + ": the model description is not printable ASCII of at most " +
+                     std::to_string(ModelMemory::kMaxModelDescription) + " characters");
+  }
 }
 
 Section model_section(const std::string& model) {

@@ -24,6 +24,9 @@ constexpr std::uint32_t kModelTag = fourcc("MODL");
 
 /// Whether `model` can be kept in a checkpoint or manifest: printable ASCII, not too long.
 bool storable_model(const std::string& model);
+/// ShapeError ("`what`: the model description is ...") unless storable_model(model): a
+/// writer's check before it writes anything.
+void require_storable_model(const std::string& model, const std::string& what);
 /// The section holding `model` (storable_model: the writer checks before writing).
 Section model_section(const std::string& model);
 /// Reads the next section as a model description; FormatError naming the file and the

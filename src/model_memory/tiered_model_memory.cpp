@@ -161,10 +161,7 @@ namespace {
 /// A ModelMemory's public fields into the manifest about to be written. ShapeError, before
 /// anything is written, for a model description a manifest cannot hold.
 void stamp(detail::Manifest& next, const ModelMemory& memory) {
-  if (!detail::storable_model(memory.model)) {
-    throw ShapeError("model store: the model description is not printable ASCII of at most " +
-                     std::to_string(ModelMemory::kMaxModelDescription) + " characters");
-  }
+  detail::require_storable_model(memory.model, "model store");
   next.seed = memory.seed;
   next.epochs = memory.epochs;
   next.dynamic = memory.dynamic;
