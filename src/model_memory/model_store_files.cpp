@@ -430,10 +430,12 @@ std::int64_t direct_write_buffer_bytes(const StateLayout& layout) {
   return layout.size < (std::uint64_t{1} << 20) ? 0 : static_cast<std::int64_t>(kDirectWriteBytes);
 }
 
-StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io)
+StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io,
+                         Durability durability)
     : path_(std::move(path)),
       layout_(layout),
       io_(io),
+      durability_(durability),
       crcs_(static_cast<std::size_t>(section_count(layout.slots)), 0),
       written_(crcs_.size(), 0) {
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -563,7 +565,9 @@ void StateWriter::finish() {
   put_header(layout_.end + kSectionHeaderBytes, kEndTag, 0, crc32({}));
   // fsync on either descriptor flushes the file: the direct writes' device cache and
   // metadata, and the buffered pages.
-  if (::fsync(fd_) != 0) throw IoError(os_error("model store: cannot fsync", path_));
+  if (durability_ == Durability::committed && ::fsync(fd_) != 0) {
+    throw IoError(os_error("model store: cannot fsync", path_));
+  }
   if (direct_fd_ >= 0) {
     ::close(direct_fd_);
     direct_fd_ = -1;

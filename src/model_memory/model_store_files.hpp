@@ -141,7 +141,15 @@ std::int64_t direct_write_buffer_bytes(const StateLayout& layout);
 /// O_DIRECT (tmpfs) gets everything through the page cache.
 class StateWriter {
  public:
-  StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io);
+  enum class Durability {
+    committed,  ///< part of a commit: fsync'd by finish()
+    /// a step's scratch (a gradient spilled until the commit): read back before any commit
+    /// and removed after it, never named by a manifest, so not worth a device flush
+    scratch,
+  };
+  StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io,
+              Durability durability = Durability::committed);
+
   ~StateWriter();  ///< removes an unfinished file
   StateWriter(const StateWriter&) = delete;
   StateWriter& operator=(const StateWriter&) = delete;
@@ -155,6 +163,7 @@ class StateWriter {
   std::filesystem::path path_;
   StateLayout layout_;
   IoCounters& io_;
+  Durability durability_;
   /// Writes bytes [at, at + size) of the file: whole blocks direct, the rest buffered.
   void write_bytes(std::uint64_t at, const std::byte* p, std::size_t size);
   void write_buffered(std::uint64_t at, const std::byte* p, std::size_t size);

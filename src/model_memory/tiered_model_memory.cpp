@@ -281,7 +281,7 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
                       detail::scheduled_learning_rate(st.config, st.manifest.step + 1), 1.0);
     } else if (p.finite) {
       detail::StateWriter out(spill_path(st.dir, layer), detail::StateLayout::of(s.nnz, 0, 0),
-                              st.io);
+                              st.io, detail::StateWriter::Durability::scratch);
       out.write(0, 0, {g, n});
       out.finish();
       p.spilled = true;
