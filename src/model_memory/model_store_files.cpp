@@ -312,7 +312,7 @@ std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& 
       in.fail("at byte " + std::to_string(in.position()) + ": bytes after the END section");
     if (check == PatternCheck::full) check_transposed(in, t, shape);
   }
-  in.drop_cache();
+  if (in.position() + in.remaining() >= kPageCachedFileBytes) in.drop_cache();
   return bytes;
 }
 
@@ -423,11 +423,11 @@ void StateReader::check_crc(std::uint64_t section, std::uint32_t crc, const char
 }
 
 void StateReader::drop_cache() {
-  ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+  if (layout_.size >= kPageCachedFileBytes) ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
 }
 
 std::int64_t direct_write_buffer_bytes(const StateLayout& layout) {
-  return layout.size < (std::uint64_t{1} << 20) ? 0 : static_cast<std::int64_t>(kDirectWriteBytes);
+  return layout.size < kPageCachedFileBytes ? 0 : static_cast<std::int64_t>(kDirectWriteBytes);
 }
 
 StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io,
@@ -572,8 +572,8 @@ void StateWriter::finish() {
     ::close(direct_fd_);
     direct_fd_ = -1;
   }
-  // Written once, read next step at the earliest: not worth the page cache.
-  ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+  // Written once, read next step at the earliest: a large file is not worth the page cache.
+  if (layout_.size >= kPageCachedFileBytes) ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) throw IoError(os_error("model store: cannot close", path_));

@@ -83,6 +83,13 @@ enum class PatternCheck {
 std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& shape,
                            CsrMatrix* mask, TransposedPattern* transposed, PatternCheck check);
 
+/// A store file smaller than this is written through the page cache and left there after a
+/// read or a write: the next step reads it back from memory, where a dropped page costs a
+/// device round trip per read. A larger one is written direct and its pages are dropped
+/// once read: a model larger than RAM would otherwise push everything else out of the page
+/// cache, and a large read gains nothing from it.
+inline constexpr std::uint64_t kPageCachedFileBytes = std::uint64_t{1} << 20;
+
 /// Byte counts and times of the store's file I/O, summed by every thread.
 struct IoCounters {
   std::atomic<std::uint64_t> read_bytes{0}, write_bytes{0};
@@ -115,7 +122,8 @@ class StateReader {
   /// Checks a whole section's CRC (read in order through `crc`) against the stored one.
   void check_crc(std::uint64_t section, std::uint32_t crc, const char* name);
   const std::filesystem::path& path() const { return path_; }
-  /// Drops the file's pages from the page cache (it was read once, in order).
+  /// Drops the file's pages from the page cache (it was read once, in order) if it is not
+  /// small (kPageCachedFileBytes).
   void drop_cache();
 
  private:
@@ -128,8 +136,9 @@ class StateReader {
 
 /// Bytes of the aligned buffer a StateWriter copies its ranges through (direct I/O).
 constexpr std::size_t kDirectWriteBytes = std::size_t{4} << 20;
-/// The aligned buffer a StateWriter of this layout holds: none for files under 1 MiB,
-/// which go through the page cache (direct I/O pays for large writes only).
+/// The aligned buffer a StateWriter of this layout holds: none for files under
+/// kPageCachedFileBytes, which go through the page cache (direct I/O pays for large writes
+/// only).
 std::int64_t direct_write_buffer_bytes(const StateLayout& layout);
 
 /// Writes a state file in order of sections or by ranges within them, then finish()
@@ -149,7 +158,6 @@ class StateWriter {
   };
   StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io,
               Durability durability = Durability::committed);
-
   ~StateWriter();  ///< removes an unfinished file
   StateWriter(const StateWriter&) = delete;
   StateWriter& operator=(const StateWriter&) = delete;
