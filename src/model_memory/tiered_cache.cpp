@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "core/csr_matrix_access.hpp"
+#include "core/heap_trim.hpp"
 #include "model_memory/layer_streams.hpp"
 #include "model_memory/tiered_model_memory_state.hpp"
 
@@ -44,17 +45,27 @@ bool TieredModelMemory::State::make_room(std::int64_t need, std::int32_t keep, s
         static_cast<std::int32_t>(std::find_if(layers.begin(), layers.end(),
                                                [&](const auto& p) { return p.get() == victim; }) -
                                   layers.begin()));
+    const std::int64_t bytes = transposed ? transposed_bytes(s) : forward_bytes(s);
     if (transposed) {
       if (evicted != nullptr) evicted->transposed.push_back(std::move(victim->transposed));
       victim->transposed.reset();
-      used -= transposed_bytes(s);
     } else {
       if (evicted != nullptr) evicted->forward.push_back(std::move(victim->forward));
       victim->forward.reset();
-      used -= forward_bytes(s);
     }
+    used -= bytes;
+    freed_since_trim += bytes;  // or reused by the load that evicted it: a trim too early
   }
   return true;
+}
+
+void TieredModelMemory::State::release_freed_heap() {
+  {
+    std::lock_guard lock(mutex);
+    if (freed_since_trim < budget / 8) return;
+    freed_since_trim = 0;
+  }
+  detail::release_free_heap();
 }
 
 TieredModelMemory::State::Pin TieredModelMemory::State::acquire(std::int32_t l,
@@ -283,6 +294,7 @@ void TieredModelMemory::State::drop_transposed(std::int32_t l) {
   if (c.loading || !c.transposed || c.transposed.use_count() > 1) return;
   c.transposed.reset();
   used -= transposed_bytes(shape(l));
+  freed_since_trim += transposed_bytes(shape(l));
   changed.notify_all();
 }
 

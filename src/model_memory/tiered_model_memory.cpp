@@ -7,7 +7,6 @@
 #include <cmath>
 #include <utility>
 
-#include "core/heap_trim.hpp"
 #include "model_memory/checkpoint_io.hpp"
 #include "model_memory/layer_streams.hpp"
 #include "model_memory/model_sections.hpp"
@@ -245,9 +244,10 @@ void TieredModelMemory::stream_to_impl(std::int32_t layer, StreamKind kind, Stre
 
 void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                              std::span<const float> bias_gradient) {
-  struct ReleaseAfter {  // what this update and the cache's evictions freed (heap_trim.hpp)
-    ~ReleaseAfter() { detail::release_free_heap(); }
-  } release_after;
+  struct ReleaseAfter {  // what this update and the cache's evictions freed
+    State& st;
+    ~ReleaseAfter() { st.release_freed_heap(); }
+  } release_after{*state_};
   const auto start = Clock::now();
   State& st = *state_;
   detail::TieredLayer& l = *st.layers[layer];

@@ -136,6 +136,9 @@ struct TieredModelMemory::State {
   std::mutex mutex;  ///< the cache: pieces, `used`, `loading`, `last_use`
   std::condition_variable changed;
   std::int64_t used = 0;
+  /// Bytes of pieces and buffers freed since the C library's free heap was last given back
+  /// (release_freed_heap).
+  std::int64_t freed_since_trim = 0;
   std::uint64_t clock = 0;
 
   const LayerShape& shape(std::int32_t l) const { return manifest.layers[l].shape; }
@@ -190,6 +193,11 @@ struct TieredModelMemory::State {
   /// The pieces freed go to `evicted` where given (for the load to reuse).
   bool make_room(std::int64_t need, std::int32_t keep, std::int64_t limit,
                  detail::EvictedPieces* evicted = nullptr);
+  /// Gives the C library's free heap back to the system (heap_trim.hpp) once the cache has
+  /// freed an eighth of the budget since it last did, so that the process holds at most that
+  /// much freed memory beyond the budget. Not after every update: a trim releases every free
+  /// page of the process, which the engines' next buffers fault in again.
+  void release_freed_heap();
   /// `between_steps`: no trainer's stream is in flight (a mask change), so the pin may
   /// take the trainer's reserve too.
   Pin acquire(std::int32_t l, bool want_transposed, std::int64_t extra, bool between_steps = false);

@@ -38,12 +38,14 @@ detail::UpdateBuffers& TieredModelMemory::State::update_buffers_for(std::int32_t
       b = {};
       std::lock_guard lock(mutex);
       used -= old;
+      freed_since_trim += old;
       changed.notify_all();
       throw;
     }
     b.bytes = need;
     std::lock_guard lock(mutex);
     pin.reserved -= growth;
+    freed_since_trim += old;
   }
   return b;
 }
