@@ -4,9 +4,11 @@
 // changes nothing, and refuses a budget smaller than a layer.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -232,6 +234,76 @@ TEST_F(TempDirTest, ALayerOfSeveralUpdateChunksTrainsLikeHost) {
                            "clip " + std::to_string(clip) + ", step " + std::to_string(s + 1));
     }
   }
+}
+
+/// The inode of `path` (0 if it is missing).
+ino_t inode_of(const std::filesystem::path& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 ? info.st_ino : 0;
+}
+
+/// Layer 1's state files in `store`, oldest generation first.
+std::vector<std::filesystem::path> layer1_state_files(const std::filesystem::path& store) {
+  std::vector<std::filesystem::path> out;
+  for (const auto& e : std::filesystem::directory_iterator(store)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with("layer-000001.g") && name.ends_with(".state")) out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// A step writes each layer's new state over the file of two generations before (which no
+// manifest names since the last commit) and its spilled gradient over the last step's, so
+// the store creates and frees no file a step; a file of another size (the optimizer's
+// state grew or shrank) is cut to the new one. Closed, only the named files are left.
+TEST_F(TempDirTest, AStepWritesOverTheFilesTheStoreNoLongerNames) {
+  const Data data = make_data(8, 17);
+  const double clip = 0.05;  // every layer's gradient spills until the commit
+  HostModelMemory host;
+  host.set_optimizer(config_of(OptimizerKind::adam, clip));
+  build_sparse_mlp(host, kSizes, 0.5, 3);
+  const auto store = dir_ / "store";
+  {
+    TieredModelMemory tiered(store, std::int64_t{1} << 30);
+    tiered.set_optimizer(config_of(OptimizerKind::adam, clip));
+    build_sparse_mlp(tiered, kSizes, 0.5, 3);
+    auto trainers = std::make_unique<std::pair<Trainer, Trainer>>(
+        std::piecewise_construct, std::forward_as_tuple(tiered, 1, Precision::fp32),
+        std::forward_as_tuple(host, 1, Precision::fp32));
+    ino_t committed_after_2 = 0, spill_after_2 = 0;
+    for (int s = 0; s < 8; ++s) {
+      if (s == 4 || s == 6) {  // Adam to SGD (one slot: smaller files), then back (larger)
+        const OptimizerKind kind = s == 4 ? OptimizerKind::sgd : OptimizerKind::adam;
+        trainers.reset();
+        host.set_optimizer(config_of(kind, clip));
+        tiered.set_optimizer(config_of(kind, clip));
+        trainers = std::make_unique<std::pair<Trainer, Trainer>>(
+            std::piecewise_construct, std::forward_as_tuple(tiered, 1, Precision::fp32),
+            std::forward_as_tuple(host, 1, Precision::fp32));
+      }
+      const StepResult a = trainers->second.step(data, s), b = trainers->first.step(data, s);
+      ASSERT_TRUE(b.report.applied);
+      EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
+      expect_bitwise_equal(snapshot(host), snapshot(tiered), "step " + std::to_string(s + 1));
+      const std::vector<std::filesystem::path> states = layer1_state_files(store);
+      ASSERT_EQ(states.size(), 2U) << "step " << s + 1;  // the committed one and a spare
+      if (s == 1) {
+        committed_after_2 = inode_of(states.back());
+        spill_after_2 = inode_of(store / "layer-000001.gradient");
+        ASSERT_NE(spill_after_2, 0U);
+      }
+      if (s == 3) {
+        EXPECT_EQ(inode_of(states.back()), committed_after_2) << "not written over";
+        EXPECT_EQ(inode_of(store / "layer-000001.gradient"), spill_after_2);
+      }
+    }
+  }
+  // Closed: the manifest, and a pattern and a state file per layer.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(store), {}),
+            static_cast<std::ptrdiff_t>(1 + 2 * (kSizes.size() - 1)));
+  TieredModelMemory reopened(store, std::int64_t{1} << 30);  // every file's size checked
+  expect_bitwise_equal(snapshot(host), snapshot(reopened), "reopened");
 }
 
 // Layers of one shape under a budget that holds a layer's working set: every load after

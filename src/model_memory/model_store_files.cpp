@@ -1,6 +1,7 @@
 #include "model_memory/model_store_files.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -431,14 +432,25 @@ std::int64_t direct_write_buffer_bytes(const StateLayout& layout) {
 }
 
 StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io,
-                         Durability durability)
+                         Durability durability, const std::filesystem::path& recycled)
     : path_(std::move(path)),
       layout_(layout),
       io_(io),
       durability_(durability),
       crcs_(static_cast<std::size_t>(section_count(layout.slots)), 0),
       written_(crcs_.size(), 0) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (!recycled.empty() && ::rename(recycled.c_str(), path_.c_str()) == 0) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CLOEXEC);
+    struct stat info {};
+    if (fd_ >= 0 &&
+        (::fstat(fd_, &info) != 0 || static_cast<std::uint64_t>(info.st_size) != layout_.size)) {
+      if (::ftruncate(fd_, static_cast<off_t>(layout_.size)) != 0) {
+        ::close(fd_);
+        fd_ = -1;
+      }
+    }
+  }
+  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) throw IoError(os_error("model store: cannot create", path_));
   // The file's blocks in one piece, allocated once rather than write by write; a file
   // system without fallocate allocates as it is written.
@@ -563,9 +575,10 @@ void StateWriter::finish() {
                crcs_[static_cast<std::size_t>(i)]);
   }
   put_header(layout_.end + kSectionHeaderBytes, kEndTag, 0, crc32({}));
-  // fsync on either descriptor flushes the file: the direct writes' device cache and
-  // metadata, and the buffered pages.
-  if (durability_ == Durability::committed && ::fsync(fd_) != 0) {
+  // fdatasync on either descriptor flushes the file: the direct writes' device cache, the
+  // buffered pages and the metadata that reading them back needs (size, blocks), not the
+  // times a rewritten file's inode changes by (the file's name is the directory's fsync).
+  if (durability_ == Durability::committed && ::fdatasync(fd_) != 0) {
     throw IoError(os_error("model store: cannot fsync", path_));
   }
   if (direct_fd_ >= 0) {

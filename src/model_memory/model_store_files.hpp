@@ -10,9 +10,11 @@
 //   layer-LLLLLL.gGGGGGGGG.pattern  ... after a mask change (regrow) of that generation
 //   layer-LLLLLL.gGGGGGGGG.state master values, bias, optimizer state of one generation
 //
-// A step writes every updated layer's state file of a new generation (fsync'd), then the
-// manifest beside it, fsync'd and renamed over MANIFEST: the rename is the commit. Files
-// no manifest names are what a killed step left behind, removed when the store opens.
+// A step writes every updated layer's state file of a new generation (flushed), then the
+// manifest beside it, fsync'd and renamed over MANIFEST: the rename is the commit. The
+// generation before stays as the layer's spare, which its next update renames and writes
+// over. Files no manifest names (spares, what a killed step left behind) are removed when
+// the store opens; spares also when it closes.
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -151,13 +153,18 @@ std::int64_t direct_write_buffer_bytes(const StateLayout& layout);
 class StateWriter {
  public:
   enum class Durability {
-    committed,  ///< part of a commit: fsync'd by finish()
-    /// a step's scratch (a gradient spilled until the commit): read back before any commit
-    /// and removed after it, never named by a manifest, so not worth a device flush
+    committed,  ///< part of a commit: its data flushed (fdatasync) by finish()
+    /// a step's scratch (a gradient spilled until the commit): read back before the commit,
+    /// never named by a manifest, so not worth a device flush
     scratch,
   };
+  /// `recycled`: a file no manifest names any more (an old generation's, or the last
+  /// step's spill at `path` itself), renamed to `path` and written over where it exists: no
+  /// inode to create and free each step and, at the same size, no blocks to allocate (the
+  /// file system rewrites written blocks in place, which costs it less than new ones).
   StateWriter(std::filesystem::path path, const StateLayout& layout, IoCounters& io,
-              Durability durability = Durability::committed);
+              Durability durability = Durability::committed,
+              const std::filesystem::path& recycled = {});
   ~StateWriter();  ///< removes an unfinished file
   StateWriter(const StateWriter&) = delete;
   StateWriter& operator=(const StateWriter&) = delete;

@@ -274,6 +274,15 @@ void TieredModelMemory::State::remove_in_background(std::vector<std::filesystem:
   }
 }
 
+void TieredModelMemory::State::remove_spares() {
+  std::vector<std::filesystem::path> files;
+  for (std::int32_t l = 0; l < static_cast<std::int32_t>(layers.size()); ++l) {
+    if (!layers[l]->spare.empty()) files.push_back(std::exchange(layers[l]->spare, {}));
+    files.push_back(detail::spill_path(dir, l));
+  }
+  remove_in_background(std::move(files));
+}
+
 // Files no manifest names: a killed step's new state files, a killed add_layer's pattern,
 // a manifest never renamed, gradients waiting for a commit that never came.
 void TieredModelMemory::State::remove_leftovers() {

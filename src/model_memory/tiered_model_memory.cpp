@@ -69,6 +69,7 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
 TieredModelMemory::~TieredModelMemory() {
   try {
     discard_step_impl();
+    state_->remove_spares();
   } catch (...) {  // leftovers are removed when the store opens next
   }
 }
@@ -280,8 +281,9 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
       st.write_update(layer, pin.w->values(), buffers, true,
                       detail::scheduled_learning_rate(st.config, st.manifest.step + 1), 1.0);
     } else if (p.finite) {
-      detail::StateWriter out(spill_path(st.dir, layer), detail::StateLayout::of(s.nnz, 0, 0),
-                              st.io, detail::StateWriter::Durability::scratch);
+      const std::filesystem::path spill = spill_path(st.dir, layer);  // the last step's, reused
+      detail::StateWriter out(spill, detail::StateLayout::of(s.nnz, 0, 0), st.io,
+                              detail::StateWriter::Durability::scratch, spill);
       out.write(0, 0, {g, n});
       out.finish();
       p.spilled = true;
@@ -367,10 +369,12 @@ StepReport TieredModelMemory::commit_step_impl() {
   // The commit: the new state files' names made durable, then the manifest naming them
   // renamed over the old one.
   detail::Manifest next = st.manifest;
-  std::vector<std::filesystem::path> old_files;
+  std::vector<std::filesystem::path> old_files;  // the spares this commit replaces
+  std::vector<std::filesystem::path> spares;
   for (std::int32_t i : submitted) {
     detail::ManifestLayer& m = next.layers[i];
-    old_files.push_back(detail::state_path(st.dir, i, m.generation));
+    if (!st.layers[i]->spare.empty()) old_files.push_back(st.layers[i]->spare);
+    spares.push_back(detail::state_path(st.dir, i, m.generation));
     m.generation = st.manifest.next_generation;
     m.updates += 1;
     m.has_state = true;
@@ -389,11 +393,11 @@ StepReport TieredModelMemory::commit_step_impl() {
     std::lock_guard lock(st.mutex);
     st.manifest = std::move(next);  // cached values of the updated layers are now stale
   }
-  for (std::int32_t i : submitted) {
-    detail::TieredLayer& l = *st.layers[i];
+  for (std::size_t k = 0; k < submitted.size(); ++k) {
+    detail::TieredLayer& l = *st.layers[submitted[k]];
     std::swap(l.bias, l.pending.new_bias);
-    for (int k = 0; k < st.slots(); ++k) std::swap(l.bias_state[k], l.pending.new_bias_state[k]);
-    if (l.pending.spilled) remove_quietly(spill_path(st.dir, i));
+    for (int s = 0; s < st.slots(); ++s) std::swap(l.bias_state[s], l.pending.new_bias_state[s]);
+    l.spare = std::move(spares[k]);  // the spill stays too, for the next step's to write over
     l.pending = {};
   }
   st.remove_in_background(std::move(old_files));

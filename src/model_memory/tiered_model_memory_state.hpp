@@ -112,6 +112,10 @@ struct TieredLayer {
   bool loading = false;
   std::mutex pending_mutex;
   TieredPending pending;
+  /// The state file of the generation before the committed one, which no manifest names
+  /// any more: the layer's next update writes over it (StateWriter's `recycled`); empty
+  /// once taken. Touched by the layer's update and by the commit, never at once.
+  std::filesystem::path spare;
 };
 
 }  // namespace detail
@@ -225,11 +229,13 @@ struct TieredModelMemory::State {
   void drop_transposed(std::int32_t l);
   void verify_layer(std::int32_t l);
   void remove_leftovers();
-  /// Removes `files` (a committed step's old generation, which the manifest no longer
-  /// names) on a thread of its own, after the removal before it: freeing a large file's
+  /// Removes `files` (which the manifest no longer names: a mask change's old files, spares
+  /// left over) on a thread of its own, after the removal before it: freeing a large file's
   /// blocks takes the file system a while, and the next step need not wait for it. A kill
   /// leaves them to the next open's remove_leftovers.
   void remove_in_background(std::vector<std::filesystem::path> files);
+  /// Removes the layers' spare state files and their last spills (the store closes).
+  void remove_spares();
 
   // Last, so that it is waited for first when the store goes.
   std::future<void> removing;  ///< remove_in_background's last removal

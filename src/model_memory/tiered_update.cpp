@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <utility>
 
 #include "core/parallel.hpp"
 #include "model_memory/tiered_model_memory_state.hpp"
@@ -68,7 +69,8 @@ void TieredModelMemory::State::write_update(std::int32_t l, std::span<const floa
   detail::StateLayout spill_layout = detail::StateLayout::of(nnz, 0, 0);
   if (!gradient) spill.emplace(spill_path(dir, l), spill_layout, io);
   const detail::StateLayout out_layout = detail::StateLayout::of(nnz, m.shape.bias, n_slots);
-  detail::StateWriter out(detail::state_path(dir, l, manifest.next_generation), out_layout, io);
+  detail::StateWriter out(detail::state_path(dir, l, manifest.next_generation), out_layout, io,
+                          detail::StateWriter::Durability::committed, std::exchange(c.spare, {}));
   const detail::UpdateScalars scalars =
       detail::make_update_scalars(config, learning_rate, m.updates + 1, scale);
 
