@@ -154,7 +154,6 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
   if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
     throw IoError(os_error("model store: cannot rename " + tmp.string() + " to", final_path));
   }
-  fsync_directory(dir, "model store");
 }
 
 Manifest read_manifest(const std::filesystem::path& dir) {

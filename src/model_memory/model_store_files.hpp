@@ -61,8 +61,11 @@ std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_
 std::filesystem::path state_path(const std::filesystem::path& dir, std::int32_t layer,
                                  std::int64_t generation);
 
-/// Writes the manifest beside MANIFEST, fsyncs it, renames it over MANIFEST and fsyncs
-/// the directory.
+/// Writes the manifest beside MANIFEST, fsyncs it and renames it over MANIFEST: the
+/// commit. Throws with MANIFEST unchanged if any of that fails. The rename is durable once
+/// the directory is fsync'd (fsync_directory), which the caller does after taking the new
+/// manifest as its own: a failure there must not undo a commit the directory shows (the
+/// files it names removed as a failed step's).
 void write_manifest(const std::filesystem::path& dir, const Manifest& m);
 /// FormatError naming the file and the byte if it is corrupt, IoError if unreadable.
 Manifest read_manifest(const std::filesystem::path& dir);

@@ -4,7 +4,9 @@
 #include "sluice/tiered_model_memory.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <map>
 #include <utility>
 
 #include "model_memory/checkpoint_io.hpp"
@@ -198,23 +200,28 @@ std::int32_t TieredModelMemory::add_layer_impl(CsrMatrix weights, std::vector<fl
   detail::fsync_directory(st.dir, "model store");
   next.layers.push_back({s, 0, generation, false});
   next.next_generation = generation + 1;
-  detail::write_manifest(st.dir, next);
-
+  // Everything that can fail comes before the commit; after it, nothing does.
   auto layer = std::make_unique<detail::TieredLayer>();
   layer->column_counts = weights.column_counts();
   layer->bias = std::move(bias);
   for (int k = 0; k < st.slots(); ++k) layer->bias_state[k].assign(layer->bias.size(), 0.0F);
-  std::lock_guard lock(st.mutex);
-  st.manifest = std::move(next);
-  const std::int64_t bytes = forward_bytes(s) + transposed_bytes(s);
-  if (st.used + bytes <= st.capacity()) {  // just written: keep it while there is room
-    layer->forward = std::make_shared<CsrMatrix>(std::move(weights));
-    layer->transposed = std::move(t);
-    layer->values_generation = generation;
-    layer->last_use = ++st.clock;
-    st.used += bytes;
+  auto w = std::make_shared<CsrMatrix>(std::move(weights));
+  st.layers.reserve(st.layers.size() + 1);
+  detail::write_manifest(st.dir, next);
+  {
+    std::lock_guard lock(st.mutex);
+    st.manifest = std::move(next);
+    const std::int64_t bytes = forward_bytes(s) + transposed_bytes(s);
+    if (st.used + bytes <= st.capacity()) {  // just written: keep it while there is room
+      layer->forward = std::move(w);
+      layer->transposed = std::move(t);
+      layer->values_generation = generation;
+      layer->last_use = ++st.clock;
+      st.used += bytes;
+    }
+    st.layers.push_back(std::move(layer));
   }
-  st.layers.push_back(std::move(layer));
+  detail::fsync_directory(st.dir, "model store");
   return l;
 }
 
@@ -403,6 +410,7 @@ StepReport TieredModelMemory::commit_step_impl() {
   st.remove_in_background(std::move(old_files));
   report.applied = true;
   report.step = st.manifest.step;
+  detail::fsync_directory(st.dir, "model store");  // if it throws, the step stays committed
   finish();
   return report;
 }
@@ -431,6 +439,17 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
   const std::filesystem::path pattern = detail::pattern_path(st.dir, layer, generation);
   detail::Manifest next = st.manifest;
   stamp(next, *this);
+  // What the new mask needs in RAM is made before the commit: after it nothing may fail.
+  std::vector<std::filesystem::path> old_files{st.pattern_file(layer), st.state_file(layer)};
+  std::vector<std::int64_t> column_counts = change.weights.column_counts();
+  std::map<std::int32_t, Placement> placements;
+  {
+    std::lock_guard lock(c.placement_mutex);
+    for (const auto& [lanes, p] : c.placements) {
+      placements.emplace(lanes, round_robin_placement(column_counts, lanes));
+    }
+  }
+  std::shared_ptr<CsrMatrix> forward;
   try {
     detail::write_pattern(pattern, change.weights, transposed_pattern(change.weights));
     st.write_mask_change(layer, change, generation);
@@ -439,26 +458,28 @@ void TieredModelMemory::regrow_impl(std::int32_t layer, std::span<const std::int
     m.generation = generation;
     m.pattern_generation = generation;
     next.next_generation = generation + 1;
+    forward = std::make_shared<CsrMatrix>(std::move(change.weights));  // the same bytes
     detail::write_manifest(st.dir, next);
   } catch (...) {
     remove_quietly(pattern);
     remove_quietly(detail::state_path(st.dir, layer, generation));
     throw;
   }
-  const std::filesystem::path old_pattern = st.pattern_file(layer);
-  const std::filesystem::path old_state = st.state_file(layer);
-  std::vector<std::int64_t> column_counts = change.weights.column_counts();
   {
     std::lock_guard lock(st.mutex);
     st.manifest = std::move(next);
-    c.forward = std::make_shared<CsrMatrix>(std::move(change.weights));  // the same bytes
+    c.forward = std::move(forward);
     c.values_generation = generation;
   }
-  // In place: placements handed out before stay valid and see the new mask.
-  std::lock_guard lock(c.placement_mutex);
-  c.column_counts = std::move(column_counts);
-  for (auto& [lanes, p] : c.placements) p = round_robin_placement(c.column_counts, lanes);
-  st.remove_in_background({old_pattern, old_state});  // as a step's commit does
+  {
+    // In place: placements handed out before stay valid and see the new mask (between
+    // steps no engine asks for one, so none was added since).
+    std::lock_guard lock(c.placement_mutex);
+    c.column_counts = std::move(column_counts);
+    for (auto& [lanes, p] : c.placements) p = std::move(placements[lanes]);
+  }
+  st.remove_in_background(std::move(old_files));  // as a step's commit does
+  detail::fsync_directory(st.dir, "model store");
 }
 
 void TieredModelMemory::commit_counters() {
@@ -466,8 +487,11 @@ void TieredModelMemory::commit_counters() {
   detail::Manifest next = st.manifest;
   stamp(next, *this);
   detail::write_manifest(st.dir, next);
-  std::lock_guard lock(st.mutex);
-  st.manifest = std::move(next);
+  {
+    std::lock_guard lock(st.mutex);
+    st.manifest = std::move(next);
+  }
+  detail::fsync_directory(st.dir, "model store");
 }
 
 void TieredModelMemory::set_optimizer_impl(const OptimizerConfig& config) {
@@ -486,17 +510,23 @@ void TieredModelMemory::set_optimizer_impl(const OptimizerConfig& config) {
       m.updates = 0;
     }
   }
+  // Made before the commit: after it nothing may fail.
+  OptimizerConfig taken = config;
+  std::vector<std::array<std::vector<float>, detail::kMaxOptimizerSlots>> bias_states;
+  for (std::size_t l = 0; reset && l < st.layers.size(); ++l) {
+    auto& fresh = bias_states.emplace_back();
+    for (int k = 0; k < slots; ++k) fresh[k].assign(st.layers[l]->bias.size(), 0.0F);
+  }
   detail::write_manifest(st.dir, next);
-  std::lock_guard lock(st.mutex);
-  st.manifest = std::move(next);
-  st.config = config;
-  if (reset) {
-    for (auto& l : st.layers) {
-      for (int k = 0; k < detail::kMaxOptimizerSlots; ++k) {
-        l->bias_state[k].assign(k < slots ? l->bias.size() : 0, 0.0F);
-      }
+  {
+    std::lock_guard lock(st.mutex);
+    st.manifest = std::move(next);
+    st.config = std::move(taken);
+    for (std::size_t l = 0; l < bias_states.size(); ++l) {
+      std::swap(st.layers[l]->bias_state, bias_states[l]);
     }
   }
+  detail::fsync_directory(st.dir, "model store");
 }
 
 const OptimizerConfig& TieredModelMemory::optimizer_impl() const {
@@ -508,8 +538,11 @@ void TieredModelMemory::set_non_finite_policy_impl(NonFinitePolicy policy) {
   detail::Manifest next = st.manifest;
   next.policy = policy;
   detail::write_manifest(st.dir, next);
-  std::lock_guard lock(st.mutex);
-  st.manifest = std::move(next);
+  {
+    std::lock_guard lock(st.mutex);
+    st.manifest = std::move(next);
+  }
+  detail::fsync_directory(st.dir, "model store");
 }
 
 std::int64_t TieredModelMemory::step_impl() const {
