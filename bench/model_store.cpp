@@ -1,6 +1,6 @@
 // bench_model_store: a TieredModelMemory against its file system, in one run.
 //
-//   bench_model_store DIR [sizes] [sparsity] [budget_bytes] [steps] [batch] [rounds]
+//   bench_model_store DIR [sizes] [sparsity] [budget_bytes] [steps] [batch] [rounds]  (--help)
 //
 // Measures the raw sequential read and write rate of DIR's file system (a scratch file
 // written with 8 MiB pwrites and fsync'd, and another with 8 MiB O_DIRECT pwrites as the
@@ -24,16 +24,20 @@
 #endif
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "core/huge_pages.hpp"
 #include "sluice/executor.hpp"
@@ -190,12 +194,19 @@ Raw raw_sequential(const std::filesystem::path& path, std::uint64_t bytes, bool 
 std::vector<std::int64_t> parse_sizes(const std::string& text) {
   std::vector<std::int64_t> out;
   std::size_t pos = 0;
-  while (pos < text.size()) {
-    const std::size_t comma = text.find(',', pos);
-    out.push_back(std::stoll(text.substr(pos, comma - pos)));
-    if (comma == std::string::npos) break;
+  while (pos <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    std::int64_t size = 0;
+    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), size);
+    if (item.empty() || error != std::errc{} || end != item.data() + item.size() || size < 1) {
+      throw CLI::ValidationError(
+          "sizes", "'" + item + "' in '" + text + "' is not a layer size (a whole number >= 1)");
+    }
+    out.push_back(size);
     pos = comma + 1;
   }
+  if (out.size() < 2) throw CLI::ValidationError("sizes", "needs at least two sizes: " + text);
   return out;
 }
 
@@ -236,19 +247,34 @@ int main(int argc, char** argv) {
 
 int run(int argc, char** argv) {
   using namespace sluice;
-  if (argc < 2) {
-    std::fprintf(stderr,
-                 "usage: bench_model_store DIR [sizes] [sparsity] [budget] [steps] [batch] "
-                 "[rounds]\n");
+  std::filesystem::path dir;
+  std::string sizes_text = "256,2048,2048,2048,10";
+  double sparsity = 0.75;
+  std::int64_t budget = std::int64_t{1} << 30;
+  int steps = 3;
+  std::int64_t batch = 64;
+  int rounds = 2;
+  CLI::App app{"bench_model_store: a model store against its file system's raw rates"};
+  app.add_option("dir", dir, "scratch directory (the store is DIR/store)")->required();
+  app.add_option("sizes", sizes_text, "layer sizes, comma-separated")->capture_default_str();
+  app.add_option("sparsity", sparsity)->check(CLI::Range(0.0, 0.999999))->capture_default_str();
+  const auto at_least_one = CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max());
+  app.add_option("budget", budget, "the store's RAM budget in bytes")
+      ->check(at_least_one)
+      ->capture_default_str();
+  app.add_option("steps", steps, "steps per round")->check(at_least_one)->capture_default_str();
+  app.add_option("batch", batch)->check(at_least_one)->capture_default_str();
+  app.add_option("rounds", rounds)->check(at_least_one)->capture_default_str();
+  std::vector<std::int64_t> sizes;
+  try {
+    app.parse(argc, argv);
+    sizes = parse_sizes(sizes_text);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "bench_model_store: %s\n\n%s", e.what(), app.help().c_str());
     return 2;
   }
-  const std::filesystem::path dir = argv[1];
-  const std::vector<std::int64_t> sizes = parse_sizes(argc > 2 ? argv[2] : "256,2048,2048,2048,10");
-  const double sparsity = argc > 3 ? std::stod(argv[3]) : 0.75;
-  const std::int64_t budget = argc > 4 ? std::stoll(argv[4]) : std::int64_t{1} << 30;
-  const int steps = argc > 5 ? std::stoi(argv[5]) : 3;
-  const std::int64_t batch = argc > 6 ? std::stoll(argv[6]) : 64;
-  const int rounds = argc > 7 ? std::stoi(argv[7]) : 2;
   std::filesystem::create_directories(dir);
 
   TieredModelMemory memory(dir / "store", budget);

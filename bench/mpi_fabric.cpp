@@ -1,6 +1,7 @@
 // bench_mpi_fabric: MpiFabric's weight-stream broadcast and gradient return against plain
 // MPI collectives moving the same bytes. Run under mpirun with >= 2 ranks, e.g.
 //   mpirun -np 2 build/bench/bench_mpi_fabric [stream MB, default 64] [rounds, default 7]
+// (--help for the options).
 // Times are medians (the machine may be shared; best-of hides that). The transport
 // comparison runs in rounds, plain collectives and the fabric back to back, and reports the
 // median of the per-round ratios.
@@ -38,6 +39,8 @@
 #include <new>
 #include <span>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "sluice/engine.hpp"
 #include "sluice/fabric.hpp"
@@ -325,8 +328,20 @@ int main(int argc, char** argv) {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  const double megabytes = argc > 1 ? std::atof(argv[1]) : 64.0;
-  const int reps = argc > 2 ? std::max(1, std::atoi(argv[2])) : 7;
+  double megabytes = 64.0;
+  int reps = 7;
+  CLI::App app{"bench_mpi_fabric: MpiFabric's streams against plain MPI collectives"};
+  app.add_option("megabytes", megabytes, "the fp32 weight stream's size in MB")
+      ->check(CLI::Range(0.01, 4096.0))
+      ->capture_default_str();
+  app.add_option("rounds", reps)->check(CLI::Range(1, 1000000))->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {  // --help too: every rank ends, rank 0 says why
+    const int code = rank == 0 ? app.exit(e) : (e.get_exit_code() == 0 ? 0 : 2);
+    MPI_Finalize();
+    return code == 0 ? 0 : 2;
+  }
   if (size < 2) {
     if (rank == 0) std::fprintf(stderr, "bench_mpi_fabric: run under mpirun with >= 2 ranks\n");
     MPI_Finalize();
