@@ -1,7 +1,6 @@
 #include "model_memory/model_store_files.hpp"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -318,6 +317,13 @@ std::uint64_t read_pattern(const std::filesystem::path& path, const LayerShape& 
 
 // --- state files -----------------------------------------------------------------------
 
+namespace {
+// A file of kPageCachedFileBytes or more leaves the page cache once read or written.
+void drop_pages_if_large(int fd, std::uint64_t file_bytes) {
+  if (file_bytes >= kPageCachedFileBytes) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+}
+}  // namespace
+
 StateLayout StateLayout::of(std::int64_t nnz, std::int64_t bias, int slots) {
   StateLayout l;
   l.nnz = nnz;
@@ -423,7 +429,7 @@ void StateReader::check_crc(std::uint64_t section, std::uint32_t crc, const char
 }
 
 void StateReader::drop_cache() {
-  if (layout_.size >= kPageCachedFileBytes) ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+  drop_pages_if_large(fd_, layout_.size);
 }
 
 std::int64_t direct_write_buffer_bytes(const StateLayout& layout) {
@@ -438,15 +444,12 @@ StateWriter::StateWriter(std::filesystem::path path, const StateLayout& layout, 
       durability_(durability),
       crcs_(static_cast<std::size_t>(section_count(layout.slots)), 0),
       written_(crcs_.size(), 0) {
+  // A recycled file cut to this layout's size (a no-op at the same size: its blocks stay).
   if (!recycled.empty() && ::rename(recycled.c_str(), path_.c_str()) == 0) {
     fd_ = ::open(path_.c_str(), O_WRONLY | O_CLOEXEC);
-    struct stat info {};
-    if (fd_ >= 0 &&
-        (::fstat(fd_, &info) != 0 || static_cast<std::uint64_t>(info.st_size) != layout_.size)) {
-      if (::ftruncate(fd_, static_cast<off_t>(layout_.size)) != 0) {
-        ::close(fd_);
-        fd_ = -1;
-      }
+    if (fd_ >= 0 && ::ftruncate(fd_, static_cast<off_t>(layout_.size)) != 0) {
+      ::close(fd_);
+      fd_ = -1;
     }
   }
   if (fd_ < 0) fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -584,8 +587,7 @@ void StateWriter::finish() {
     ::close(direct_fd_);
     direct_fd_ = -1;
   }
-  // Written once, read next step at the earliest: a large file is not worth the page cache.
-  if (layout_.size >= kPageCachedFileBytes) ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+  drop_pages_if_large(fd_, layout_.size);  // written once, read next step at the earliest
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) throw IoError(os_error("model store: cannot close", path_));

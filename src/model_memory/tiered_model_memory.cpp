@@ -376,11 +376,10 @@ StepReport TieredModelMemory::commit_step_impl() {
   // The commit: the new state files' names made durable, then the manifest naming them
   // renamed over the old one.
   detail::Manifest next = st.manifest;
-  std::vector<std::filesystem::path> old_files;  // the spares this commit replaces
+  // Each update took its layer's spare; the committed files become the new spares.
   std::vector<std::filesystem::path> spares;
   for (std::int32_t i : submitted) {
     detail::ManifestLayer& m = next.layers[i];
-    if (!st.layers[i]->spare.empty()) old_files.push_back(st.layers[i]->spare);
     spares.push_back(detail::state_path(st.dir, i, m.generation));
     m.generation = st.manifest.next_generation;
     m.updates += 1;
@@ -407,7 +406,6 @@ StepReport TieredModelMemory::commit_step_impl() {
     l.spare = std::move(spares[k]);  // the spill stays too, for the next step's to write over
     l.pending = {};
   }
-  st.remove_in_background(std::move(old_files));
   report.applied = true;
   report.step = st.manifest.step;
   detail::fsync_directory(st.dir, "model store");  // if it throws, the step stays committed
