@@ -1,6 +1,6 @@
 // bench_model_store: a TieredModelMemory against its file system, in one run.
 //
-//   bench_model_store DIR [sizes] [sparsity] [budget_bytes] [steps] [batch] [rounds]  (--help)
+//   bench_model_store DIR [layers] [sparsity] [budget_bytes] [steps] [batch] [rounds]  (--help)
 //
 // Measures the raw sequential read and write rate of DIR's file system (a scratch file
 // written with 8 MiB pwrites and fsync'd, and another with 8 MiB O_DIRECT pwrites as the
@@ -24,7 +24,6 @@
 #endif
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +42,7 @@
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/tiered_model_memory.hpp"
+#include "train_options.hpp"
 
 namespace {
 
@@ -191,25 +191,6 @@ Raw raw_sequential(const std::filesystem::path& path, std::uint64_t bytes, bool 
   return r;
 }
 
-std::vector<std::int64_t> parse_sizes(const std::string& text) {
-  std::vector<std::int64_t> out;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', pos), text.size());
-    const std::string item = text.substr(pos, comma - pos);
-    std::int64_t size = 0;
-    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), size);
-    if (item.empty() || error != std::errc{} || end != item.data() + item.size() || size < 1) {
-      throw CLI::ValidationError(
-          "sizes", "'" + item + "' in '" + text + "' is not a layer size (a whole number >= 1)");
-    }
-    out.push_back(size);
-    pos = comma + 1;
-  }
-  if (out.size() < 2) throw CLI::ValidationError("sizes", "needs at least two sizes: " + text);
-  return out;
-}
-
 /// Resets the kernel's peak RSS of this process (VmHWM) to its current RSS; false where
 /// the kernel does not let it.
 bool reset_peak_rss() {
@@ -256,7 +237,8 @@ int run(int argc, char** argv) {
   int rounds = 2;
   CLI::App app{"bench_model_store: a model store against its file system's raw rates"};
   app.add_option("dir", dir, "scratch directory (the store is DIR/store)")->required();
-  app.add_option("sizes", sizes_text, "layer sizes, comma-separated")->capture_default_str();
+  app.add_option("layers", sizes_text, "layer sizes, as sluice train --layers takes them")
+      ->capture_default_str();
   app.add_option("sparsity", sparsity)->check(CLI::Range(0.0, 0.999999))->capture_default_str();
   const auto at_least_one = CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max());
   app.add_option("budget", budget, "the store's RAM budget in bytes")
@@ -268,11 +250,14 @@ int run(int argc, char** argv) {
   std::vector<std::int64_t> sizes;
   try {
     app.parse(argc, argv);
-    sizes = parse_sizes(sizes_text);
+    sizes = cli::parse_layers(sizes_text);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "bench_model_store: %s\n\n%s", e.what(), app.help().c_str());
+    return 2;
+  } catch (const cli::UsageError& e) {  // the layers, read as `sluice train --layers` reads them
+    std::fprintf(stderr, "bench_model_store: %s\n", e.what());
     return 2;
   }
   std::filesystem::create_directories(dir);
