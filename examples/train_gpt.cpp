@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 
+#include "count_arg.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/gpt.hpp"
 #include "sluice/model_memory.hpp"
@@ -15,8 +15,8 @@
 
 int main(int argc, char** argv) try {
   using namespace sluice;
-  const int steps = argc > 2 ? std::atoi(argv[2]) : 300;
-  const int engines = argc > 3 ? std::atoi(argv[3]) : 1;
+  const int steps = count_arg(argc > 2 ? argv[2] : nullptr, 300);
+  const int engines = count_arg(argc > 3 ? argv[3] : nullptr, 1);
   if (argc < 2 || steps < 1 || engines < 1) {
     std::fprintf(stderr, "usage: train_gpt TEXT [steps >= 1] [engines >= 1]\n");
     return 2;

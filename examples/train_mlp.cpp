@@ -2,9 +2,9 @@
 // ModelMemory, activations on the engines, and the executor streams between them.
 //   train_mlp [engines] [epochs]
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 
+#include "count_arg.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/executor.hpp"
 #include "sluice/fabric.hpp"
@@ -12,8 +12,8 @@
 
 int main(int argc, char** argv) try {
   using namespace sluice;
-  const int engines = argc > 1 ? std::atoi(argv[1]) : 1;
-  const int epochs = argc > 2 ? std::atoi(argv[2]) : 5;
+  const int engines = count_arg(argc > 1 ? argv[1] : nullptr, 1);
+  const int epochs = count_arg(argc > 2 ? argv[2] : nullptr, 5);
   const std::int64_t batch = 64;
   if (engines < 1 || epochs < 1) {
     std::fprintf(stderr, "usage: train_mlp [engines >= 1] [epochs >= 1]\n");

@@ -4,9 +4,9 @@
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 
+#include "count_arg.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/torch/sparse_linear.hpp"
 
@@ -39,7 +39,7 @@ torch::Tensor features_of(const sluice::Dataset& d) {
 int main(int argc, char** argv) try {
   const auto path = sluice::find_digits_file(
       argc > 1 ? std::optional<std::filesystem::path>(argv[1]) : std::nullopt);
-  const int epochs = argc > 2 ? std::atoi(argv[2]) : 10;
+  const int epochs = count_arg(argc > 2 ? argv[2] : nullptr, 10);
   if (!path || epochs < 1) {
     std::fprintf(stderr,
                  "usage: train_digits [digits.csv.gz] [epochs >= 1] (no digits file found)\n");
