@@ -79,19 +79,22 @@ c10::intrusive_ptr<LayerBinding> make_layer_at(const Tensor& indices, const Tens
 /// What pickling (copy.deepcopy, torch.save of a module, torch.jit.save) keeps of a layer:
 /// its mask as flat positions, values, bias (empty for none), in and out features, whether
 /// the weights are sluice's, and its ModelMemory's optimizer as make_layer takes it (kind,
-/// learning rate, weight decay; its state is not kept, as in a state_dict).
+/// learning rate, weight decay; its state is not kept, as in a state_dict). A layer whose
+/// weights are torch parameters keeps no values: every product takes the parameters, which
+/// the module pickles itself (the layer's own copy is only their first value).
 using PickledLayer = std::tuple<Tensor, Tensor, Tensor, std::int64_t, std::int64_t, bool,
                                 std::string, double, double>;
 
 PickledLayer pickle_layer(const c10::intrusive_ptr<LayerBinding>& self) {
   const OptimizerConfig& config = self->layer().memory().optimizer();
   const Tensor bias = self->bias();
+  const bool owned = self->owner() == WeightOwner::sluice;
   return {self->mask_indices(),
-          self->values(),
+          owned ? self->values() : ::torch::empty({0}),
           bias.defined() ? bias : ::torch::empty({0}),
           self->layer().in_features(),
           self->layer().out_features(),
-          self->owner() == WeightOwner::sluice,
+          owned,
           to_string(config.kind),
           config.learning_rate,
           config.weight_decay};
@@ -100,6 +103,7 @@ PickledLayer pickle_layer(const c10::intrusive_ptr<LayerBinding>& self) {
 c10::intrusive_ptr<LayerBinding> unpickle_layer(PickledLayer state) {
   auto [indices, values, bias, in, out, owned, optimizer, learning_rate, weight_decay] =
       std::move(state);
+  if (!owned && values.numel() == 0) values = ::torch::zeros({indices.numel()});
   return make_layer_at(indices, values, in, out,
                        bias.numel() > 0 ? c10::optional<Tensor>(bias) : c10::nullopt, owned,
                        optimizer, learning_rate, weight_decay);

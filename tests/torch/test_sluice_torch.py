@@ -194,6 +194,20 @@ class StateDict(unittest.TestCase):
         buffer.seek(0)
         self.assertTrue(torch.equal(torch.jit.load(buffer)(x), layer(x)))
 
+    def test_a_pickled_module_holds_its_values_once(self):
+        torch.manual_seed(11)
+        for kwargs in ({}, {"sluice_optimizer": "sgd"}):
+            layer = sluice_torch.SparseLinear(256, 256, sparsity=0.5, **kwargs)
+            pickled, state = io.BytesIO(), io.BytesIO()
+            torch.save(layer, pickled)
+            torch.save(layer.state_dict(), state)
+            # A state_dict holds 12 bytes a non-zero (its position, its value): the values
+            # pickled twice (the parameters and the layer's copy) would add a third.
+            self.assertLess(len(pickled.getvalue()), 1.1 * len(state.getvalue()), kwargs)
+            pickled.seek(0)
+            x = torch.randn(3, 256)
+            self.assertTrue(torch.equal(torch.load(pickled)(x), layer(x)), kwargs)
+
     def test_a_state_that_does_not_fit_is_refused_and_changes_nothing(self):
         torch.manual_seed(9)
         saved = sluice_torch.SparseLinear(12, 7, sparsity=0.5)
