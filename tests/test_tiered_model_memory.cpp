@@ -1,7 +1,8 @@
 // TieredModelMemory: trains bit for bit as HostModelMemory does (every optimizer, fp32 and
 // bf16, one and two engines, with clipping, SET and RIGL mask updates, across a reopen), survives
-// SIGKILL at any moment at a committed step, refuses corrupt or missing files naming them and
-// changes nothing, and refuses a budget smaller than a layer.
+// SIGKILL at any moment at a committed step, writes each step over the files the last commit
+// left unnamed (no file created or freed a step), refuses corrupt or missing files naming
+// them and changes nothing, and refuses a budget smaller than a layer.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
