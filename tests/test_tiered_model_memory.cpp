@@ -612,6 +612,37 @@ TEST_F(TieredStore, AFileCorruptedAfterTheOpenIsRefusedWhenReadAgain) {
   EXPECT_EQ(decode_stream(by_input(0)).col_indices(), decode_stream(expected).col_indices());
 }
 
+TEST_F(TieredStore, AStoreIsOpenInOneProcessAndObjectAtATime) {
+  make_store(2);
+  const auto before = files();
+  auto refused = [&] {
+    try {
+      TieredModelMemory second(store(), std::int64_t{1} << 30);
+    } catch (const IoError& e) {
+      return std::string(e.what()).find("is open in another process") != std::string::npos;
+    }
+    return false;
+  };
+  {
+    TieredModelMemory first(store(), std::int64_t{1} << 30);
+    EXPECT_TRUE(refused());
+    // Another process: it would take this one's uncommitted files for leftovers.
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) _exit(refused() ? 0 : 1);
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    EXPECT_EQ(first.layer_count(), static_cast<std::int32_t>(kSizes.size()) - 1);
+  }
+  EXPECT_EQ(files(), before);
+  TieredModelMemory again(store(), std::int64_t{1} << 30);  // free once the first is gone
+  EXPECT_EQ(again.layer_count(), static_cast<std::int32_t>(kSizes.size()) - 1);
+  // A file where the store's directory should be.
+  write("not-a-store", "x");
+  EXPECT_THROW(TieredModelMemory(store() / "not-a-store", std::int64_t{1} << 30), IoError);
+}
+
 TEST_F(TieredStore, ABudgetSmallerThanALayerIsRefused) {
   {
     TieredModelMemory m(store(), 4096);

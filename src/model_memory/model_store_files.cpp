@@ -1,6 +1,7 @@
 #include "model_memory/model_store_files.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -83,6 +84,28 @@ double seconds_since(Clock::time_point t) {
 }
 
 }  // namespace
+
+StoreLock::StoreLock(const std::filesystem::path& dir) {
+  fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd_ < 0) throw IoError(os_error("model store: cannot open the directory", dir));
+  int r = 0;
+  while ((r = ::flock(fd_, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+  }
+  if (r != 0) {
+    const int saved_errno = errno;
+    ::close(fd_);
+    if (saved_errno == EWOULDBLOCK) {
+      throw IoError("model store " + dir.string() +
+                    " is open in another process or object: a store trains in one at a time");
+    }
+    errno = saved_errno;
+    throw IoError(os_error("model store: cannot lock the directory", dir));
+  }
+}
+
+StoreLock::~StoreLock() {
+  ::close(fd_);  // lets go of the lock
+}
 
 std::filesystem::path manifest_path(const std::filesystem::path& dir) {
   return dir / "MANIFEST";

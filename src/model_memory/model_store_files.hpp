@@ -55,6 +55,22 @@ struct Manifest {
   std::vector<ManifestLayer> layers;
 };
 
+/// The store's directory held by one process (flock on the directory, let go when the
+/// process ends, however it ends): a second process opening the store would take the
+/// first's uncommitted files for a killed step's leftovers and remove them, and the two
+/// would commit over each other.
+class StoreLock {
+ public:
+  /// IoError naming the directory if another open store (any process) holds it.
+  explicit StoreLock(const std::filesystem::path& dir);
+  ~StoreLock();
+  StoreLock(const StoreLock&) = delete;
+  StoreLock& operator=(const StoreLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 std::filesystem::path manifest_path(const std::filesystem::path& dir);
 std::filesystem::path pattern_path(const std::filesystem::path& dir, std::int32_t layer,
                                    std::int64_t generation);

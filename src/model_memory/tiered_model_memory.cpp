@@ -38,10 +38,14 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   st.budget = budget_bytes;
   std::error_code ec;
   std::filesystem::create_directories(st.dir, ec);
+  if (std::filesystem::exists(st.dir) && !std::filesystem::is_directory(st.dir)) {
+    throw IoError("model store: " + st.dir.string() + " is a file, not a directory");
+  }
   if (!std::filesystem::is_directory(st.dir, ec)) {
     throw IoError("model store: cannot create the directory " + st.dir.string() +
                   (ec ? ": " + ec.message() : ""));
   }
+  st.lock.emplace(st.dir);
   if (!std::filesystem::exists(detail::manifest_path(st.dir))) {
     detail::write_manifest(st.dir, st.manifest);
     st.config = st.manifest.config;

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <system_error>
 #include <utility>
@@ -122,6 +123,7 @@ struct TieredLayer {
 
 struct TieredModelMemory::State {
   std::filesystem::path dir;
+  std::optional<detail::StoreLock> lock;  ///< held from the open on
   std::int64_t budget = 0;
   /// Of the budget, what a trainer holds beside the cache (ModelMemory::reserve_ram_bytes).
   std::int64_t reserved = 0;
