@@ -120,7 +120,8 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
   expect_exit(run(gpt() + "--steps 1 --fabric mpi --engines 2"), 2,
               "--engines cannot be given with --fabric mpi");
   expect_exit(run(gpt() + "--steps 1 --model transformer"), 2, "transformer");
-  expect_exit(run("generate --prompt x"), 2, "--checkpoint");
+  expect_exit(run("generate --prompt x"), 2, "--checkpoint FILE or --model-store DIR");
+  expect_exit(run("generate --checkpoint x --model-store y"), 2, "excludes");
   expect_exit(run("generate --checkpoint x --temperature -1"), 2, "temperature");
 
   expect_exit(run("train --model gpt --text " + path("missing.txt") + " --steps 1"), 1,
@@ -154,8 +155,20 @@ TEST_F(CliGpt, TrainsInAModelStoreAndResumesIt) {
   const json resumed = run_json(text + "--steps 2" + store);
   EXPECT_EQ(resumed.value("steps_total", 0), 5);
   EXPECT_EQ(resumed.value("d_model", 0), 64);
-  const json straight = run_json(text + shape + "--steps 5 --decay-steps 5");
+  const json straight =
+      run_json(text + shape + "--steps 5 --decay-steps 5 --checkpoint " + path("straight.ckpt"));
   EXPECT_EQ(resumed.value("val_loss", 0.0), straight.value("val_loss", 1.0));
+  // generate reads a store as it reads a checkpoint: the same model, the same text.
+  const std::string sample = " --prompt 'the ' --bytes 60 --seed 3";
+  const Outcome from_store = run(
+      "generate --model-store " + path("store") + " --model-memory-budget 800000" + sample, false);
+  ASSERT_EQ(from_store.exit_code, 0) << from_store.output;
+  EXPECT_EQ(from_store.output.size(), 4U + 60U + 1U);
+  EXPECT_EQ(from_store.output,
+            run("generate --checkpoint " + path("straight.ckpt") + sample, false).output);
+  // ... and creates none where there is none.
+  expect_exit(run("generate --model-store " + path("none")), 1, "no model store");
+  EXPECT_FALSE(std::filesystem::exists(path("none")));
 
   // A run that cannot start builds nothing: the next one makes the store's model.
   const std::string later = " --model-store " + path("later") + " --model-memory-budget 800000";
@@ -173,6 +186,7 @@ TEST_F(CliGpt, TrainsInAModelStoreAndResumesIt) {
                 .exit_code,
             0);
   expect_exit(run(text + "--steps 1 --model-store " + path("mlp")), 1, "holds no GPT");
+  expect_exit(run("generate --model-store " + path("mlp")), 1, "holds no GPT");
 }
 
 // A text that never ends (a device, a pipe left open) is refused once it passes the most a

@@ -1,5 +1,5 @@
 // `sluice generate`: text sampled from a GPT checkpoint (`sluice train --model gpt
-// --checkpoint FILE`), a byte at a time.
+// --checkpoint FILE`) or model store (`--model-store DIR`), a byte at a time.
 #include <unistd.h>
 
 #include <iostream>
@@ -7,12 +7,14 @@
 
 #include "commands.hpp"
 #include "measure.hpp"
+#include "model_store_option.hpp"
 #include "number_options.hpp"
 #include "output_files.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
 #include "sluice/gpt.hpp"
 #include "sluice/model_memory.hpp"
+#include "sluice/tiered_model_memory.hpp"
 #include "terminal_text.hpp"
 
 namespace sluice::cli {
@@ -20,6 +22,7 @@ namespace {
 
 struct GenerateOptions {
   std::string checkpoint;
+  ModelStoreOptions store;
   std::string prompt;
   std::int64_t bytes = 200;
   double temperature = 1.0;
@@ -32,10 +35,19 @@ struct GenerateOptions {
 
 Command add_generate_command(CLI::App& app) {
   auto o = std::make_shared<GenerateOptions>();
-  CLI::App* cmd = app.add_subcommand("generate", "Sample text from a GPT checkpoint");
-  cmd->add_option("--checkpoint", o->checkpoint, "The checkpoint of sluice train --model gpt")
-      ->required()
-      ->check(path_argument());
+  CLI::App* cmd =
+      app.add_subcommand("generate", "Sample text from a GPT checkpoint or model store");
+  CLI::Option* checkpoint =
+      cmd->add_option("--checkpoint", o->checkpoint, "The checkpoint of sluice train --model gpt")
+          ->check(path_argument());
+  cmd->add_option("--model-store", o->store.directory,
+                  "The model store of sluice train --model gpt --model-store (read, not created)")
+      ->check(path_argument())
+      ->excludes(checkpoint);
+  o->store.budget_option = cmd->add_option("--model-memory-budget", o->store.budget,
+                                           "Bytes of model the store keeps in RAM (default 2 GiB)")
+                               ->check(positive_number())
+                               ->check(within_available_memory());
   cmd->add_option("--prompt", o->prompt, "The text to continue (default: none)");
   cmd->add_option("--bytes", o->bytes, "Bytes to generate")
       ->check(number_range(std::int64_t{0}, std::int64_t{1} << 24));
@@ -51,13 +63,23 @@ Command add_generate_command(CLI::App& app) {
                   "(auto), always (escape), or as generated (raw)")
       ->check(CLI::IsMember({"auto", "escape", "raw"}));
   return [o] {
-    HostModelMemory memory;
-    memory.load(o->checkpoint);
+    check_model_store_options(o->store, false, false);
+    if (o->checkpoint.empty() == o->store.directory.empty()) {
+      throw UsageError("generate needs --checkpoint FILE or --model-store DIR");
+    }
+    if (!o->store.directory.empty() && !TieredModelMemory::holds_store(o->store.directory)) {
+      throw IoError("no model store at " + o->store.directory + " (it has no MANIFEST)");
+    }
+    const std::unique_ptr<ModelMemory> owner = make_model_memory(o->store);
+    ModelMemory& memory = *owner;
+    if (!o->checkpoint.empty()) memory.load(o->checkpoint);
     GptConfig config;
     try {
       config = gpt_config_of(memory);
     } catch (const FormatError& e) {
-      throw FormatError("checkpoint " + o->checkpoint + " holds no GPT: " + e.what());
+      const std::string what = o->checkpoint.empty() ? "model store " + o->store.directory
+                                                     : "checkpoint " + o->checkpoint;
+      throw FormatError(what + " holds no GPT: " + e.what());
     }
     LocalFabricOptions fo;
     fo.engine.threads = o->threads > 0 ? runnable_threads(o->threads, "generate") : 0;

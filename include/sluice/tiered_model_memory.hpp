@@ -41,6 +41,10 @@ class TieredModelMemory final : public ModelMemory {
   TieredModelMemory(std::filesystem::path directory, std::int64_t budget_bytes);
   ~TieredModelMemory() override;
 
+  /// True where `directory` holds a store (its MANIFEST): a reader that must not create
+  /// one asks first.
+  static bool holds_store(const std::filesystem::path& directory);
+
   const std::filesystem::path& directory() const;
   std::int64_t budget_bytes() const;
   /// RAM a layer needs at once (its cached patterns and values, its gradient and the

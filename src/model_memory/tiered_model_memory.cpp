@@ -80,6 +80,11 @@ TieredModelMemory::~TieredModelMemory() {
   }
 }
 
+bool TieredModelMemory::holds_store(const std::filesystem::path& directory) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(detail::manifest_path(directory), ec);
+}
+
 const std::filesystem::path& TieredModelMemory::directory() const {
   return state_->dir;
 }
