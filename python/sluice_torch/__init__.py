@@ -40,6 +40,9 @@ class SparseLinear(torch.nn.Module):
                  sluice_optimizer=None, lr=1e-3, weight_decay=0.0, _weight=None, _mask=None,
                  _bias=None):
         super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"a layer of {in_features} inputs and {out_features} outputs: "
+                             "both must be at least 1")
         if _weight is None:
             if not 0.0 <= sparsity < 1.0:
                 raise ValueError(f"sparsity {sparsity} is not in [0, 1)")

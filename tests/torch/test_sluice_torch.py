@@ -124,6 +124,17 @@ class DropIn(unittest.TestCase):
             layer(torch.randn(3, 5))
         with self.assertRaises(ValueError):
             sluice_torch.SparseLinear(4, 2, sparsity=1.0)
+        for sizes in ((0, 2), (4, 0)):
+            with self.assertRaisesRegex(ValueError, "at least 1"):
+                sluice_torch.SparseLinear(*sizes)
+        # Weights that are sluice's take one backward a step (no gradient accumulation).
+        owned = sluice_torch.SparseLinear(4, 2, sluice_optimizer="sgd")
+        x = torch.randn(3, 4)
+        owned(x).sum().backward()
+        with self.assertRaisesRegex(RuntimeError, "already has a gradient"):
+            owned(x).sum().backward()
+        self.assertTrue(owned.step())
+        owned(x).sum().backward()  # the next step's
 
 
 class StateDict(unittest.TestCase):
