@@ -62,11 +62,13 @@ Command add_generate_command(CLI::App& app) {
                   "Control bytes and bytes that are not UTF-8: written as \\xHH on a terminal "
                   "(auto), always (escape), or as generated (raw)")
       ->check(CLI::IsMember({"auto", "escape", "raw"}));
-  return [o] {
+  auto check = [o] {
     check_model_store_options(o->store, false, false);
     if (o->checkpoint.empty() == o->store.directory.empty()) {
       throw UsageError("generate needs --checkpoint FILE or --model-store DIR");
     }
+  };
+  auto run = [o] {
     if (!o->store.directory.empty() && !TieredModelMemory::holds_store(o->store.directory)) {
       throw IoError("no model store at " + o->store.directory + " (it has no MANIFEST)");
     }
@@ -92,6 +94,7 @@ Command add_generate_command(CLI::App& app) {
     std::cout << (escape ? escape_for_terminal(text) : text) << "\n" << std::flush;
     return std::cout ? 0 : 1;
   };
+  return {check, run};
 }
 
 }  // namespace sluice::cli

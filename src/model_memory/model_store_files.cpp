@@ -96,7 +96,7 @@ StoreLock::StoreLock(const std::filesystem::path& dir) {
     ::close(fd_);
     if (saved_errno == EWOULDBLOCK) {
       throw IoError("model store " + dir.string() +
-                    " is open in another process or object: a store trains in one at a time");
+                    " is open in another process or object (one opens it at a time)");
     }
     errno = saved_errno;
     throw IoError(os_error("model store: cannot lock the directory", dir));
