@@ -88,10 +88,7 @@ double seconds_since(Clock::time_point t) {
 StoreLock::StoreLock(const std::filesystem::path& dir) {
   fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd_ < 0) throw IoError(os_error("model store: cannot open the directory", dir));
-  int r = 0;
-  while ((r = ::flock(fd_, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
-  }
-  if (r != 0) {
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {  // (without waiting: no EINTR)
     const int saved_errno = errno;
     ::close(fd_);
     if (saved_errno == EWOULDBLOCK) {

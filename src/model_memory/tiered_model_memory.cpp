@@ -36,14 +36,14 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   }
   st.dir = std::move(directory);
   st.budget = budget_bytes;
-  std::error_code ec;
-  std::filesystem::create_directories(st.dir, ec);
-  if (std::filesystem::exists(st.dir) && !std::filesystem::is_directory(st.dir)) {
-    throw IoError("model store: " + st.dir.string() + " is a file, not a directory");
-  }
-  if (!std::filesystem::is_directory(st.dir, ec)) {
+  std::error_code created, ignored;
+  std::filesystem::create_directories(st.dir, created);
+  if (!std::filesystem::is_directory(st.dir, ignored)) {
+    if (std::filesystem::exists(st.dir, ignored)) {
+      throw IoError("model store: " + st.dir.string() + " is a file, not a directory");
+    }
     throw IoError("model store: cannot create the directory " + st.dir.string() +
-                  (ec ? ": " + ec.message() : ""));
+                  (created ? ": " + created.message() : ""));
   }
   st.lock.emplace(st.dir);
   if (!std::filesystem::exists(detail::manifest_path(st.dir))) {
