@@ -235,8 +235,7 @@ std::unique_ptr<detail::HostLayer> read_layer(FileReader& in, std::uint32_t inde
     s.fail(std::string("weights: ") + e.what());
   }
   if (layer->weights.nnz() != nnz) s.fail("nnz does not match the row offsets");
-  if (rows > std::numeric_limits<std::uint32_t>::max() ||
-      cols > static_cast<std::int64_t>(kControlBit)) {
+  if (!detail::storable_shape(rows, cols)) {
     s.fail("shape " + std::to_string(rows) + "x" + std::to_string(cols) + " too large");
   }
   check_finite(layer->bias, s, "bias");

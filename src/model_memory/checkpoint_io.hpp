@@ -24,6 +24,7 @@
 #include "model_memory/direct_input.hpp"
 #include "sluice/error.hpp"
 #include "sluice/optimizer.hpp"
+#include "sluice/stream_packets.hpp"
 
 namespace sluice::detail {
 
@@ -35,6 +36,14 @@ constexpr std::uint32_t fourcc(const char (&s)[5]) {
 }
 
 inline constexpr std::size_t kSectionHeaderBytes = 4 + 8 + 4;
+
+/// A layer shape a saved file may hold (a checkpoint's, a model store's): one a stream can
+/// address (outputs below 2^32, inputs below the packets' control bit), whose rows x cols
+/// then fits an int64.
+constexpr bool storable_shape(std::int64_t rows, std::int64_t cols) {
+  return rows >= 0 && cols >= 0 && rows <= std::int64_t{0xFFFF'FFFF} &&
+         cols <= std::int64_t{kControlBit};
+}
 
 /// The optimizer's numbers as the HEAD sections of a checkpoint and of a model store's
 /// manifest hold them: f64 each, in this order.

@@ -219,7 +219,7 @@ Manifest read_manifest(const std::filesystem::path& dir) {
     l.pattern_generation = version >= 2 ? s.get<std::int64_t>("pattern generation") : 0;
     s.finish();
     const LayerShape& sh = l.shape;
-    if (sh.rows < 0 || sh.cols < 0 || sh.nnz < 0 || sh.nnz > sh.rows * sh.cols ||
+    if (!storable_shape(sh.rows, sh.cols) || sh.nnz < 0 || sh.nnz > sh.rows * sh.cols ||
         (sh.bias != 0 && sh.bias != sh.rows) || l.updates < 0 || l.generation < 0 ||
         l.generation >= m.next_generation || l.pattern_generation < 0 ||
         l.pattern_generation >= m.next_generation) {
