@@ -30,6 +30,10 @@ constexpr std::uint32_t kVersion = 1;
 /// (rule none), 3 (no decay) and 4 (a stack of layers) are still read.
 constexpr std::uint32_t kManifestVersion = 5;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
+/// The most non-zeros a manifest's layer may claim: a pebibyte of values, past any store,
+/// and low enough that every byte count derived from it (a layer's working set, its
+/// files' layout) stays within int64.
+constexpr std::int64_t kMaxLayerNonZeros = std::int64_t{1} << 48;
 constexpr std::uint64_t kStateHeadBytes = 8 + 8 + 4;
 
 constexpr std::uint32_t kHeadTag = fourcc("HEAD");
@@ -220,8 +224,8 @@ Manifest read_manifest(const std::filesystem::path& dir) {
     s.finish();
     const LayerShape& sh = l.shape;
     if (!storable_shape(sh.rows, sh.cols) || sh.nnz < 0 || sh.nnz > sh.rows * sh.cols ||
-        (sh.bias != 0 && sh.bias != sh.rows) || l.updates < 0 || l.generation < 0 ||
-        l.generation >= m.next_generation || l.pattern_generation < 0 ||
+        sh.nnz > kMaxLayerNonZeros || (sh.bias != 0 && sh.bias != sh.rows) || l.updates < 0 ||
+        l.generation < 0 || l.generation >= m.next_generation || l.pattern_generation < 0 ||
         l.pattern_generation >= m.next_generation) {
       s.fail("invalid layer fields");
     }
