@@ -1,6 +1,7 @@
 // SparseLinear against the float64 references: forward, dX, dW and db, in both layouts,
 // with values held by the ModelMemory or outside it, fp32 and bf16 streams; its
-// constructors (dense + mask, files, magnitude pruning); the optimizer step; bad input.
+// constructors (dense + mask, files, magnitude pruning); the optimizer step, of one
+// gradient or of micro-batches' summed; bad input.
 #include "sluice/sparse_linear.hpp"
 
 #include <gtest/gtest.h>
@@ -197,6 +198,41 @@ TEST(SparseLinear, SubmittedGradientIsAppliedByStep) {
   }
   for (std::int64_t o = 0; o < 20; ++o) {
     EXPECT_NEAR(layer.bias()[o], bias[o] - 0.5F * g.bias[o], 1e-6) << o;
+  }
+}
+
+// Micro-batches: each accumulate_backward adds its gradient; step() applies the sum. A
+// second submit_backward in a step is refused.
+TEST(SparseLinear, AccumulatedGradientsAreAppliedAsTheirSum) {
+  CpuEngine engine(EngineOptions{.threads = 2});
+  auto memory = std::make_shared<HostModelMemory>();
+  OptimizerConfig sgd;
+  sgd.kind = OptimizerKind::sgd;
+  sgd.learning_rate = 0.25;
+  memory->set_optimizer(sgd);
+  const CsrMatrix w = CsrMatrix::random(23, 19, 0.7, 35);
+  const std::vector<float> bias = random_bias(23, 36);
+  SparseLinear layer(memory, w, bias);
+  std::vector<double> sum(static_cast<std::size_t>(w.nnz())), bias_sum(bias.size());
+  for (int micro = 0; micro < 3; ++micro) {
+    const DenseMatrix x = random_dense(19, 5 + micro, 37 + micro);
+    const DenseMatrix dy = random_dense(23, 5 + micro, 47 + micro);
+    const SparseLinearGradient g = layer.backward(engine, x, dy, nullptr);
+    for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += g.weights[k];
+    for (std::size_t o = 0; o < bias_sum.size(); ++o) bias_sum[o] += g.bias[o];
+    layer.accumulate_backward(engine, x, dy, nullptr);
+    if (micro == 0) {
+      EXPECT_CONTAINS(
+          thrown_message<ShapeError>([&] { layer.submit_backward(engine, x, dy, nullptr); }),
+          "already has a gradient for this step");
+    }
+  }
+  ASSERT_TRUE(layer.step().applied);
+  for (std::size_t k = 0; k < sum.size(); ++k) {
+    EXPECT_NEAR(layer.weights().values()[k], w.values()[k] - 0.25 * sum[k], 1e-5) << k;
+  }
+  for (std::size_t o = 0; o < bias_sum.size(); ++o) {
+    EXPECT_NEAR(layer.bias()[o], bias[o] - 0.25 * bias_sum[o], 1e-5) << o;
   }
 }
 

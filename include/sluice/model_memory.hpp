@@ -93,6 +93,14 @@ class ModelMemory {
   /// Thread-safe for different layers.
   void submit_gradient(std::int32_t layer, const WeightStream& gradient,
                        std::span<const float> bias_gradient);
+  /// The same for micro-batches: adds the gradient to what this layer was handed in this
+  /// step (the first call submits it), as torch sums `.grad` over backward passes; the
+  /// update is that of the sum (float adds, in the order the calls came). A rejected
+  /// stream leaves what was handed in before. HostModelMemory adds; an implementation
+  /// that cannot (TieredModelMemory) takes the first and refuses a second as
+  /// submit_gradient does.
+  void accumulate_gradient(std::int32_t layer, const WeightStream& gradient,
+                           std::span<const float> bias_gradient);
   /// Applies every submitted layer's update, or none if a gradient was not finite
   /// (see NonFinitePolicy). Layers with no submitted gradient are left as they are.
   StepReport commit_step();
@@ -188,6 +196,11 @@ class ModelMemory {
   /// scan_gradient does it for a layer in RAM).
   virtual void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                                     std::span<const float> bias_gradient) = 0;
+  /// Checked as for submit_gradient_impl. Default: submit_gradient_impl.
+  virtual void accumulate_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                        std::span<const float> bias_gradient) {
+    submit_gradient_impl(layer, gradient, bias_gradient);
+  }
   virtual StepReport commit_step_impl() = 0;
   virtual void discard_step_impl() = 0;
   /// An implementation that cannot change masks keeps this one, which refuses (Error).
@@ -207,6 +220,10 @@ class ModelMemory {
   void check_layer(std::int32_t layer) const;
 
  private:
+  /// submit_gradient's checks of the header and the bias gradient; `who` names the call.
+  void check_gradient(const char* who, std::int32_t layer, const WeightStream& gradient,
+                      std::span<const float> bias_gradient) const;
+
   std::uint64_t mask_generation_ = 0;
 };
 
@@ -229,6 +246,8 @@ class HostModelMemory final : public ModelMemory {
                       StreamOrder order) const override;
   void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                             std::span<const float> bias_gradient) override;
+  void accumulate_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
   void discard_step_impl() override;
   void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) override;

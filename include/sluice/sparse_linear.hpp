@@ -12,10 +12,10 @@
 // viewed feature-major (a torch tensor whose transpose is contiguous) pays no copy.
 //
 // Thread-safety: forward() and backward() only read the layer and may run concurrently,
-// each on its own Engine (an Engine runs one product at a time). submit_backward() hands
-// the gradient to ModelMemory, which takes different layers' gradients concurrently, not
-// two of one layer in a step. step() and anything that changes the ModelMemory (another
-// layer's step included: step() commits the whole ModelMemory) must not overlap a product.
+// each on its own Engine (an Engine runs one product at a time). submit_backward() and
+// accumulate_backward() hand the gradient to ModelMemory, which takes different layers'
+// gradients concurrently and one layer's in turn. step() and anything that changes the ModelMemory
+// (another layer's step included: step() commits the whole ModelMemory) must not overlap a product.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -99,6 +99,10 @@ class SparseLinear {
   /// values must be the ModelMemory's: `options.values` empty). Returns nothing but dX.
   void submit_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy, MutableMatrixView* dx,
                        const ProductOptions& options = {}) const;
+  /// The same for micro-batches: the gradient is added to what this layer handed in since
+  /// the last step() (ModelMemory::accumulate_gradient), so step() applies their sum.
+  void accumulate_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                           MutableMatrixView* dx, const ProductOptions& options = {}) const;
   /// Commits the ModelMemory's step: this layer's update and that of every other layer
   /// that submitted a gradient since the last step (ModelMemory::commit_step).
   StepReport step();
@@ -111,6 +115,9 @@ class SparseLinear {
   WeightStream run_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                             MutableMatrixView* dx, const ProductOptions& options,
                             std::vector<float>& bias_gradient) const;
+  void hand_in_backward(const char* who, bool add, Engine& engine, ConstMatrixView x,
+                        ConstMatrixView dy, MutableMatrixView* dx,
+                        const ProductOptions& options) const;
 
   std::shared_ptr<ModelMemory> memory_;
   std::int32_t layer_ = 0;

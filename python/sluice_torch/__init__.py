@@ -8,8 +8,9 @@
 Inputs are [..., in_features] float32 or bfloat16 tensors (float64: a float64 reference
 forward, for gradient checks). The values (one per mask position) and the bias are
 parameters for a torch optimizer; with ``sluice_optimizer="adam"`` (or "sgd", "adamw")
-they stay in sluice's ModelMemory instead: backward hands it the gradient and
-``layer.step()`` applies it.
+they stay in sluice's ModelMemory instead: backward hands it the gradient (several backward
+passes before a step add up, as ``.grad`` does: gradient accumulation) and ``layer.step()``
+applies their sum.
 
 ``state_dict()`` holds the mask too (``mask_indices``: the values' flat positions
 row * in_features + column), and the values and bias also of a sluice_optimizer layer;
@@ -70,7 +71,7 @@ class SparseLinear(torch.nn.Module):
             *self._optimizer)
         if owned:
             # No parameters: an empty tensor that wants a gradient stands in for the
-            # values, so that autograd runs the backward (which submits the gradient).
+            # values, so that autograd runs the backward (which hands in the gradient).
             self.values = None
             self.bias = None
             self._stand_in = torch.empty(0, requires_grad=True)

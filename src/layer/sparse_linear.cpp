@@ -343,16 +343,31 @@ SparseLinearGradient SparseLinear::backward(Engine& engine, ConstMatrixView x, C
   return g;
 }
 
-void SparseLinear::submit_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
-                                   MutableMatrixView* dx, const ProductOptions& options) const {
+void SparseLinear::hand_in_backward(const char* who, bool add, Engine& engine, ConstMatrixView x,
+                                    ConstMatrixView dy, MutableMatrixView* dx,
+                                    const ProductOptions& options) const {
   if (!options.values.empty()) {
-    throw ShapeError(
-        "SparseLinear::submit_backward: the gradient of values held outside the "
-        "ModelMemory is returned (backward), not submitted");
+    throw ShapeError(std::string("SparseLinear::") + who +
+                     ": the gradient of values held outside the ModelMemory is returned "
+                     "(backward), not submitted");
   }
   std::vector<float> bias_gradient;
   const WeightStream gradient = run_backward(engine, x, dy, dx, options, bias_gradient);
-  memory_->submit_gradient(layer_, gradient, bias_gradient);
+  if (add) {
+    memory_->accumulate_gradient(layer_, gradient, bias_gradient);
+  } else {
+    memory_->submit_gradient(layer_, gradient, bias_gradient);
+  }
+}
+
+void SparseLinear::submit_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                                   MutableMatrixView* dx, const ProductOptions& options) const {
+  hand_in_backward("submit_backward", false, engine, x, dy, dx, options);
+}
+
+void SparseLinear::accumulate_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                                       MutableMatrixView* dx, const ProductOptions& options) const {
+  hand_in_backward("accumulate_backward", true, engine, x, dy, dx, options);
 }
 
 StepReport SparseLinear::step() {

@@ -57,8 +57,8 @@ ChunkScan scan_gradient_chunk(std::int32_t layer, const GradientOrder& mask,
   std::size_t pos = 0;
   double sum = 0;
   auto fail = [&](const std::string& what) {
-    scan.error = "submit_gradient: " + layer_name(layer) + ", chunk " +
-                 std::to_string(chunk_index) + ": " + what;
+    scan.error =
+        "gradient of " + layer_name(layer) + ", chunk " + std::to_string(chunk_index) + ": " + what;
     return scan;
   };
   const std::int64_t first = chunk.first_output;
@@ -145,7 +145,7 @@ double scan_gradient(std::int32_t layer, const WeightStream& gradient, const Csr
   // checked and copied on its own, in parallel.
   const auto& chunks = gradient.chunks;
   if (chunks.empty()) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": the gradient stream is empty");
+    throw FormatError("gradient of " + layer_name(layer) + ": the stream is empty");
   }
   // (The header matched the layer: by input, the runs are its inputs.)
   const bool by_input = gradient.header.by_input();
@@ -154,23 +154,23 @@ double scan_gradient(std::int32_t layer, const WeightStream& gradient, const Csr
   std::int64_t next_output = 0;
   for (std::size_t c = 0; c < chunks.size(); ++c) {
     if (!chunks[c]) {
-      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
+      throw FormatError("gradient of " + layer_name(layer) + ": chunk " + std::to_string(c) +
                         " is null");
     }
     if (chunks[c]->first_output != next_output) {
-      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
+      throw FormatError("gradient of " + layer_name(layer) + ": chunk " + std::to_string(c) +
                         " starts at " + run + " " + std::to_string(chunks[c]->first_output) +
                         ", expected " + std::to_string(next_output));
     }
     next_output += chunks[c]->outputs;
     if (next_output > rows) {
-      throw FormatError("submit_gradient: " + layer_name(layer) + ": chunk " + std::to_string(c) +
+      throw FormatError("gradient of " + layer_name(layer) + ": chunk " + std::to_string(c) +
                         " runs to " + run + " " + std::to_string(next_output - 1) +
                         ", the layer has " + std::to_string(rows) + " " + run + "s");
     }
   }
   if (next_output != rows) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": the chunks cover " +
+    throw FormatError("gradient of " + layer_name(layer) + ": the chunks cover " +
                       std::to_string(next_output) + " of " + std::to_string(rows) + " " + run +
                       "s");
   }

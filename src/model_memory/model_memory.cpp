@@ -158,13 +158,13 @@ void ModelMemory::stream_to(std::int32_t layer, StreamKind kind, StreamChannel& 
   }
 }
 
-void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradient,
-                                  std::span<const float> bias_gradient) {
+void ModelMemory::check_gradient(const char* who, std::int32_t layer, const WeightStream& gradient,
+                                 std::span<const float> bias_gradient) const {
   check_layer(layer);
   const LayerShape w = layer_shape_impl(layer);
   const StreamHeader& h = gradient.header;
   if (h.kind != StreamKind::gradient) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": stream kind " +
+    throw FormatError(std::string(who) + ": " + layer_name(layer) + ": stream kind " +
                       std::to_string(static_cast<std::uint32_t>(h.kind)) +
                       " is not a gradient stream");
   }
@@ -173,18 +173,18 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
       std::any_of(gradient.chunks.begin(), gradient.chunks.end(),
                   [](const ChunkPtr& c) { return c != nullptr && !c->packets_bf16.empty(); });
   if (h.precision != Precision::fp32 || bf16_packets) {
-    throw FormatError("submit_gradient: " + layer_name(layer) +
+    throw FormatError(std::string(who) + ": " + layer_name(layer) +
                       ": gradient streams must be fp32 (the header says " + to_string(h.precision) +
                       (bf16_packets ? ", the chunks hold bf16)" : ")"));
   }
   if (h.order != StreamOrder::by_output && h.order != StreamOrder::by_input) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": unknown stream order " +
+    throw FormatError(std::string(who) + ": " + layer_name(layer) + ": unknown stream order " +
                       std::to_string(static_cast<std::uint32_t>(h.order)));
   }
   if (h.layer_outputs() != static_cast<std::uint64_t>(w.rows) ||
       h.layer_inputs() != static_cast<std::uint64_t>(w.cols) ||
       h.nnz != static_cast<std::uint64_t>(w.nnz)) {
-    throw FormatError("submit_gradient: " + layer_name(layer) + ": gradient stream is for a " +
+    throw FormatError(std::string(who) + ": " + layer_name(layer) + ": gradient stream is for a " +
                       std::to_string(h.layer_outputs()) + "x" + std::to_string(h.layer_inputs()) +
                       " layer with " + std::to_string(h.nnz) + " non-zeros (" + to_string(h.order) +
                       "), the layer is " + std::to_string(w.rows) + "x" + std::to_string(w.cols) +
@@ -192,11 +192,22 @@ void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradie
   }
   const auto bias_size = static_cast<std::size_t>(w.bias);
   if (bias_gradient.size() != bias_size) {
-    throw ShapeError("submit_gradient: " + layer_name(layer) + ": bias gradient has " +
+    throw ShapeError(std::string(who) + ": " + layer_name(layer) + ": bias gradient has " +
                      std::to_string(bias_gradient.size()) + " elements, the bias has " +
                      std::to_string(bias_size));
   }
+}
+
+void ModelMemory::submit_gradient(std::int32_t layer, const WeightStream& gradient,
+                                  std::span<const float> bias_gradient) {
+  check_gradient("submit_gradient", layer, gradient, bias_gradient);
   submit_gradient_impl(layer, gradient, bias_gradient);
+}
+
+void ModelMemory::accumulate_gradient(std::int32_t layer, const WeightStream& gradient,
+                                      std::span<const float> bias_gradient) {
+  check_gradient("accumulate_gradient", layer, gradient, bias_gradient);
+  accumulate_gradient_impl(layer, gradient, bias_gradient);
 }
 
 StepReport ModelMemory::commit_step() {
@@ -396,35 +407,68 @@ const Placement& HostModelMemory::placement_impl(std::int32_t layer, std::int32_
   return detail::cached_placement(l.placement_mutex, l.placements, l.weights, lanes);
 }
 
-void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
-                                           std::span<const float> bias_gradient) {
+namespace {
+
+// Hands a layer its gradient. The first of a step is scanned into place; a later one (only
+// when `add`) into scratch, checked whole before it is added, so a rejected stream leaves
+// the sum as it was. Without clipping the update does not depend on the other layers, so
+// it is computed now, while the engines work on the next layer, and again after each
+// addition (the old values and state are its inputs until commit_step).
+void take_gradient(detail::HostLayer& l, std::int32_t layer, const WeightStream& gradient,
+                   const TransposedPattern* transposed, std::span<const float> bias_gradient,
+                   const OptimizerConfig& config, std::int64_t next_step, bool add) {
   const auto start = Clock::now();
-  detail::HostLayer& l = *state_->layers[layer];
   std::lock_guard lock(l.pending_mutex);
   detail::PendingUpdate& p = l.pending;
-  if (p.submitted) {
-    throw ShapeError("submit_gradient: " + layer_name(layer) +
-                     " already has a gradient for this step (commit_step first)");
+  if (p.submitted && !add) {
+    throw ShapeError("submit_gradient: " + detail::layer_name(layer) +
+                     " already has a gradient for this step (commit_step first, or "
+                     "accumulate_gradient to add to it)");
   }
-
-  detail::resize_for_overwrite(p.gradient, l.weights.values().size());  // scan_gradient writes all
-  const TransposedPattern* t = gradient.header.by_input() ? &transposed_impl(layer) : nullptr;
-  double sum_of_squares = detail::scan_gradient(layer, gradient, l.weights, t, p.gradient.data());
-  p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
-  for (float g : bias_gradient) sum_of_squares += static_cast<double>(g) * g;
-
+  const bool update_now = config.clip_global_norm == 0;
+  // A schedule that throws does so before anything is taken.
+  const double learning_rate = update_now ? detail::scheduled_learning_rate(config, next_step) : 0;
+  const std::size_t n = l.weights.values().size();
+  double sum_of_squares = 0;
+  if (!p.submitted) {
+    detail::resize_for_overwrite(p.gradient, n);  // scan_gradient writes all
+    sum_of_squares =
+        detail::scan_gradient(layer, gradient, l.weights, transposed, p.gradient.data());
+    p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
+    p.seconds = 0;
+  } else {
+    std::vector<float> more;
+    detail::resize_for_overwrite(more, n);
+    detail::scan_gradient(layer, gradient, l.weights, transposed, more.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      p.gradient[i] += more[i];
+      sum_of_squares += static_cast<double>(p.gradient[i]) * p.gradient[i];
+    }
+    for (std::size_t i = 0; i < bias_gradient.size(); ++i) p.bias_gradient[i] += bias_gradient[i];
+  }
+  for (float g : p.bias_gradient) sum_of_squares += static_cast<double>(g) * g;
   p.sum_of_squares = sum_of_squares;
   p.finite = std::isfinite(sum_of_squares);
   p.computed = false;
-  const OptimizerConfig& config = state_->config;
-  if (p.finite && config.clip_global_norm == 0) {
-    // No clipping: this layer's update does not depend on the others, so compute it now,
-    // while the engines work on the next layer.
-    detail::compute_update(l, config, detail::scheduled_learning_rate(config, state_->step + 1),
-                           1.0);
-  }
-  p.seconds = seconds_since(start);
-  p.submitted = true;
+  p.submitted = true;  // an update that fails to allocate is computed again at commit_step
+  if (p.finite && update_now) detail::compute_update(l, config, learning_rate, 1.0);
+  p.seconds += seconds_since(start);
+}
+
+}  // namespace
+
+void HostModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                           std::span<const float> bias_gradient) {
+  const TransposedPattern* t = gradient.header.by_input() ? &transposed_impl(layer) : nullptr;
+  take_gradient(*state_->layers[layer], layer, gradient, t, bias_gradient, state_->config,
+                state_->step + 1, false);
+}
+
+void HostModelMemory::accumulate_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                               std::span<const float> bias_gradient) {
+  const TransposedPattern* t = gradient.header.by_input() ? &transposed_impl(layer) : nullptr;
+  take_gradient(*state_->layers[layer], layer, gradient, t, bias_gradient, state_->config,
+                state_->step + 1, true);
 }
 
 void HostModelMemory::discard_step_impl() {
@@ -465,18 +509,22 @@ StepReport HostModelMemory::commit_step_impl() {
 
   const OptimizerConfig& config = st.config;
   if (report.bad_layers.empty()) {
-    if (config.clip_global_norm > 0) {
-      // Clipping needs the norm over all layers, known only now.
-      try {
-        const double scale = std::min(1.0, config.clip_global_norm / (report.gradient_norm + 1e-6));
-        const double learning_rate = detail::scheduled_learning_rate(config, st.step + 1);
-        for (std::int32_t i : submitted) {
+    // Clipping needs the norm over all layers, known only now; without it, an update is
+    // computed here only where its submit could not finish it.
+    try {
+      const double scale =
+          config.clip_global_norm > 0
+              ? std::min(1.0, config.clip_global_norm / (report.gradient_norm + 1e-6))
+              : 1.0;
+      const double learning_rate = detail::scheduled_learning_rate(config, st.step + 1);
+      for (std::int32_t i : submitted) {
+        if (config.clip_global_norm > 0 || !st.layers[i]->pending.computed) {
           detail::compute_update(*st.layers[i], config, learning_rate, scale);
         }
-      } catch (...) {
-        discard_all();
-        throw;
       }
+    } catch (...) {
+      discard_all();
+      throw;
     }
     // An update can overflow even from a finite gradient; such a layer is bad too.
     for (std::int32_t i : submitted) {

@@ -272,7 +272,8 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
   detail::TieredPending& p = l.pending;
   if (p.submitted) {
     throw ShapeError("submit_gradient: " + layer_name(layer) +
-                     " already has a gradient for this step (commit_step first)");
+                     " already has a gradient for this step (commit_step first; a model "
+                     "store does not add gradients: sum micro-batches' before handing them in)");
   }
   const LayerShape& s = st.shape(layer);
   const bool by_input = gradient.header.by_input();

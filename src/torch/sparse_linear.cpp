@@ -231,8 +231,8 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
   {
     std::lock_guard lock(b.engine_mutex());
     if (b.owner() == WeightOwner::sluice) {
-      layer.submit_backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
-                            want_dx ? &dx_view : nullptr, options);
+      layer.accumulate_backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
+                                want_dx ? &dx_view : nullptr, options);
     } else {
       SparseLinearGradient g =
           layer.backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),

@@ -127,14 +127,27 @@ class DropIn(unittest.TestCase):
         for sizes in ((0, 2), (4, 0)):
             with self.assertRaisesRegex(ValueError, "at least 1"):
                 sluice_torch.SparseLinear(*sizes)
-        # Weights that are sluice's take one backward a step (no gradient accumulation).
-        owned = sluice_torch.SparseLinear(4, 2, sluice_optimizer="sgd")
-        x = torch.randn(3, 4)
-        owned(x).sum().backward()
-        with self.assertRaisesRegex(RuntimeError, "already has a gradient"):
-            owned(x).sum().backward()
-        self.assertTrue(owned.step())
-        owned(x).sum().backward()  # the next step's
+
+    def test_sluice_optimizer_accumulates_backward_passes(self):
+        # Weights that are sluice's: the backward passes before a step add up, as a
+        # torch-held twin's .grad does; the step applies the sum, the next starts afresh.
+        torch.manual_seed(12)
+        owned = sluice_torch.SparseLinear(9, 6, sparsity=0.5, sluice_optimizer="sgd", lr=0.1)
+        twin = sluice_torch.SparseLinear.from_mask(owned.dense_weight(), owned.mask(),
+                                                   owned.layer.bias())
+        sgd = torch.optim.SGD(twin.parameters(), lr=0.1)
+        for micro_batches in (3, 1):
+            sgd.zero_grad()
+            for k in range(micro_batches):
+                x = torch.randn(2 + k, 9)
+                owned(x).square().sum().backward()
+                twin(x).square().sum().backward()
+            self.assertTrue(owned.step())
+            sgd.step()
+            self.assertTrue(torch.allclose(owned.layer.values(), twin.values.detach(),
+                                           rtol=1e-5, atol=1e-6))
+            self.assertTrue(torch.allclose(owned.layer.bias(), twin.bias.detach(),
+                                           rtol=1e-5, atol=1e-6))
 
 
 class StateDict(unittest.TestCase):

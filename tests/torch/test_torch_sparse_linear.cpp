@@ -109,6 +109,38 @@ TEST(TorchSparseLinearSluiceOwned, StepAppliesTheGradient) {
   EXPECT_THROW(twin->step(), sluice::Error);
 }
 
+// Gradient accumulation: the backward passes before a step add up, as a torch-held twin's
+// .grad does, and the step applies the sum; the next step starts from nothing.
+TEST(TorchSparseLinearSluiceOwned, BackwardPassesBeforeAStepAddUp) {
+  torch::manual_seed(9);
+  const Tensor w = torch::randn({13, 22}), b = torch::randn({13});
+  const Tensor mask = (torch::rand({13, 22}) < 0.4).to(torch::kFloat);
+  sluice::OptimizerConfig sgd;
+  sgd.kind = sluice::OptimizerKind::sgd;
+  sgd.learning_rate = 0.05;
+  SparseLinear owned(w, mask, b,
+                     SparseLinearOptions(22, 13).weights(WeightOwner::sluice).optimizer(sgd));
+  SparseLinear twin(w, mask, b, SparseLinearOptions(22, 13));
+  for (int step = 0; step < 2; ++step) {
+    for (int micro = 0; micro < 3 - step; ++micro) {
+      const Tensor x = torch::randn({5 + micro, 22});
+      owned(x).square().sum().backward();
+      twin(x).square().sum().backward();
+    }
+    EXPECT_TRUE(owned->step().applied);
+    const Tensor want_values = twin->values().detach() - 0.05 * twin->values().grad();
+    const Tensor want_bias = twin->bias().detach() - 0.05 * twin->bias().grad();
+    EXPECT_LT(relative(owned->values(), want_values), 1e-5) << "step " << step;
+    EXPECT_LT(relative(owned->bias(), want_bias), 1e-5) << "step " << step;
+    // The twin follows: its values become the owned layer's, its .grad starts again.
+    torch::NoGradGuard no_grad;
+    twin->values().copy_(owned->values());
+    twin->bias().copy_(owned->bias());
+    twin->values().mutable_grad().zero_();
+    twin->bias().mutable_grad().zero_();
+  }
+}
+
 TEST(TorchSparseLinearNoBias, MatchesMaskedDenseLinear) {
   torch::manual_seed(6);
   SparseLinear layer(SparseLinearOptions(33, 21).bias(false).sparsity(0.7));

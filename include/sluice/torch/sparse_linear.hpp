@@ -16,7 +16,8 @@
 // Weights: by default the values (one per mask position, in the order of
 // `sluice::SparseLinear::weights()`) and the bias are torch parameters, for any torch
 // optimizer. With WeightOwner::sluice they stay in the ModelMemory, whose optimizer
-// updates them: backward() submits the gradient and step() commits it.
+// updates them: backward() hands it the gradient (backward passes before a step add up,
+// as `.grad` does) and step() applies it.
 //
 // Thread-safety: a module runs one product at a time on its engine (calls that share an
 // engine are serialised); as for torch::nn modules, do not change it while it runs.
@@ -90,8 +91,8 @@ std::shared_ptr<Engine> default_engine();
 /// Y = X W^T + b through the layer. `values` and `bias` are the torch parameters
 /// (WeightOwner::torch; `bias` empty for none: libtorch 1.13's Function takes no
 /// undefined tensors). WeightOwner::sluice: `values` is an empty tensor that requires
-/// grad (so that autograd calls backward, which submits the gradient to the
-/// ModelMemory), `bias` empty.
+/// grad (so that autograd calls backward, which adds the gradient to what the
+/// ModelMemory holds for the step), `bias` empty.
 struct SparseLinearFunction : public ::torch::autograd::Function<SparseLinearFunction> {
   static ::torch::Tensor forward(::torch::autograd::AutogradContext* ctx, const ::torch::Tensor& x,
                                  const ::torch::Tensor& values, const ::torch::Tensor& bias,
