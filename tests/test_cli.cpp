@@ -76,8 +76,8 @@ TEST_F(Cli, AMemoryBudgetAboveAvailableMemoryIsRefused) {
 }
 
 // Messages stay a line: a megabyte argument or cell is cut to ~40 characters with "…",
-// a NUL in a cell is shown, not left to cut the message, and a range prints as %g (CLI11
-// printed DBL_MAX's 309 digits).
+// a NUL in a cell is shown, not left to cut the message, and a range prints whole numbers
+// in full and others as %g (CLI11 printed DBL_MAX's 309 digits).
 TEST_F(Cli, MessagesShowValuesBriefly) {
   const std::string huge(100000, '9');
   Outcome o = run("train --dataset synthetic --epochs 1 --threads " + huge);
@@ -87,6 +87,8 @@ TEST_F(Cli, MessagesShowValuesBriefly) {
   o = run("train --dataset synthetic --epochs 1 --lr -1");
   expect_exit(o, 2, "--lr: '-1' is not a number > 0");
   EXPECT_EQ(o.output.find("179769"), std::string::npos) << o.output;
+  expect_exit(run("train --dataset synthetic --epochs 1 --batch 0"), 2,
+              "--batch: '0' is not a number in [1, 16777216]");
   o = run("x" + std::string(5000, 'y'));
   expect_exit(o, 2, "unknown command 'xyyy");
   EXPECT_LT(o.output.size(), 300U) << o.output;

@@ -13,9 +13,14 @@
 namespace sluice::cli {
 namespace {
 
+// Whole numbers in full (a batch bound of 2^24 read as 1.67772e+07), others as %g.
 std::string compact(double value) {
   char text[32];
-  std::snprintf(text, sizeof text, "%.6g", value);
+  if (value == std::floor(value) && std::abs(value) < 1e18) {
+    std::snprintf(text, sizeof text, "%.0f", value);
+  } else {
+    std::snprintf(text, sizeof text, "%.6g", value);
+  }
   return text;
 }
 
