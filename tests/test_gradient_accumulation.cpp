@@ -1,15 +1,18 @@
 // Gradient accumulation (ModelMemory::accumulate_gradient): a layer's micro-batch
-// gradients add up to one update, bit for bit the update of their sum handed in at once,
-// (without clipping) and against the float64 reference; a rejected stream leaves the sum, an
-// overflowing sum skips the step, a model store takes one gradient a layer.
+// gradients add up to one update, bit for bit the update of their sum handed in at once
+// (without clipping) and against the float64 reference; a rejected stream leaves the sum,
+// an overflowing sum skips the step; a model store adds as HostModelMemory does.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "optimizer_reference.hpp"
 #include "sluice/model_memory.hpp"
+#include "sluice/stream_codec.hpp"
 #include "sluice/tiered_model_memory.hpp"
 #include "test_support.hpp"
 
@@ -28,10 +31,11 @@ Gradients sum(const Gradients& a, const Gradients& b) {
   return s;
 }
 
-// Every layer's gradient, by output or (odd calls) by input.
-void accumulate(ModelMemory& mm, const Gradients& g, int call) {
+// Every layer's gradient, by output or (odd calls) by input, on the masks of `masks` (a
+// model store holds none in RAM to build the streams on).
+void accumulate(ModelMemory& mm, const Gradients& g, int call, const ModelMemory* masks = nullptr) {
   for (std::int32_t l = 0; l < mm.layer_count(); ++l) {
-    const CsrMatrix& mask = mm.weights(l);
+    const CsrMatrix& mask = (masks != nullptr ? *masks : mm).weights(l);
     mm.accumulate_gradient(l,
                            (call + l) % 2 == 0 ? gradient_stream(mask, g.weights[l])
                                                : gradient_stream_by_input(mask, g.weights[l]),
@@ -150,30 +154,102 @@ TEST(GradientAccumulation, ASumThatOverflowsSkipsTheStep) {
   EXPECT_TRUE(fingerprint(m.memory) == before) << "state changed";
 }
 
-class GradientAccumulationInAStore : public testing::TempDirTest {};
+class GradientAccumulationInAStore : public testing::TempDirTest {
+ protected:
+  // A store holding `plain`'s layers, with its optimizer.
+  TieredModelMemory& store_of(const Model& plain, const OptimizerConfig& config) {
+    store_ = std::make_unique<TieredModelMemory>(dir_ / "store", std::int64_t{256} << 20);
+    store_->set_optimizer(config);
+    for (std::int32_t l = 0; l < plain.memory.layer_count(); ++l) {
+      store_->add_layer(plain.memory.weights(l), plain.memory.bias(l));
+    }
+    return *store_;
+  }
+  std::unique_ptr<TieredModelMemory> store_;
+};
 
-// A model store holds one gradient a layer: the first accumulate_gradient is taken, a
-// second refused with a message that says so, and the step commits the first.
-TEST_F(GradientAccumulationInAStore, TakesTheFirstAndRefusesASecond) {
-  Model plain;
-  build(plain, config_of(OptimizerKind::adam, 0));
-  TieredModelMemory store(dir_ / "store", std::int64_t{64} << 20);
-  store.set_optimizer(config_of(OptimizerKind::adam, 0));
-  for (std::int32_t l = 0; l < plain.memory.layer_count(); ++l) {
-    store.add_layer(plain.memory.weights(l), plain.memory.bias(l));
+// Every layer's values (decoded from its stream) and bias, bit for bit.
+void expect_same_model(const ModelMemory& a, const ModelMemory& b, const std::string& when) {
+  for (std::int32_t l = 0; l < a.layer_count(); ++l) {
+    EXPECT_EQ(decode_stream(a.stream(l)).values(), decode_stream(b.stream(l)).values())
+        << when << ", layer " << l;
+    EXPECT_EQ(a.bias(l), b.bias(l)) << when << ", layer " << l;
   }
-  const Gradients g = random_gradients(plain.memory, 14);
-  for (std::int32_t l = 0; l < store.layer_count(); ++l) {
-    const WeightStream s = gradient_stream(plain.memory.weights(l), g.weights[l]);
-    store.accumulate_gradient(l, s, g.bias[l]);
-    EXPECT_CONTAINS(
-        testing::thrown_message<ShapeError>([&] { store.accumulate_gradient(l, s, g.bias[l]); }),
-        "does not add gradients");
+}
+
+// A model store keeps the sum in its spill files and updates from it at the commit: bit
+// for bit what HostModelMemory does, clipped too (both sum the norm of a sum alike).
+TEST_F(GradientAccumulationInAStore, AddsAsHostModelMemoryDoes) {
+  for (OptimizerKind kind : {OptimizerKind::sgd, OptimizerKind::adam}) {
+    for (double clip : {0.0, 2.0}) {
+      SCOPED_TRACE(std::string(to_string(kind)) + (clip > 0 ? ", clipped" : ""));
+      Model host;
+      build(host, config_of(kind, clip), /*large=*/true);
+      TieredModelMemory& store = store_of(host, config_of(kind, clip));
+      for (std::uint32_t step = 0; step < 3; ++step) {
+        const int parts = step == 1 ? 1 : 3;
+        for (int k = 0; k < parts; ++k) {
+          const Gradients g = random_gradients(host.memory, 200 * step + k);
+          accumulate(host.memory, g, k);
+          accumulate(store, g, k, &host.memory);
+        }
+        const StepReport want = host.memory.commit_step();
+        const StepReport got = store.commit_step();
+        ASSERT_TRUE(got.applied);
+        EXPECT_EQ(got.gradient_norm, want.gradient_norm);
+        expect_same_model(store, host.memory, "step " + std::to_string(step));
+      }
+      store_.reset();
+      std::filesystem::remove_all(dir_ / "store");
+    }
   }
+}
+
+// The sum read back from a spill file of several update chunks.
+TEST_F(GradientAccumulationInAStore, ALayerOfSeveralUpdateChunksAddsAsHostModelMemoryDoes) {
+  Model host;
+  host.memory.set_optimizer(config_of(OptimizerKind::adam, 0));
+  host.memory.add_layer(CsrMatrix::random(2100, 2050, 0.5, 21), std::vector<float>(2100, 0.5F));
+  ASSERT_GT(host.memory.layer_shape(0).nnz, std::int64_t{1} << 21);
+  TieredModelMemory& store = store_of(host, config_of(OptimizerKind::adam, 0));
+  for (int k = 0; k < 2; ++k) {
+    const Gradients g = random_gradients(host.memory, 300 + k);
+    accumulate(host.memory, g, k);
+    accumulate(store, g, k, &host.memory);
+  }
+  ASSERT_TRUE(host.memory.commit_step().applied);
   ASSERT_TRUE(store.commit_step().applied);
-  ASSERT_TRUE(submit_and_commit(plain.memory, g).applied);
-  for (std::int32_t l = 0; l < store.layer_count(); ++l) {
-    EXPECT_EQ(store.bias(l), plain.memory.bias(l)) << "layer " << l;
+  expect_same_model(store, host.memory, "the step");
+}
+
+// Without clipping a submitted gradient's update is computed at once: a store cannot add
+// to it and says so; the step then applies the submitted one. With clipping it waits, and
+// a micro-batch is added to it.
+TEST_F(GradientAccumulationInAStore, AddsToASubmittedGradientOnlyWhileItWaits) {
+  for (double clip : {0.0, 2.0}) {
+    SCOPED_TRACE(clip > 0 ? "clipped" : "not clipped");
+    Model host;
+    build(host, config_of(OptimizerKind::adam, clip));
+    TieredModelMemory& store = store_of(host, config_of(OptimizerKind::adam, clip));
+    const Gradients a = random_gradients(host.memory, 14), b = random_gradients(host.memory, 15);
+    for (std::int32_t l = 0; l < store.layer_count(); ++l) {
+      const WeightStream s = gradient_stream(host.memory.weights(l), a.weights[l]);
+      store.submit_gradient(l, s, a.bias[l]);
+      host.memory.submit_gradient(l, s, a.bias[l]);
+    }
+    if (clip == 0) {
+      EXPECT_CONTAINS(
+          testing::thrown_message<ShapeError>([&] { accumulate(store, b, 0, &host.memory); }),
+          "cannot add to it");
+    } else {
+      accumulate(store, b, 0, &host.memory);
+      accumulate(host.memory, b, 0);
+    }
+    ASSERT_TRUE(store.commit_step().applied);
+    ASSERT_TRUE(host.memory.commit_step().applied);
+    expect_same_model(store, host.memory, "the step");
+    store_.reset();
+    std::filesystem::remove_all(dir_ / "store");
   }
 }
 

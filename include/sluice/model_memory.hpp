@@ -96,9 +96,8 @@ class ModelMemory {
   /// The same for micro-batches: adds the gradient to what this layer was handed in this
   /// step (the first call submits it), as torch sums `.grad` over backward passes; the
   /// update is that of the sum (float adds, in the order the calls came). A rejected
-  /// stream leaves what was handed in before. HostModelMemory adds; an implementation
-  /// that cannot (TieredModelMemory) takes the first and refuses a second as
-  /// submit_gradient does.
+  /// stream leaves what was handed in before. An implementation that cannot add takes the
+  /// first and refuses a second as submit_gradient does.
   void accumulate_gradient(std::int32_t layer, const WeightStream& gradient,
                            std::span<const float> bias_gradient);
   /// Applies every submitted layer's update, or none if a gradient was not finite

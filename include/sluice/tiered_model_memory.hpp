@@ -66,6 +66,11 @@ class TieredModelMemory final : public ModelMemory {
                       StreamOrder order) const override;
   void submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
                             std::span<const float> bias_gradient) override;
+  /// The micro-batches' sum waits in the layer's spill file (as a gradient does for the
+  /// clipping norm) and is updated from at commit_step; a gradient whose update
+  /// submit_gradient already computed is not added to (ShapeError).
+  void accumulate_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
   void discard_step_impl() override;
   /// The mask change commits to the store at once, as a step does.
@@ -88,6 +93,9 @@ class TieredModelMemory final : public ModelMemory {
   bool by_input_from_ram_impl() const override;
 
  private:
+  void take_gradient(std::int32_t layer, const WeightStream& gradient,
+                     std::span<const float> bias_gradient, bool add);
+
   struct State;
   std::unique_ptr<State> state_;
 };

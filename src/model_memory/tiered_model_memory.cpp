@@ -259,8 +259,11 @@ void TieredModelMemory::stream_to_impl(std::int32_t layer, StreamKind kind, Stre
   detail::encode_layer(*pin.w, pin.t.get(), kind, channel, chunk_packets, precision, order);
 }
 
-void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
-                                             std::span<const float> bias_gradient) {
+// A gradient is updated from at once where it can be: without clipping and not to be
+// added to. Else it waits in the layer's spill file (the last step's, written over) for
+// the clipping norm or the next micro-batch, and commit_step updates from it.
+void TieredModelMemory::take_gradient(std::int32_t layer, const WeightStream& gradient,
+                                      std::span<const float> bias_gradient, bool add) {
   struct ReleaseAfter {  // what this update and the cache's evictions freed
     State& st;
     ~ReleaseAfter() { st.release_freed_heap(); }
@@ -270,10 +273,16 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
   detail::TieredLayer& l = *st.layers[layer];
   std::lock_guard lock(l.pending_mutex);
   detail::TieredPending& p = l.pending;
-  if (p.submitted) {
+  if (p.submitted && !add) {
     throw ShapeError("submit_gradient: " + layer_name(layer) +
-                     " already has a gradient for this step (commit_step first; a model "
-                     "store does not add gradients: sum micro-batches' before handing them in)");
+                     " already has a gradient for this step (commit_step first, or "
+                     "accumulate_gradient to add to it)");
+  }
+  if (p.submitted && p.computed) {
+    throw ShapeError("accumulate_gradient: " + layer_name(layer) +
+                     ": the update of the gradient submit_gradient handed in is computed, so a "
+                     "model store cannot add to it (hand every micro-batch in by "
+                     "accumulate_gradient)");
   }
   const LayerShape& s = st.shape(layer);
   const bool by_input = gradient.header.by_input();
@@ -285,16 +294,25 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
   float* const g = buffers.gradient.data();
   double sum_of_squares = detail::scan_gradient(layer, gradient, *pin.w, pin.t.get(), g);
   pin.release_transposed();
-  p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
-  for (float x : bias_gradient) sum_of_squares += static_cast<double>(x) * x;
-  p.sum_of_squares = sum_of_squares;
-  p.finite = std::isfinite(sum_of_squares);
-  p.computed = false;
-  p.spilled = false;
+  const bool adding = p.submitted;
+  const bool bad_before = adding && !p.finite;  // the sum stays non-finite
+  const bool hold = add || st.config.clip_global_norm > 0;
   try {
-    if (p.finite && st.config.clip_global_norm == 0) {
-      // No clipping: this layer's update does not depend on the others, so compute it now,
-      // while the engines work on the next layer.
+    if (adding && p.spilled) {
+      st.add_spilled_gradient(layer, buffers, g);
+      sum_of_squares = 0;
+      for (std::size_t i = 0; i < n; ++i) sum_of_squares += static_cast<double>(g[i]) * g[i];
+    }
+    if (adding) {
+      for (std::size_t i = 0; i < bias_gradient.size(); ++i) p.bias_gradient[i] += bias_gradient[i];
+    } else {
+      p.bias_gradient.assign(bias_gradient.begin(), bias_gradient.end());
+    }
+    for (float x : p.bias_gradient) sum_of_squares += static_cast<double>(x) * x;
+    p.sum_of_squares = sum_of_squares;
+    p.finite = !bad_before && std::isfinite(sum_of_squares);
+    p.computed = false;
+    if (p.finite && !hold) {
       st.write_update(layer, pin.w->values(), buffers, true,
                       detail::scheduled_learning_rate(st.config, st.manifest.step + 1), 1.0);
     } else if (p.finite) {
@@ -306,11 +324,21 @@ void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStr
       p.spilled = true;
     }
   } catch (...) {
-    p = {};
+    p = {};  // an added gradient whose sum could not be kept drops the layer's step
     throw;
   }
-  p.seconds = seconds_since(start);
+  p.seconds += seconds_since(start);
   p.submitted = true;
+}
+
+void TieredModelMemory::submit_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                             std::span<const float> bias_gradient) {
+  take_gradient(layer, gradient, bias_gradient, false);
+}
+
+void TieredModelMemory::accumulate_gradient_impl(std::int32_t layer, const WeightStream& gradient,
+                                                 std::span<const float> bias_gradient) {
+  take_gradient(layer, gradient, bias_gradient, true);
 }
 
 void TieredModelMemory::discard_step_impl() {
@@ -350,13 +378,18 @@ StepReport TieredModelMemory::commit_step_impl() {
     return report;
   }
   try {
-    if (report.bad_layers.empty() && st.config.clip_global_norm > 0) {
-      // Clipping needs the norm over all layers, known only now: each layer's gradient
-      // comes back from its file.
+    const bool clip = st.config.clip_global_norm > 0;
+    const bool any_held = std::any_of(submitted.begin(), submitted.end(), [&](std::int32_t i) {
+      return st.layers[i]->pending.spilled;
+    });
+    if (report.bad_layers.empty() && any_held) {
+      // Clipping needs the norm over all layers, known only now, and micro-batches' sums
+      // are complete only now: each such layer's gradient comes back from its file.
       const double scale =
-          std::min(1.0, st.config.clip_global_norm / (report.gradient_norm + 1e-6));
+          clip ? std::min(1.0, st.config.clip_global_norm / (report.gradient_norm + 1e-6)) : 1.0;
       const double learning_rate = detail::scheduled_learning_rate(st.config, st.manifest.step + 1);
       for (std::int32_t i : submitted) {
+        if (!st.layers[i]->pending.spilled) continue;
         std::lock_guard update_lock(st.update_mutex);
         State::Pin pin = st.acquire(i, false, st.update_room(i));
         st.write_update(i, pin.w->values(), st.update_buffers_for(i, pin), false, learning_rate,

@@ -83,7 +83,7 @@ struct TieredPending {
   bool submitted = false;
   bool finite = true;
   bool computed = false;  ///< the new state file is written
-  bool spilled = false;   ///< the gradient waits in a file for the clipping norm
+  bool spilled = false;   ///< the gradient waits in a file (clipping norm, more micro-batches)
   double sum_of_squares = 0;
   double seconds = 0;
   std::vector<float> bias_gradient;
@@ -224,6 +224,9 @@ struct TieredModelMemory::State {
   /// else in its spill file). Leaves the new values in the cache where it can.
   void write_update(std::int32_t l, std::span<const float> values, detail::UpdateBuffers& buffers,
                     bool gradient, double learning_rate, double scale);
+  /// Adds layer l's spilled gradient into `gradient` (nnz floats), its CRC checked,
+  /// through the first of `buffers`' chunk arrays.
+  void add_spilled_gradient(std::int32_t l, detail::UpdateBuffers& buffers, float* gradient);
   /// Writes the state file of `generation` for the layer's new mask: its new values, its
   /// bias, and its committed optimizer state carried over (zero where grown).
   void write_mask_change(std::int32_t l, const detail::MaskChange& change, std::int64_t generation);

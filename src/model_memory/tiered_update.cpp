@@ -54,6 +54,22 @@ detail::UpdateBuffers& TieredModelMemory::State::update_buffers_for(std::int32_t
 // Computes the layer's update chunk by chunk — values from `values`, gradient from
 // buffers.gradient (or the layer's spill file), optimizer state from its committed
 // file — into a state file of the next generation. Sets the pending update's flags.
+void TieredModelMemory::State::add_spilled_gradient(std::int32_t l, detail::UpdateBuffers& buffers,
+                                                    float* gradient) {
+  const std::int64_t nnz = manifest.layers[l].shape.nnz;
+  const detail::StateLayout layout = detail::StateLayout::of(nnz, 0, 0);
+  detail::StateReader spill(spill_path(dir, l), layout, io);
+  detail::PhasedBuffer<float>& chunk = buffers.chunks[0];
+  chunk.set_phase(detail::direct_phase(layout.values));
+  std::uint32_t crc = 0;
+  for (std::int64_t lo = 0; lo < nnz; lo += kUpdateChunk) {
+    const auto n = static_cast<std::size_t>(std::min(kUpdateChunk, nnz - lo));
+    spill.read(layout.values, lo, {chunk.data(), n}, crc);
+    for (std::size_t i = 0; i < n; ++i) gradient[lo + i] += chunk.data()[i];
+  }
+  spill.check_crc(layout.values, crc, "VALS");
+}
+
 void TieredModelMemory::State::write_update(std::int32_t l, std::span<const float> values,
                                             detail::UpdateBuffers& buffers, bool gradient,
                                             double learning_rate, double scale) {
