@@ -83,6 +83,7 @@ class LoggingMemory final : public ModelMemory {
     return inner_.commit_step();
   }
   void discard_step_impl() override { inner_.discard_step(); }
+  void discard_gradient_impl(std::int32_t layer) override { inner_.discard_gradient(layer); }
   void set_optimizer_impl(const OptimizerConfig& config) override { inner_.set_optimizer(config); }
   const OptimizerConfig& optimizer_impl() const override { return inner_.optimizer(); }
   void set_non_finite_policy_impl(NonFinitePolicy policy) override {

@@ -139,6 +139,24 @@ TEST(GradientAccumulation, DiscardDropsTheSum) {
   EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
 }
 
+// discard_gradient drops one layer's sum (a trainer's zero_grad); the others' stay.
+TEST(GradientAccumulation, DiscardingOneLayersGradientLeavesTheOthers) {
+  Model micro, whole;
+  build(micro, config_of(OptimizerKind::adam, 0));
+  build(whole, config_of(OptimizerKind::adam, 0));
+  Gradients g = random_gradients(micro.memory, 16);
+  accumulate(micro.memory, g, 0);
+  accumulate(micro.memory, g, 1);
+  micro.memory.discard_gradient(1);
+  micro.memory.discard_gradient(1);  // nothing left: nothing to do
+  EXPECT_THROW(micro.memory.discard_gradient(3), ArgumentError);
+  Gradients sum_but_1 = sum(g, g);
+  sum_but_1.weights[1].clear();  // not submitted
+  ASSERT_TRUE(micro.memory.commit_step().applied);
+  ASSERT_TRUE(submit_and_commit(whole.memory, sum_but_1).applied);
+  EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
+}
+
 // Two finite gradients whose sum is not: the step is skipped, as for a non-finite one.
 TEST(GradientAccumulation, ASumThatOverflowsSkipsTheStep) {
   Model m;
@@ -220,6 +238,33 @@ TEST_F(GradientAccumulationInAStore, ALayerOfSeveralUpdateChunksAddsAsHostModelM
   ASSERT_TRUE(host.memory.commit_step().applied);
   ASSERT_TRUE(store.commit_step().applied);
   expect_same_model(store, host.memory, "the step");
+}
+
+// discard_gradient drops a layer's spilled sum or its computed update; the others' stay.
+TEST_F(GradientAccumulationInAStore, DiscardingOneLayersGradientLeavesTheOthers) {
+  for (double clip : {0.0, 2.0}) {
+    SCOPED_TRACE(clip > 0 ? "clipped" : "not clipped");
+    Model host;
+    build(host, config_of(OptimizerKind::sgd, clip));
+    TieredModelMemory& store = store_of(host, config_of(OptimizerKind::sgd, clip));
+    const Gradients g = random_gradients(host.memory, 17);
+    for (std::int32_t l = 0; l < store.layer_count(); ++l) {
+      const WeightStream s = gradient_stream(host.memory.weights(l), g.weights[l]);
+      store.submit_gradient(l, s, g.bias[l]);  // updated from at once without clipping
+      host.memory.submit_gradient(l, s, g.bias[l]);
+    }
+    if (clip > 0) {  // the gradients wait in the spill files, and are added to
+      accumulate(store, g, 0, &host.memory);
+      accumulate(host.memory, g, 0);
+    }
+    store.discard_gradient(0);
+    host.memory.discard_gradient(0);
+    ASSERT_TRUE(store.commit_step().applied);
+    ASSERT_TRUE(host.memory.commit_step().applied);
+    expect_same_model(store, host.memory, "the step");
+    store_.reset();
+    std::filesystem::remove_all(dir_ / "store");
+  }
 }
 
 // Without clipping a submitted gradient's update is computed at once: a store cannot add

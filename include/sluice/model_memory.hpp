@@ -107,6 +107,9 @@ class ModelMemory {
   /// half-way (an engine or a submit threw), so the next step starts clean. Weights,
   /// optimizer state and the step count are unchanged.
   void discard_step();
+  /// Drops what was handed in for `layer` since the last commit_step (a micro-batches'
+  /// sum included), nothing if none; the other layers' stay (a trainer's zero_grad).
+  void discard_gradient(std::int32_t layer);
 
   /// Prune and regrow, between steps (dynamic sparsity, see sluice/dynamic_sparsity.hpp):
   /// drops the grow.size() active weights of the layer with the smallest |w| (ties: the
@@ -202,6 +205,7 @@ class ModelMemory {
   }
   virtual StepReport commit_step_impl() = 0;
   virtual void discard_step_impl() = 0;
+  virtual void discard_gradient_impl(std::int32_t layer) = 0;
   /// An implementation that cannot change masks keeps this one, which refuses (Error).
   virtual void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow);
   virtual void set_optimizer_impl(const OptimizerConfig& config) = 0;
@@ -249,6 +253,7 @@ class HostModelMemory final : public ModelMemory {
                                 std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
   void discard_step_impl() override;
+  void discard_gradient_impl(std::int32_t layer) override;
   void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) override;
   void set_optimizer_impl(const OptimizerConfig& config) override;
   const OptimizerConfig& optimizer_impl() const override;

@@ -106,6 +106,8 @@ class SparseLinear {
   /// Commits the ModelMemory's step: this layer's update and that of every other layer
   /// that submitted a gradient since the last step (ModelMemory::commit_step).
   StepReport step();
+  /// Drops what this layer handed in since the last step (ModelMemory::discard_gradient).
+  void discard_gradient();
 
  private:
   struct Cache;

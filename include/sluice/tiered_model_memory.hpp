@@ -73,6 +73,7 @@ class TieredModelMemory final : public ModelMemory {
                                 std::span<const float> bias_gradient) override;
   StepReport commit_step_impl() override;
   void discard_step_impl() override;
+  void discard_gradient_impl(std::int32_t layer) override;
   /// The mask change commits to the store at once, as a step does.
   void regrow_impl(std::int32_t layer, std::span<const std::int64_t> grow) override;
   void set_optimizer_impl(const OptimizerConfig& config) override;

@@ -99,6 +99,14 @@ class SparseLinear(torch.nn.Module):
         """Applies the ModelMemory's optimizer (sluice_optimizer layers only)."""
         return self.layer.step()
 
+    def zero_grad(self, set_to_none=False):
+        """Module.zero_grad, and for a sluice_optimizer layer drops the gradient its backward
+        passes handed the ModelMemory since the last step. (A Python module holding this
+        layer zeroes its parameters' grads only: call this layer's zero_grad too.)"""
+        super().zero_grad(set_to_none)
+        if self.values is None:
+            self.layer.discard_gradient()
+
     def dense_weight(self):
         """W as a dense [out, in] tensor, zeros off the mask."""
         values = self.values if self.values is not None else self.layer.values()

@@ -374,4 +374,8 @@ StepReport SparseLinear::step() {
   return memory_->commit_step();
 }
 
+void SparseLinear::discard_gradient() {
+  memory_->discard_gradient(layer_);
+}
+
 }  // namespace sluice

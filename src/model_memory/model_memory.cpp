@@ -218,6 +218,11 @@ void ModelMemory::discard_step() {
   discard_step_impl();
 }
 
+void ModelMemory::discard_gradient(std::int32_t layer) {
+  check_layer(layer);
+  discard_gradient_impl(layer);
+}
+
 void ModelMemory::regrow(std::int32_t layer, std::span<const std::int64_t> grow) {
   check_layer(layer);
   const LayerShape w = layer_shape_impl(layer);
@@ -472,10 +477,13 @@ void HostModelMemory::accumulate_gradient_impl(std::int32_t layer, const WeightS
 }
 
 void HostModelMemory::discard_step_impl() {
-  for (auto& layer : state_->layers) {
-    std::lock_guard lock(layer->pending_mutex);
-    detail::discard(layer->pending);
-  }
+  for (std::int32_t i = 0; i < layer_count_impl(); ++i) discard_gradient_impl(i);
+}
+
+void HostModelMemory::discard_gradient_impl(std::int32_t layer) {
+  detail::HostLayer& l = *state_->layers[layer];
+  std::lock_guard lock(l.pending_mutex);
+  detail::discard(l.pending);
 }
 
 StepReport HostModelMemory::commit_step_impl() {

@@ -342,18 +342,20 @@ void TieredModelMemory::accumulate_gradient_impl(std::int32_t layer, const Weigh
 }
 
 void TieredModelMemory::discard_step_impl() {
+  for (std::int32_t i = 0; i < layer_count_impl(); ++i) discard_gradient_impl(i);
+}
+
+void TieredModelMemory::discard_gradient_impl(std::int32_t layer) {
   State& st = *state_;
-  for (std::int32_t i = 0; i < static_cast<std::int32_t>(st.layers.size()); ++i) {
-    detail::TieredLayer& l = *st.layers[i];
-    std::lock_guard lock(l.pending_mutex);
-    if (l.pending.computed) {
-      remove_quietly(detail::state_path(st.dir, i, st.manifest.next_generation));
-      std::lock_guard cache_lock(st.mutex);  // values the update left in the cache
-      if (l.values_generation == st.manifest.next_generation) l.values_generation = -1;
-    }
-    if (l.pending.spilled) remove_quietly(spill_path(st.dir, i));
-    l.pending = {};
+  detail::TieredLayer& l = *st.layers[layer];
+  std::lock_guard lock(l.pending_mutex);
+  if (l.pending.computed) {
+    remove_quietly(detail::state_path(st.dir, layer, st.manifest.next_generation));
+    std::lock_guard cache_lock(st.mutex);  // values the update left in the cache
+    if (l.values_generation == st.manifest.next_generation) l.values_generation = -1;
   }
+  if (l.pending.spilled) remove_quietly(spill_path(st.dir, layer));
+  l.pending = {};
 }
 
 StepReport TieredModelMemory::commit_step_impl() {

@@ -145,13 +145,17 @@ TORCH_LIBRARY(sluice, m) {
           [](sluice::torch::PickledLayer state) {
             return sluice::torch::unpickle_layer(std::move(state));
           })
-      .def("step", [](const c10::intrusive_ptr<LayerBinding>& self) {
-        if (self->owner() != sluice::torch::WeightOwner::sluice) {
-          throw sluice::Error(
-              "sluice_torch: this layer's weights are torch parameters; step a torch optimizer");
-        }
-        return self->layer().step().applied;
-      });
+      .def("step",
+           [](const c10::intrusive_ptr<LayerBinding>& self) {
+             if (self->owner() != sluice::torch::WeightOwner::sluice) {
+               throw sluice::Error(
+                   "sluice_torch: this layer's weights are torch parameters; step a torch "
+                   "optimizer");
+             }
+             return self->layer().step().applied;
+           })
+      .def("discard_gradient",
+           [](const c10::intrusive_ptr<LayerBinding>& self) { self->layer().discard_gradient(); });
   m.def("make_layer", &sluice::torch::make_layer);
   m.def("make_layer_at", &sluice::torch::make_layer_at);
   m.def("sparse_linear", &sluice::torch::sparse_linear);

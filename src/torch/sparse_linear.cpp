@@ -366,6 +366,11 @@ StepReport SparseLinearImpl::step() {
   return binding_->layer().step();
 }
 
+void SparseLinearImpl::zero_grad(bool set_to_none) {
+  ::torch::nn::Module::zero_grad(set_to_none);
+  if (options_.weights() == WeightOwner::sluice) binding_->layer().discard_gradient();
+}
+
 Tensor SparseLinearImpl::values() const {
   return options_.weights() == WeightOwner::torch ? values_ : binding_->values();
 }

@@ -148,6 +148,10 @@ class DropIn(unittest.TestCase):
                                            rtol=1e-5, atol=1e-6))
             self.assertTrue(torch.allclose(owned.layer.bias(), twin.bias.detach(),
                                            rtol=1e-5, atol=1e-6))
+        # The layer's zero_grad drops what its backward passes handed in.
+        owned(torch.randn(2, 9)).sum().backward()
+        owned.zero_grad()
+        self.assertFalse(owned.step())
 
 
 class StateDict(unittest.TestCase):

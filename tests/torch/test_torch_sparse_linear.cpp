@@ -139,6 +139,11 @@ TEST(TorchSparseLinearSluiceOwned, BackwardPassesBeforeAStepAddUp) {
     twin->values().mutable_grad().zero_();
     twin->bias().mutable_grad().zero_();
   }
+  // zero_grad of a module holding the layer drops what its backward passes handed in.
+  torch::nn::Sequential model(owned);
+  model->forward(torch::randn({3, 22})).sum().backward();
+  model->zero_grad();
+  EXPECT_FALSE(owned->step().applied);
 }
 
 TEST(TorchSparseLinearNoBias, MatchesMaskedDenseLinear) {

@@ -143,6 +143,9 @@ class SparseLinearImpl : public ::torch::nn::Cloneable<SparseLinearImpl> {
   ::torch::Tensor forward(const ::torch::Tensor& x);
   /// WeightOwner::sluice: commits the ModelMemory's step (every layer that submitted).
   StepReport step();
+  /// Module::zero_grad (a module holding this one calls it too), and with WeightOwner::sluice
+  /// drops the gradient the backward passes handed the ModelMemory since the last step.
+  void zero_grad(bool set_to_none = false) override;
 
   /// The values, one per mask position (the parameter, or a copy of the ModelMemory's).
   ::torch::Tensor values() const;
