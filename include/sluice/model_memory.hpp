@@ -94,8 +94,8 @@ class ModelMemory {
   void submit_gradient(std::int32_t layer, const WeightStream& gradient,
                        std::span<const float> bias_gradient);
   /// The same for micro-batches: adds the gradient to what this layer was handed in this
-  /// step (the first call submits it), as torch sums `.grad` over backward passes; the
-  /// update is that of the sum (float adds, in the order the calls came). A rejected
+  /// step, as torch sums `.grad` over backward passes; the update is that of the sum
+  /// (float adds, in the order the calls came), computed once, by commit_step. A rejected
   /// stream leaves what was handed in before. An implementation that cannot add takes the
   /// first and refuses a second as submit_gradient does.
   void accumulate_gradient(std::int32_t layer, const WeightStream& gradient,

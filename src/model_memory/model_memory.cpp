@@ -416,9 +416,10 @@ namespace {
 
 // Hands a layer its gradient. The first of a step is scanned into place; a later one (only
 // when `add`) into scratch, checked whole before it is added, so a rejected stream leaves
-// the sum as it was. Without clipping the update does not depend on the other layers, so
-// it is computed now, while the engines work on the next layer, and again after each
-// addition (the old values and state are its inputs until commit_step).
+// the sum as it was. A submitted gradient's update does not depend on the other layers
+// without clipping, so it is computed now, while the engines work on the next layer; an
+// accumulated one's waits for commit_step, computed once from the whole sum (a trainer's
+// backward passes would otherwise pay an update each).
 void take_gradient(detail::HostLayer& l, std::int32_t layer, const WeightStream& gradient,
                    const TransposedPattern* transposed, std::span<const float> bias_gradient,
                    const OptimizerConfig& config, std::int64_t next_step, bool add) {
@@ -430,7 +431,7 @@ void take_gradient(detail::HostLayer& l, std::int32_t layer, const WeightStream&
                      " already has a gradient for this step (commit_step first, or "
                      "accumulate_gradient to add to it)");
   }
-  const bool update_now = config.clip_global_norm == 0;
+  const bool update_now = config.clip_global_norm == 0 && !add;
   // A schedule that throws does so before anything is taken.
   const double learning_rate = update_now ? detail::scheduled_learning_rate(config, next_step) : 0;
   const std::size_t n = l.weights.values().size();
@@ -518,7 +519,7 @@ StepReport HostModelMemory::commit_step_impl() {
   const OptimizerConfig& config = st.config;
   if (report.bad_layers.empty()) {
     // Clipping needs the norm over all layers, known only now; without it, an update is
-    // computed here only where its submit could not finish it.
+    // computed here where its gradient was accumulated or its submit could not finish it.
     try {
       const double scale =
           config.clip_global_norm > 0
