@@ -14,8 +14,9 @@
 // Thread-safety: forward() and backward() only read the layer and may run concurrently,
 // each on its own Engine (an Engine runs one product at a time). submit_backward() and
 // accumulate_backward() hand the gradient to ModelMemory, which takes different layers'
-// gradients concurrently and one layer's in turn. step() and anything that changes the ModelMemory
-// (another layer's step included: step() commits the whole ModelMemory) must not overlap a product.
+// gradients concurrently and one layer's in turn. step() and anything that changes the
+// ModelMemory (another layer's step included: step() commits the whole ModelMemory) must
+// not overlap a product.
 #include <cstdint>
 #include <filesystem>
 #include <memory>

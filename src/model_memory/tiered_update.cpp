@@ -51,9 +51,6 @@ detail::UpdateBuffers& TieredModelMemory::State::update_buffers_for(std::int32_t
   return b;
 }
 
-// Computes the layer's update chunk by chunk — values from `values`, gradient from
-// buffers.gradient (or the layer's spill file), optimizer state from its committed
-// file — into a state file of the next generation. Sets the pending update's flags.
 void TieredModelMemory::State::add_spilled_gradient(std::int32_t l, detail::UpdateBuffers& buffers,
                                                     float* gradient) {
   const std::int64_t nnz = manifest.layers[l].shape.nnz;
@@ -70,6 +67,9 @@ void TieredModelMemory::State::add_spilled_gradient(std::int32_t l, detail::Upda
   spill.check_crc(layout.values, crc, "VALS");
 }
 
+// Computes the layer's update chunk by chunk — values from `values`, gradient from
+// buffers.gradient (or the layer's spill file), optimizer state from its committed
+// file — into a state file of the next generation. Sets the pending update's flags.
 void TieredModelMemory::State::write_update(std::int32_t l, std::span<const float> values,
                                             detail::UpdateBuffers& buffers, bool gradient,
                                             double learning_rate, double scale) {
