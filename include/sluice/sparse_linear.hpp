@@ -118,9 +118,8 @@ class SparseLinear {
   WeightStream run_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                             MutableMatrixView* dx, const ProductOptions& options,
                             std::vector<float>& bias_gradient) const;
-  void hand_in_backward(const char* who, bool add, Engine& engine, ConstMatrixView x,
-                        ConstMatrixView dy, MutableMatrixView* dx,
-                        const ProductOptions& options) const;
+  void hand_in_backward(bool add, Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                        MutableMatrixView* dx, const ProductOptions& options) const;
 
   std::shared_ptr<ModelMemory> memory_;
   std::int32_t layer_ = 0;

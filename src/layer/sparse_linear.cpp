@@ -343,11 +343,11 @@ SparseLinearGradient SparseLinear::backward(Engine& engine, ConstMatrixView x, C
   return g;
 }
 
-void SparseLinear::hand_in_backward(const char* who, bool add, Engine& engine, ConstMatrixView x,
-                                    ConstMatrixView dy, MutableMatrixView* dx,
-                                    const ProductOptions& options) const {
+void SparseLinear::hand_in_backward(bool add, Engine& engine, ConstMatrixView x, ConstMatrixView dy,
+                                    MutableMatrixView* dx, const ProductOptions& options) const {
   if (!options.values.empty()) {
-    throw ShapeError(std::string("SparseLinear::") + who +
+    throw ShapeError(std::string("SparseLinear::") +
+                     (add ? "accumulate_backward" : "submit_backward") +
                      ": the gradient of values held outside the ModelMemory is returned "
                      "(backward), not submitted");
   }
@@ -362,12 +362,12 @@ void SparseLinear::hand_in_backward(const char* who, bool add, Engine& engine, C
 
 void SparseLinear::submit_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                                    MutableMatrixView* dx, const ProductOptions& options) const {
-  hand_in_backward("submit_backward", false, engine, x, dy, dx, options);
+  hand_in_backward(false, engine, x, dy, dx, options);
 }
 
 void SparseLinear::accumulate_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                                        MutableMatrixView* dx, const ProductOptions& options) const {
-  hand_in_backward("accumulate_backward", true, engine, x, dy, dx, options);
+  hand_in_backward(true, engine, x, dy, dx, options);
 }
 
 StepReport SparseLinear::step() {
