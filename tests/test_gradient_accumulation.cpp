@@ -53,6 +53,17 @@ OptimizerConfig config_of(OptimizerKind kind, double clip) {
   return c;
 }
 
+// Commits `micro`'s step and checks it bit for bit against the same model (built with
+// `config`) handed `total` at once.
+void expect_step_as_handed_in_at_once(Model& micro, const OptimizerConfig& config,
+                                      const Gradients& total) {
+  Model whole;
+  build(whole, config);
+  ASSERT_TRUE(micro.memory.commit_step().applied);
+  ASSERT_TRUE(submit_and_commit(whole.memory, total).applied);
+  EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
+}
+
 TEST(GradientAccumulation, MicroBatchesUpdateAsTheirSumHandedInAtOnce) {
   for (OptimizerKind kind : {OptimizerKind::sgd, OptimizerKind::adam, OptimizerKind::adamw}) {
     for (double clip : {0.0, 2.0}) {
@@ -87,9 +98,9 @@ TEST(GradientAccumulation, MicroBatchesUpdateAsTheirSumHandedInAtOnce) {
 }
 
 TEST(GradientAccumulation, ARejectedStreamLeavesTheSum) {
-  Model micro, whole;
-  build(micro, config_of(OptimizerKind::adam, 0));
-  build(whole, config_of(OptimizerKind::adam, 0));
+  Model micro;
+  const OptimizerConfig config = config_of(OptimizerKind::adam, 0);
+  build(micro, config);
   const Gradients a = random_gradients(micro.memory, 7), b = random_gradients(micro.memory, 8);
   accumulate(micro.memory, a, 0);
   WeightStream bad = gradient_stream(micro.memory.weights(0), b.weights[0]);
@@ -102,16 +113,14 @@ TEST(GradientAccumulation, ARejectedStreamLeavesTheSum) {
                    0, gradient_stream(micro.memory.weights(0), b.weights[0]), short_bias),
                ShapeError);
   accumulate(micro.memory, b, 1);
-  ASSERT_TRUE(micro.memory.commit_step().applied);
-  ASSERT_TRUE(submit_and_commit(whole.memory, sum(a, b)).applied);
-  EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
+  expect_step_as_handed_in_at_once(micro, config, sum(a, b));
 }
 
 // submit_gradient takes one gradient a step, as before; accumulate_gradient adds to one.
 TEST(GradientAccumulation, SubmitTakesOneAccumulateAddsToIt) {
-  Model micro, whole;
-  build(micro, config_of(OptimizerKind::sgd, 0));
-  build(whole, config_of(OptimizerKind::sgd, 0));
+  Model micro;
+  const OptimizerConfig config = config_of(OptimizerKind::sgd, 0);
+  build(micro, config);
   const Gradients a = random_gradients(micro.memory, 9), b = random_gradients(micro.memory, 10);
   for (std::int32_t l = 0; l < micro.memory.layer_count(); ++l) {
     const WeightStream first = gradient_stream(micro.memory.weights(l), a.weights[l]);
@@ -121,29 +130,25 @@ TEST(GradientAccumulation, SubmitTakesOneAccumulateAddsToIt) {
                     "already has a gradient for this step");
   }
   accumulate(micro.memory, b, 0);
-  ASSERT_TRUE(micro.memory.commit_step().applied);
-  ASSERT_TRUE(submit_and_commit(whole.memory, sum(a, b)).applied);
-  EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
+  expect_step_as_handed_in_at_once(micro, config, sum(a, b));
 }
 
 TEST(GradientAccumulation, DiscardDropsTheSum) {
-  Model micro, whole;
-  build(micro, config_of(OptimizerKind::adamw, 0));
-  build(whole, config_of(OptimizerKind::adamw, 0));
+  Model micro;
+  const OptimizerConfig config = config_of(OptimizerKind::adamw, 0);
+  build(micro, config);
   accumulate(micro.memory, random_gradients(micro.memory, 11), 0);
   micro.memory.discard_step();
   const Gradients b = random_gradients(micro.memory, 12);
   accumulate(micro.memory, b, 1);
-  ASSERT_TRUE(micro.memory.commit_step().applied);
-  ASSERT_TRUE(submit_and_commit(whole.memory, b).applied);
-  EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
+  expect_step_as_handed_in_at_once(micro, config, b);
 }
 
 // discard_gradient drops one layer's sum (a trainer's zero_grad); the others' stay.
 TEST(GradientAccumulation, DiscardingOneLayersGradientLeavesTheOthers) {
-  Model micro, whole;
-  build(micro, config_of(OptimizerKind::adam, 0));
-  build(whole, config_of(OptimizerKind::adam, 0));
+  Model micro;
+  const OptimizerConfig config = config_of(OptimizerKind::adam, 0);
+  build(micro, config);
   Gradients g = random_gradients(micro.memory, 16);
   accumulate(micro.memory, g, 0);
   accumulate(micro.memory, g, 1);
@@ -152,9 +157,7 @@ TEST(GradientAccumulation, DiscardingOneLayersGradientLeavesTheOthers) {
   EXPECT_THROW(micro.memory.discard_gradient(3), ArgumentError);
   Gradients sum_but_1 = sum(g, g);
   sum_but_1.weights[1].clear();  // not submitted
-  ASSERT_TRUE(micro.memory.commit_step().applied);
-  ASSERT_TRUE(submit_and_commit(whole.memory, sum_but_1).applied);
-  EXPECT_TRUE(fingerprint(micro.memory) == fingerprint(whole.memory));
+  expect_step_as_handed_in_at_once(micro, config, sum_but_1);
 }
 
 // Two finite gradients whose sum is not: the step is skipped, as for a non-finite one.
