@@ -145,6 +145,7 @@ class SparseLinear(torch.nn.Module):
                 None if bias is None else bias.detach().float(), owned, *self._optimizer)
             if not owned:  # sized for the new mask; the values are copied in below
                 self.values.data = torch.empty(values.numel())
+                self.values.grad = None  # the old mask's: it fits no position of the new
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # An owned layer has no parameters: its saved values and bias are ours, as the mask.

@@ -474,6 +474,7 @@ void SparseLinearImpl::load(::torch::serialize::InputArchive& archive) {
     options_.sparsity(binding_->layer().weights().sparsity());
     ::torch::NoGradGuard no_grad;
     values_.set_data(::torch::empty({values.size(0)}, ::torch::kFloat));
+    values_.mutable_grad() = Tensor();  // the old mask's: it fits no position of the new
   }
   if (values.size(0) != binding_->layer().nnz()) {
     throw ShapeError("sluice SparseLinear: the archive's " + std::to_string(values.size(0)) +

@@ -169,8 +169,10 @@ class StateDict(unittest.TestCase):
             other = sluice_torch.SparseLinear(40, 30, sparsity=sparsity)  # another mask
             sgd = torch.optim.SGD(other.parameters(), lr=0.1)  # made before the load
             self.assertFalse(torch.equal(other.mask(), saved.mask()))
+            other(x).sum().backward()  # a gradient of its own mask, dropped by the load
             other.load_state_dict(self.round_trip(saved.state_dict()))
             self.assertTrue(torch.equal(other.mask(), saved.mask()))
+            self.assertIsNone(other.values.grad)
             self.assertTrue(torch.equal(other(x), saved(x)))
             other(x).sum().backward()
             sgd.step()
