@@ -3,6 +3,7 @@
 // compile).
 #include "sluice/torch/sparse_linear.hpp"
 
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -54,6 +55,18 @@ Tensor feature_major(const Tensor& t) {
   Tensor fm = ::torch::empty({t.size(1), t.size(0)}, t.options().dtype(::torch::kFloat));
   fm.copy_(t.t());
   return fm.t();
+}
+
+/// `grads` as they are, but each defined one differentiable into an error that says so.
+::torch::autograd::variable_list once_differentiable(::torch::autograd::variable_list grads) {
+  for (Tensor& g : grads) {
+    if (g.defined()) g = g.detach().requires_grad_(true);
+  }
+  auto error = std::make_shared<::torch::autograd::DelayedError>(
+      "sluice SparseLinear: its backward is not differentiable (no second derivative through "
+      "the layer: a gradient taken with create_graph=True cannot be differentiated again)",
+      static_cast<int>(grads.size()));
+  return (*error)(std::move(grads));
 }
 
 MutableMatrixView mutable_view(Tensor& fm) {  // a contiguous [features, tokens] fp32 tensor
@@ -247,7 +260,12 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
     if (dtype != ::torch::kFloat) dx = dx.to(dtype);
     dx = dx.reshape(shape);
   }
-  return {dx, d_values, d_bias, Tensor()};
+  ::torch::autograd::variable_list out{dx, d_values, d_bias, Tensor()};
+  // With create_graph a second derivative would take these as constants (the engine's
+  // products are not differentiable) and leave the layer's terms out without a word: as
+  // Python's @once_differentiable, they raise when differentiated instead.
+  if (::torch::GradMode::is_enabled()) out = once_differentiable(std::move(out));
+  return out;
 }
 
 SparseLinearOptions::SparseLinearOptions(std::int64_t in_features, std::int64_t out_features)

@@ -48,6 +48,21 @@ class GradCheck(unittest.TestCase):
             torch.autograd.gradcheck(lambda x: layer(Wrong.apply(x)), (x,), eps=1e-6,
                                      atol=1e-5, rtol=1e-4)
 
+    def test_a_second_derivative_through_the_layer_is_refused(self):
+        # A gradient penalty through the layer: its terms would be missing from the second
+        # derivative (the engine's backward is not differentiable), so it raises instead.
+        torch.manual_seed(3)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(),
+                                  sluice_torch.SparseLinear(6, 4, sparsity=0.5), torch.nn.Tanh())
+        x = torch.randn(5, 6, requires_grad=True)
+        g, = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+        x0 = x.detach().clone().requires_grad_(True)
+        g0, = torch.autograd.grad(net(x0).sum(), x0)
+        self.assertTrue(torch.equal(g.detach(), g0))  # the first derivative is the same
+        with self.assertRaisesRegex(RuntimeError, "sluice SparseLinear: its backward is not "
+                                                  "differentiable"):
+            g.square().sum().backward()
+
 
 class DropIn(unittest.TestCase):
     def test_matches_masked_dense_linear(self):

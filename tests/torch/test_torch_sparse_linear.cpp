@@ -89,6 +89,25 @@ TEST(TorchSparseLinearBf16, CloseToFp32) {
   EXPECT_EQ(layer->values().grad().scalar_type(), torch::kFloat);
 }
 
+// The engine's backward is not differentiable: a gradient taken with create_graph is the
+// same, and differentiating it again raises (as Python's @once_differentiable) instead of
+// leaving the layer's terms out of the second derivative.
+TEST(TorchSparseLinearSecondDerivative, IsRefused) {
+  SparseLinear layer(SparseLinearOptions(12, 7).sparsity(0.5).seed(5));
+  const Tensor x = torch::randn({4, 12}).requires_grad_(true);
+  const Tensor g = torch::autograd::grad({torch::tanh(layer(x)).sum()}, {x}, {},
+                                         /*retain_graph=*/true, /*create_graph=*/true)[0];
+  const Tensor g0 = torch::autograd::grad({torch::tanh(layer(x)).sum()}, {x})[0];
+  EXPECT_TRUE(torch::equal(g.detach(), g0));
+  try {
+    g.square().sum().backward();
+    ADD_FAILURE() << "a second derivative through the layer was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("its backward is not differentiable"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(TorchSparseLinearSluiceOwned, StepAppliesTheGradient) {
   torch::manual_seed(4);
   const Tensor w = torch::randn({20, 30}), b = torch::randn({20});
