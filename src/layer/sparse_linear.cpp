@@ -54,20 +54,35 @@ void check_activation(const MatrixView<T>& v, Layout layout, std::int64_t featur
   }
 }
 
-/// dst = src^T, in square blocks so that both sides are touched a cache line at a time.
+/// dst = src^T. A row of a layer's activations is often a power of two bytes long (4096
+/// features are 16 KiB), so walking src down a column reads lines that share one cache set
+/// and evict each other before the next column comes back to them. Instead each 16 x 16
+/// tile is read row by row into a local buffer (every line of src taken whole, once) and
+/// written from it row by row of dst; blocks of 128 x 128 keep a block's lines of both in
+/// cache, and are the parallel tasks.
 void transpose(ConstMatrixView src, MutableMatrixView dst) {
-  constexpr std::int64_t kBlock = 32;
-  const auto row_blocks = static_cast<std::size_t>((src.rows + kBlock - 1) / kBlock);
-  detail::parallel_for_ranges(0, row_blocks, 1, [&](std::size_t lo, std::size_t hi) {
-    for (auto rb = static_cast<std::int64_t>(lo); rb < static_cast<std::int64_t>(hi); ++rb) {
-      const std::int64_t r0 = rb * kBlock, r1 = std::min(r0 + kBlock, src.rows);
-      for (std::int64_t c0 = 0; c0 < src.cols; c0 += kBlock) {
-        const std::int64_t c1 = std::min(c0 + kBlock, src.cols);
-        for (std::int64_t c = c0; c < c1; ++c) {
-          float* out = dst.row(c);
-          for (std::int64_t r = r0; r < r1; ++r) out[r] = src(r, c);
+  constexpr std::int64_t kTile = 16, kBlock = 128;
+  const std::int64_t row_blocks = (src.rows + kBlock - 1) / kBlock;
+  const std::int64_t col_blocks = (src.cols + kBlock - 1) / kBlock;
+  auto block = [&](std::int64_t r0, std::int64_t c0) {
+    const std::int64_t r1 = std::min(r0 + kBlock, src.rows), c1 = std::min(c0 + kBlock, src.cols);
+    float tile[kTile][kTile];
+    for (std::int64_t tr = r0; tr < r1; tr += kTile) {
+      const std::int64_t rows = std::min(kTile, r1 - tr);
+      for (std::int64_t tc = c0; tc < c1; tc += kTile) {
+        const std::int64_t cols = std::min(kTile, c1 - tc);
+        for (std::int64_t r = 0; r < rows; ++r) std::copy_n(src.row(tr + r) + tc, cols, tile[r]);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          float* out = dst.row(tc + c) + tr;
+          for (std::int64_t r = 0; r < rows; ++r) out[r] = tile[r][c];
         }
       }
+    }
+  };
+  const auto blocks = static_cast<std::size_t>(row_blocks * col_blocks);
+  detail::parallel_for_ranges(0, blocks, 1, [&](std::size_t lo, std::size_t hi) {
+    for (auto b = static_cast<std::int64_t>(lo); b < static_cast<std::int64_t>(hi); ++b) {
+      block(b / col_blocks * kBlock, b % col_blocks * kBlock);
     }
   });
 }
