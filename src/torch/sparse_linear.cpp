@@ -14,6 +14,7 @@
 #include <string>
 
 #include "sluice/error.hpp"
+#include "sluice/stream_packets.hpp"
 
 namespace sluice::torch {
 namespace {
@@ -89,9 +90,14 @@ struct ProductWeights {
   Tensor values, bias;
   ProductOptions options;
 };
-ProductWeights product_weights(c10::ScalarType dtype, const Tensor& values, const Tensor& bias) {
+ProductWeights product_weights(const sluice::SparseLinear& layer, c10::ScalarType dtype,
+                               const Tensor& values, const Tensor& bias) {
   ProductWeights w{fp32_contiguous(values), fp32_contiguous(bias), {}};
-  w.options.precision = dtype == ::torch::kBFloat16 ? Precision::bf16 : Precision::fp32;
+  // bf16 tensors stream the weights in bf16, where a bf16 stream's tags address the layer's
+  // inputs (the forward's stream runs by output); else in fp32, as the arithmetic is.
+  const bool bf16 = dtype == ::torch::kBFloat16 &&
+                    layer.in_features() <= static_cast<std::int64_t>(kMaxBf16Inputs);
+  w.options.precision = bf16 ? Precision::bf16 : Precision::fp32;
   w.options.values = span_of(w.values);
   w.options.bias = span_of(w.bias);
   return w;
@@ -199,7 +205,7 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
     y2 = reference_forward(b, x2, values, bias);
   } else {
     saved_x = feature_major(x2);
-    const ProductWeights w = product_weights(dtype, values, bias);
+    const ProductWeights w = product_weights(layer, dtype, values, bias);
     Tensor y_fm =
         ::torch::empty({layer.out_features(), x2.size(0)}, x.options().dtype(::torch::kFloat));
     {
@@ -238,7 +244,7 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
     dx_fm = ::torch::empty({layer.in_features(), tokens}, x_fm.options());
     dx_view = mutable_view(dx_fm);
   }
-  const ProductWeights w = product_weights(dtype, values, bias);
+  const ProductWeights w = product_weights(layer, dtype, values, bias);
   const ProductOptions& options = w.options;
   Tensor d_values, d_bias;
   {

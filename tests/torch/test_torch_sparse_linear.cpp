@@ -89,6 +89,19 @@ TEST(TorchSparseLinearBf16, CloseToFp32) {
   EXPECT_EQ(layer->values().grad().scalar_type(), torch::kFloat);
 }
 
+// A bf16 stream's tags address 65535 inputs: a wider layer takes bf16 tensors all the same,
+// its weights streamed in fp32 (so exactly the fp32 product of the bf16-rounded X).
+TEST(TorchSparseLinearBf16, AWiderLayerStreamsInFp32) {
+  SparseLinear layer(SparseLinearOptions(70000, 3).sparsity(0.99).seed(6));
+  const Tensor xb = torch::randn({4, 70000}).to(torch::kBFloat16).requires_grad_(true);
+  const Tensor x = xb.detach().to(torch::kFloat).requires_grad_(true);
+  const Tensor y = layer(xb);
+  EXPECT_TRUE(torch::equal(y, layer(x).to(torch::kBFloat16)));
+  y.to(torch::kFloat).sum().backward();
+  layer(x).sum().backward();
+  EXPECT_TRUE(torch::equal(xb.grad(), x.grad().to(torch::kBFloat16)));
+}
+
 // The engine's backward is not differentiable: a gradient taken with create_graph is the
 // same, and differentiating it again raises (as Python's @once_differentiable) instead of
 // leaving the layer's terms out of the second derivative.
