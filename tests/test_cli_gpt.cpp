@@ -120,6 +120,13 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
   expect_exit(run(gpt() + "--steps 1 --fabric mpi --engines 2"), 2,
               "--engines cannot be given with --fabric mpi");
   expect_exit(run(gpt() + "--steps 1 --model transformer"), 2, "transformer");
+  // A step that no machine holds is refused before anything is built (it was killed for
+  // memory after a minute): its activations, and its model.
+  const std::string text = "train --model gpt --steps 1 --text " + path("text.txt");
+  expect_exit(run(text + " --context 4096 --batch 16777216"), 2,
+              "on batches of 16777216 sequences needs");
+  expect_exit(run(text + " --context 1 --batch 1 --d-model 16384 --blocks 256"), 2,
+              "d_model=16384 heads=4 blocks=256 on batches of 1 sequences needs");
   expect_exit(run("generate --prompt x"), 2, "--checkpoint FILE or --model-store DIR");
   expect_exit(run("generate --checkpoint x --model-store y"), 2, "excludes");
   expect_exit(run("generate --checkpoint x --temperature -1"), 2, "temperature");

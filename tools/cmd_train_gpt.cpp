@@ -14,6 +14,7 @@
 #include "commands.hpp"
 #include "json_writer.hpp"
 #include "measure.hpp"
+#include "model_budget.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
@@ -233,6 +234,10 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   ModelMemory& memory = *memory_owner;
   const bool resuming = !o.resume.empty() || memory.layer_count() > 0;
   const GptConfig config = resuming ? resumed_model(memory, o) : new_config(o);
+  // A step that cannot fit is refused before the text is read or a model built (a resumed
+  // model is in memory already; a store's budget was checked on its own).
+  require_gpt_memory(config, o.batch, o.engines, !resuming && o.store.directory.empty(),
+                     given == nullptr);
   // The budget and the text before a new model: no store is built for a run that cannot
   // start.
   if (!resuming) check_gpt_store_budget(o.store, config);
