@@ -106,6 +106,17 @@ TEST_F(CliSpmm, MemoryDoesNotGrowWithTheSparsityList) {
   EXPECT_LT(list, single + 64e6) << "one W: " << single << " bytes, six: " << list;
 }
 
+// The dense path multiplies a layer of fewer rows than a tile as a short tile, and its
+// result buffer is as short: a 3-row layer at 524288 tokens holds about 16 MB of X and Y
+// (the buffer was 256 rows of every token, 537 MB).
+TEST_F(CliSpmm, TheDensePathsResultBufferIsAsShortAsTheLayer) {
+  if (sluice::testing::kUnderSanitizer) GTEST_SKIP() << "a sanitizer's shadow memory is resident";
+  const Outcome o =
+      run("spmm --shape 3x5 --tokens 524288 --sparsity 0 --path dense --repeat 1 --json", false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_LT(json_number(o.output, "peak_rss_bytes"), 400e6) << o.output;
+}
+
 // A short .mtx may declare 2^31 - 1 rows: their 16 GiB of row offsets are compared with
 // what this process may have (here RLIMIT_AS at 4 GiB) before any is allocated, and the
 // message says what they would need and which limit binds. (A .smtx lists its offsets, so

@@ -197,7 +197,7 @@ struct TileProducts {
         if (m == n && out->stride == tokens) {
           mm.run(tile, row->packed_b, out->row(r0), 1);
         } else {
-          float* result = scratch<float>(kResult, static_cast<std::size_t>(kTileRows * tokens));
+          float* result = scratch<float>(kResult, static_cast<std::size_t>(m * tokens));
           mm.run(tile, row->packed_b, result, 1);
           for (std::int64_t r = 0; r < n; ++r) {
             std::copy_n(result + r * tokens, tokens, out->row(r0 + r));
