@@ -97,10 +97,14 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
                                              o.tokens) == ProductPath::dense;
   const bool x_in_bf16 =
       bf16 && (dense_forward || CpuEngine::holds_bf16(g.lanes, w.nnz(), w.cols(), o.tokens));
-  const CsrMatrix w_held = bf16 ? testing::rounded_to_bf16(w) : CsrMatrix();
-  const CsrMatrix& w_ref = bf16 ? w_held : w;
-  const DenseMatrix x_held = x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
-  const ConstMatrixView x_ref = x_in_bf16 ? x_held.view() : x.view();
+  // The operands rounded as the engine holds them are for --check alone (each as large as
+  // W or X).
+  const bool rounded = bf16 && o.check;
+  const CsrMatrix w_held = rounded ? testing::rounded_to_bf16(w) : CsrMatrix();
+  const CsrMatrix& w_ref = rounded ? w_held : w;
+  const DenseMatrix x_held =
+      rounded && x_in_bf16 ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
+  const ConstMatrixView x_ref = rounded && x_in_bf16 ? x_held.view() : x.view();
   // By input the lane holds dY (in bf16 where it packs the rows) and reads X in place, in
   // fp32.
   const bool by_input = o.backward_order == "by_input";
@@ -108,11 +112,9 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
       engine.path_for(stream_header_for(w, StreamKind::weights, precision,
                                         by_input ? StreamOrder::by_input : StreamOrder::by_output),
                       o.tokens) == ProductPath::dense;
-  const DenseMatrix x_held_bwd =
-      bf16 && dense_backward ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
-  const ConstMatrixView x_ref_bwd = bf16 && dense_backward ? x_held_bwd.view()
-                                    : by_input             ? x.view()
-                                                           : x_ref;
+  const bool x_rounded_bwd = rounded && dense_backward;
+  const DenseMatrix x_held_bwd = x_rounded_bwd ? testing::rounded_to_bf16(x.view()) : DenseMatrix();
+  const ConstMatrixView x_ref_bwd = x_rounded_bwd ? x_held_bwd.view() : by_input ? x.view() : x_ref;
   const bool dy_in_bf16 =
       bf16 &&
       (dense_backward || (by_input && CpuEngine::holds_bf16(1, w.nnz(), w.rows(), o.tokens)));
