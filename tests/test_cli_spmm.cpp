@@ -92,6 +92,24 @@ TEST_F(CliSpmm, ChecksMemoryBeforeGeneratingW) {
       << o.output;
 }
 
+// X and Y are not all a timing holds: the baseline's and the products' copies of them, and
+// the dense path's packed X, are counted before anything is allocated (100000 tokens of a
+// 10x4096 layer are 1.6 GB in fp32, under RLIMIT_AS at 2 GiB; the run would take about
+// 2.4 GB streamed, more on the dense path, and was killed for memory).
+TEST_F(CliSpmm, TheProductsCopiesOfXAndYAreBudgeted) {
+  if (sluice::testing::kUnderSanitizer) GTEST_SKIP() << "a sanitizer cannot start under RLIMIT_AS";
+  const std::string limited = std::string("prlimit --as=2147483648 ") + SLUICE_CLI_PATH;
+  const std::string spmm = "spmm --shape 10x4096 --tokens 100000 --sparsity 0.9 --repeat 1 ";
+  const Outcome sparse = sluice::testing::run_cli(limited, spmm + "--path sparse");
+  EXPECT_EQ(sparse.exit_code, 2) << sparse.output;
+  EXPECT_NE(sparse.output.find("X and Y at 100000 tokens), more than"), std::string::npos)
+      << sparse.output;
+  const Outcome dense = sluice::testing::run_cli(limited, spmm + "--path dense");
+  EXPECT_EQ(dense.exit_code, 2) << dense.output;
+  EXPECT_NE(dense.output.find("at 100000 tokens, on the dense path), more than"), std::string::npos)
+      << dense.output;
+}
+
 // A list of sparsities is timed one W at a time: six dense 2000x2000 layers (32 MB of
 // non-zeros each, more again in the engine's stream) peak where one does.
 TEST_F(CliSpmm, MemoryDoesNotGrowWithTheSparsityList) {

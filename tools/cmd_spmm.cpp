@@ -63,6 +63,12 @@ struct SpmmResult {
 // suite checks): rounding gives ~1e-7 here, one lost or wrong term about 1/K of the sum.
 constexpr double kCheckTolerance = 1e-5;
 
+/// Whether the engine measure() makes for `o` multiplies the layer on its dense path.
+bool takes_dense_path(const SpmmOptions& o, std::int64_t outputs, std::int64_t inputs, double nnz) {
+  return cli::takes_dense_path(parse_product_path(o.path), outputs, inputs, nnz, o.tokens,
+                               parse_precision(o.precision), o.threads);
+}
+
 SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   EngineOptions eo;
   eo.threads = o.threads;
@@ -334,8 +340,9 @@ Command add_spmm_command(CLI::App& app) {
                           std::to_string(w.cols()) + " matrix: nothing to time");
       }
       check_geometry_bounds(o->geometry, w.cols(), o->tokens, o->threads);
-      require_dense_baseline_memory(w.rows(), w.cols(), o->backward, o->tokens,
-                                    static_cast<double>(w.nnz()));
+      const auto nnz = static_cast<double>(w.nnz());
+      require_dense_baseline_memory(w.rows(), w.cols(), o->backward, o->tokens, nnz,
+                                    takes_dense_path(*o, w.rows(), w.cols(), nnz));
       results.push_back(measure(w, *o));
     } else {
       const auto [out, in] = parse_shape(o->shape);
@@ -347,9 +354,9 @@ Command add_spmm_command(CLI::App& app) {
       // Every point is checked before the first W is generated, and each W is made, timed
       // and freed in turn: memory does not grow with the list.
       for (double s : sparsities) {
-        require_dense_baseline_memory(
-            out, in, o->backward, o->tokens,
-            (1.0 - s) * static_cast<double>(out) * static_cast<double>(in));
+        const double nnz = (1.0 - s) * static_cast<double>(out) * static_cast<double>(in);
+        require_dense_baseline_memory(out, in, o->backward, o->tokens, nnz,
+                                      takes_dense_path(*o, out, in, nnz));
       }
       for (double s : sparsities) {
         results.push_back(measure(CsrMatrix::random(out, in, s, o->seed, distribution), *o));

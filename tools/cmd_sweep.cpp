@@ -159,7 +159,7 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   const double densest = 1.0 - *std::min_element(sparsities.begin(), sparsities.end());
   require_dense_baseline_memory(
       outputs, inputs, o.training, o.tokens,
-      densest * static_cast<double>(outputs) * static_cast<double>(inputs));
+      densest * static_cast<double>(outputs) * static_cast<double>(inputs), o.times_dense());
   EngineOptions eo;
   eo.threads = runnable_threads(o.threads, "sweep");
   // The points calibrate the streamed product's model: every one runs sparse, also where

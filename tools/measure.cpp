@@ -2,6 +2,7 @@
 
 #include "core/available_memory.hpp"
 #include "core/excerpt.hpp"
+#include "sluice/path_cost.hpp"
 
 #include <oneapi/tbb/task_arena.h>
 #include <sys/resource.h>
@@ -68,24 +69,37 @@ int runnable_threads(int requested, const char* command) {
 }
 
 void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient,
-                                   std::int64_t tokens, double nnz) {
+                                   std::int64_t tokens, double nnz, bool dense_path) {
   const double out = static_cast<double>(outputs), in = static_cast<double>(inputs);
   const double gradient = with_gradient ? 2 : 1;
+  // Bytes per element of X and Y that sluice spmm's peak RSS showed beside W (X and Y in
+  // fp32, the baseline's and the products' copies; the dense path packs X; a backward adds
+  // dY, dX and theirs): about what a wide and a tall layer took. A run that needs all but a
+  // little of the memory is refused too: it would be killed for it.
+  const double per_activation = with_gradient ? (dense_path ? 22 : 14) : (dense_path ? 8 : 6);
   // W with its zeros (and dW), W's non-zeros as values and indices in the matrix and again
-  // in the engine's stream, X and Y (and dY and dX) in fp32.
+  // in the engine's stream.
   const double bytes = 4.0 * out * in * gradient + 16.0 * nnz +
-                       4.0 * static_cast<double>(tokens) * (out + in) * gradient;
+                       per_activation * static_cast<double>(tokens) * (out + in);
   const detail::MemoryLimit limit = detail::available_memory();
   if (limit.bytes > 0 && bytes > static_cast<double>(limit.bytes)) {
     char text[300];
     std::snprintf(text, sizeof text,
                   "the dense baseline of a %lldx%lld layer needs %.1f GB (with W's non-zeros, X "
-                  "and Y at %lld tokens), more than the %.1f GB of %s this process can have",
+                  "and Y at %lld tokens%s), more than the %.1f GB of %s this process can have",
                   static_cast<long long>(outputs), static_cast<long long>(inputs), bytes * 1e-9,
-                  static_cast<long long>(tokens), static_cast<double>(limit.bytes) * 1e-9,
-                  limit.source);
+                  static_cast<long long>(tokens), dense_path ? ", on the dense path" : "",
+                  static_cast<double>(limit.bytes) * 1e-9, limit.source);
     throw UsageError(text);
   }
+}
+
+bool takes_dense_path(ProductPath path, std::int64_t outputs, std::int64_t inputs, double nnz,
+                      std::int64_t tokens, Precision precision, int threads) {
+  if (path != ProductPath::automatic) return path == ProductPath::dense;
+  const int t = threads > 0 ? threads : tbb::this_task_arena::max_concurrency();
+  return PathCosts::for_this_cpu().choose(outputs, inputs, nnz, tokens, precision, t) ==
+         ProductPath::dense;
 }
 
 void check_geometry_bounds(const Geometry& g, std::int64_t inputs, std::int64_t tokens,

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "sluice/bf16.hpp"
 #include "sluice/geometry.hpp"
+#include "sluice/product_path.hpp"
 
 namespace sluice::cli {
 
@@ -65,14 +67,20 @@ std::int64_t peak_resident_bytes();
 /// report would name a thread count that never ran.
 int runnable_threads(int requested, const char* command);
 
-/// UsageError unless oneDNN's dense baseline of an outputs x inputs layer (W with its
-/// zeros, and dW as large `with_gradient`), with W's `nnz` non-zeros and X and Y of
-/// `tokens`, fits in the memory this process can have (physical, cgroup, RLIMIT_AS): a
-/// large, very sparse layer is small for sluice but may not be for oneDNN, and an
-/// allocation of tens of GB fails late or gets the process killed. Called before W is
-/// generated, with the count its sparsity implies.
+/// UsageError unless timing an outputs x inputs layer against oneDNN's dense baseline fits
+/// in the memory this process can have (physical, cgroup, RLIMIT_AS): W with its zeros
+/// (and dW as large `with_gradient`), W's `nnz` non-zeros, and X and Y of `tokens` (and dY
+/// and dX) with the copies the products make of them, more where the engine's dense path
+/// runs (`dense_path`: it packs X). A large, very sparse layer is small for sluice but may
+/// not be for oneDNN, and an allocation of tens of GB fails late or gets the process
+/// killed. Called before W is generated, with the count its sparsity implies.
 void require_dense_baseline_memory(std::int64_t outputs, std::int64_t inputs, bool with_gradient,
-                                   std::int64_t tokens, double nnz);
+                                   std::int64_t tokens, double nnz, bool dense_path);
+
+/// Whether an engine of `path` (auto: the cost model's choice, as CpuEngine::path_for makes
+/// it) multiplies the layer on its dense path.
+bool takes_dense_path(ProductPath path, std::int64_t outputs, std::int64_t inputs, double nnz,
+                      std::int64_t tokens, Precision precision, int threads);
 
 /// UsageError unless a fixed geometry (--lanes, --blocks, --shares; 0 = chosen) fits the
 /// problem: lanes split the `inputs` features and each is a task, so at most
