@@ -5,7 +5,6 @@
 
 #include "commands.hpp"
 #include "core/available_memory.hpp"
-#include "model_store_option.hpp"
 #include "sluice/dataset.hpp"
 #include "sluice/error.hpp"
 #include "sluice/gpt.hpp"
@@ -71,8 +70,8 @@ void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity,
 double gpt_model_bytes(const GptConfig& config) {
   double weights = 0;
   for (const GptLayerShape& g : gpt_layer_shapes(config)) {
-    weights += static_cast<double>(g.sparse ? drawn_nnz_bound(g.rows, g.cols, config.sparsity)
-                                            : g.rows * g.cols);
+    const double cells = static_cast<double>(g.rows) * static_cast<double>(g.cols);
+    weights += g.sparse ? (1.0 - config.sparsity) * cells : cells;  // as mlp_training_bytes
   }
   return kTrainingBytesPerWeight * weights;
 }
