@@ -1,5 +1,5 @@
-// SparseLinear against the float64 references: forward, dX, dW and db, in both layouts,
-// with values held by the ModelMemory or outside it, fp32 and bf16 streams; its
+// SparseLinear against the float64 references: forward, dX, dW and db (and dX alone), in
+// both layouts, with values held by the ModelMemory or outside it, fp32 and bf16 streams; its
 // constructors (dense + mask, files, magnitude pruning); the optimizer step, of one
 // gradient or of micro-batches' summed; bad input.
 #include "sluice/sparse_linear.hpp"
@@ -39,6 +39,14 @@ DenseMatrix nan_matrix(std::int64_t rows, std::int64_t cols) {
   DenseMatrix m(rows, cols);
   m.fill(std::numeric_limits<float>::quiet_NaN());
   return m;
+}
+
+bool same_values(ConstMatrixView a, ConstMatrixView b) {
+  if (a.rows != b.rows || a.cols != b.cols) return false;
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    if (!std::equal(a.row(r), a.row(r) + a.cols, b.row(r))) return false;
+  }
+  return true;
 }
 
 std::vector<float> random_bias(std::int64_t n, std::uint64_t seed) {
@@ -122,6 +130,12 @@ TEST_P(SparseLinearShapes, MatchesReference) {
   // Without dX the mask alone is streamed (by output): the same weight gradient.
   const SparseLinearGradient g2 = layer.backward(engine, x_in, dy_in, nullptr, options);
   EXPECT_LT(backward_weight_error(w, dy, x, g2.weights), kTolerance);
+
+  // dX alone (a frozen layer): the same dX, bit for bit, and nothing handed in.
+  DenseMatrix dx_alone = tm ? nan_matrix(s.tokens, s.in) : nan_matrix(s.in, s.tokens);
+  layer.backward_data(engine, dy_in, dx_alone.view(), options);
+  EXPECT_TRUE(same_values(dx_alone, dx));
+  EXPECT_FALSE(memory->commit_step().applied);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -151,6 +165,9 @@ TEST(SparseLinear, ValuesHeldOutsideTheModelMemory) {
   EXPECT_LT(backward_data_error(other, dy, transposed(dx)), kTolerance);
   EXPECT_LT(backward_weight_error(other, dy, x, g.weights), kTolerance);
   EXPECT_LT(bias_gradient_error(dy, g.bias), kTolerance);
+  DenseMatrix dx_alone = nan_matrix(21, 33);
+  layer.backward_data(engine, dy_tm, dx_alone.view(), options);
+  EXPECT_LT(backward_data_error(other, dy, transposed(dx_alone)), kTolerance);
   // Submitting is for the ModelMemory's own values only.
   thrown_message<ShapeError>(
       [&] { layer.submit_backward(engine, x_tm, dy_tm, &dx_view, options); });
@@ -175,6 +192,10 @@ TEST(SparseLinear, Bf16Stream) {
   EXPECT_LT(std::min(backward_data_error(wb, dy, dx), backward_data_error(wb, dyb, dx)),
             kTolerance);
   EXPECT_LT(backward_weight_error(w, dy, x, g.weights), 1e-2);  // dY may be held in bf16
+  DenseMatrix dx_alone = nan_matrix(90, 40);
+  layer.backward_data(engine, dy, dx_alone.view(), options);
+  EXPECT_LT(std::min(backward_data_error(wb, dy, dx_alone), backward_data_error(wb, dyb, dx_alone)),
+            kTolerance);
 }
 
 TEST(SparseLinear, SubmittedGradientIsAppliedByStep) {

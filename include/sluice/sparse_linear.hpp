@@ -104,6 +104,10 @@ class SparseLinear {
   /// the last step() (ModelMemory::accumulate_gradient), so step() applies their sum.
   void accumulate_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                            MutableMatrixView* dx, const ProductOptions& options = {}) const;
+  /// dX = W^T dY alone, for a layer whose weights want no gradient (frozen, or a gradient
+  /// taken with respect to the input only). dX is overwritten.
+  void backward_data(Engine& engine, ConstMatrixView dy, MutableMatrixView dx,
+                     const ProductOptions& options = {}) const;
   /// Commits the ModelMemory's step: this layer's update and that of every other layer
   /// that submitted a gradient since the last step (ModelMemory::commit_step).
   StepReport step();
@@ -115,6 +119,7 @@ class SparseLinear {
   const Placement& placement_for(const Engine& engine, std::int64_t tokens,
                                  Precision precision) const;
   WeightStream stream(StreamKind kind, StreamOrder order, const ProductOptions& options) const;
+  StreamOrder data_order(Precision precision) const;
   WeightStream run_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                             MutableMatrixView* dx, const ProductOptions& options,
                             std::vector<float>& bias_gradient) const;

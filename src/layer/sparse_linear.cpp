@@ -314,6 +314,16 @@ void SparseLinear::forward(Engine& engine, ConstMatrixView x, MutableMatrixView 
   deliver(y_scratch, y, options.layout);
 }
 
+StreamOrder SparseLinear::data_order(Precision precision) const {
+  // By input where the layer can be streamed so (as the executor decides): the engine then
+  // gathers dY once for dX and the weight gradient alike.
+  const CsrMatrix& w = weights();
+  const bool by_input =
+      static_cast<std::uint64_t>(w.nnz()) <= std::numeric_limits<std::uint32_t>::max() &&
+      (precision == Precision::fp32 || w.rows() <= static_cast<std::int64_t>(kMaxBf16Inputs));
+  return by_input ? StreamOrder::by_input : StreamOrder::by_output;
+}
+
 WeightStream SparseLinear::run_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,
                                         MutableMatrixView* dx, const ProductOptions& options,
                                         std::vector<float>& bias_gradient) const {
@@ -326,20 +336,9 @@ WeightStream SparseLinear::run_backward(Engine& engine, ConstMatrixView x, Const
   const ConstMatrixView dyf = features_of(dy, options.layout, dy_scratch);
   MutableMatrixView dxf;
   if (dx != nullptr) dxf = target_of(*dx, options.layout, dx_scratch);
-  // With dX wanted, the stream by input: the engine gathers dY once for both gradients,
-  // unless the layer cannot be streamed so (as the executor decides).
-  const CsrMatrix& w = weights();
-  StreamKind kind = StreamKind::mask;
-  StreamOrder order = StreamOrder::by_output;
-  if (dx != nullptr) {
-    kind = StreamKind::weights;
-    const bool by_input =
-        static_cast<std::uint64_t>(w.nnz()) <= std::numeric_limits<std::uint32_t>::max() &&
-        (options.precision == Precision::fp32 ||
-         w.rows() <= static_cast<std::int64_t>(kMaxBf16Inputs));
-    if (by_input) order = StreamOrder::by_input;
-  }
-  const WeightStream s = stream(kind, order, options);
+  const WeightStream s = dx != nullptr
+                             ? stream(StreamKind::weights, data_order(options.precision), options)
+                             : stream(StreamKind::mask, StreamOrder::by_output, options);
   WeightStream gradient = engine.backward(s, placement_for(engine, tokens, options.precision), xf,
                                           dyf, dx != nullptr ? &dxf : nullptr);
   const bool has_bias = options.values.empty() ? !bias().empty() : !options.bias.empty();
@@ -356,6 +355,19 @@ SparseLinearGradient SparseLinear::backward(Engine& engine, ConstMatrixView x, C
   const bool by_input = gradient.header.order == StreamOrder::by_input;
   g.weights = values_of(gradient, by_input ? &memory_->transposed(layer_) : nullptr);
   return g;
+}
+
+void SparseLinear::backward_data(Engine& engine, ConstMatrixView dy, MutableMatrixView dx,
+                                 const ProductOptions& options) const {
+  const std::int64_t tokens = extent(dy, options.layout).tokens;
+  check_activation(dy, options.layout, out_features(), -1, "dY");
+  check_activation(dx, options.layout, in_features(), tokens, "dX");
+  DenseMatrix dy_scratch, dx_scratch;
+  const ConstMatrixView dyf = features_of(dy, options.layout, dy_scratch);
+  const MutableMatrixView dxf = target_of(dx, options.layout, dx_scratch);
+  const WeightStream s = stream(StreamKind::weights, data_order(options.precision), options);
+  engine.backward_data(s, placement_for(engine, tokens, options.precision), dyf, dxf);
+  deliver(dx_scratch, dx, options.layout);
 }
 
 void SparseLinear::hand_in_backward(bool add, Engine& engine, ConstMatrixView x, ConstMatrixView dy,

@@ -136,6 +136,15 @@ void check_input(const LayerBinding& b, const Tensor& x) {
   if (!x.device().is_cpu()) throw UnsupportedError("sluice SparseLinear: input not on the CPU");
 }
 
+void check_weights_device(const Tensor& values, const Tensor& bias) {
+  for (const auto& [t, name] : {std::pair{&values, "values"}, std::pair{&bias, "bias"}}) {
+    if (t->defined() && !t->device().is_cpu()) {
+      throw UnsupportedError(std::string("sluice SparseLinear: ") + name + " on " +
+                             t->device().str() + ", not the CPU");
+    }
+  }
+}
+
 std::vector<std::int64_t> with_last(const Tensor& x, std::int64_t last) {
   std::vector<std::int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = last;
@@ -196,6 +205,7 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
                                      const c10::intrusive_ptr<LayerBinding>& binding) {
   LayerBinding& b = *binding;
   check_input(b, x);
+  check_weights_device(values, bias);
   const sluice::SparseLinear& layer = b.layer();
   const Tensor x2 = x.reshape({-1, layer.in_features()});
   const auto dtype = x.scalar_type();
@@ -238,6 +248,12 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
   const std::int64_t tokens = x_fm.size(0);
 
   const bool want_dx = ctx->needs_input_grad(0);
+  // The weights' gradient only where autograd asks for it: a frozen layer, or a gradient
+  // with respect to the input alone (autograd.grad(y, x), backward(inputs=...)), takes dX
+  // alone, and a sluice-owned layer (the stand-in at 1) then hands its ModelMemory nothing.
+  const bool own = b.owner() == WeightOwner::sluice;
+  const bool want_values = ctx->needs_input_grad(1);
+  const bool want_bias = !own && ctx->needs_input_grad(2);
   Tensor dx_fm;
   MutableMatrixView dx_view;
   if (want_dx) {
@@ -249,15 +265,19 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
   Tensor d_values, d_bias;
   {
     std::lock_guard lock(b.engine_mutex());
-    if (b.owner() == WeightOwner::sluice) {
+    if (!want_values && !want_bias) {
+      if (want_dx) layer.backward_data(b.engine(), *feature_major_view(dy_fm), dx_view, options);
+    } else if (own) {
       layer.accumulate_backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
                                 want_dx ? &dx_view : nullptr, options);
     } else {
       SparseLinearGradient g =
           layer.backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
                          want_dx ? &dx_view : nullptr, options);
-      if (values.numel() > 0) d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
-      if (bias.numel() > 0) d_bias = tensor_of(std::move(g.bias)).to(bias.scalar_type());
+      if (want_values && values.numel() > 0)
+        d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
+      if (want_bias && bias.numel() > 0)
+        d_bias = tensor_of(std::move(g.bias)).to(bias.scalar_type());
     }
   }
   Tensor dx;

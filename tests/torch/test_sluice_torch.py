@@ -137,11 +137,34 @@ class DropIn(unittest.TestCase):
         layer = sluice_torch.SparseLinear(4, 2)
         with self.assertRaisesRegex(RuntimeError, r"expected \[\.\.\., 4\]"):
             layer(torch.randn(3, 5))
+        with self.assertRaisesRegex(RuntimeError, "values on meta, not the CPU"):
+            copy.deepcopy(layer).to("meta")(torch.randn(3, 4))
         with self.assertRaises(ValueError):
             sluice_torch.SparseLinear(4, 2, sparsity=1.0)
         for sizes in ((0, 2), (4, 0)):
             with self.assertRaisesRegex(ValueError, "at least 1"):
                 sluice_torch.SparseLinear(*sizes)
+
+    def test_a_gradient_for_the_input_alone_leaves_the_weights(self):
+        # autograd.grad with respect to the input (an adversarial example's, a saliency
+        # map's) and a frozen layer compute dX alone: a sluice-owned layer's step then has
+        # nothing to apply, a torch-held layer's parameters get no .grad.
+        torch.manual_seed(14)
+        owned = sluice_torch.SparseLinear(13, 7, sparsity=0.6, sluice_optimizer="sgd", lr=0.1)
+        values = owned.layer.values().clone()
+        x = torch.randn(5, 13, requires_grad=True)
+        dx, = torch.autograd.grad(owned(x).square().sum(), x)
+        w, b = owned.dense_weight(), owned.layer.bias()
+        want = (2 * (x.detach() @ w.t() + b)) @ w
+        self.assertLess(relative(dx, want), 1e-5)
+        self.assertFalse(owned.step())
+        self.assertTrue(torch.equal(owned.layer.values(), values))
+        frozen = sluice_torch.SparseLinear.from_mask(w, owned.mask(), b).requires_grad_(False)
+        x.grad = None
+        frozen(x).square().sum().backward()
+        self.assertLess(relative(x.grad, want), 1e-5)
+        self.assertIsNone(frozen.values.grad)
+        self.assertIsNone(frozen.bias.grad)
 
     def test_sluice_optimizer_accumulates_backward_passes(self):
         # Weights that are sluice's: the backward passes before a step add up, as a

@@ -178,6 +178,40 @@ TEST(TorchSparseLinearSluiceOwned, BackwardPassesBeforeAStepAddUp) {
   EXPECT_FALSE(owned->step().applied);
 }
 
+// A gradient with respect to the input alone (autograd::grad, a frozen layer) computes dX
+// alone: a sluice-owned layer's ModelMemory is handed nothing (its step applies nothing), a
+// torch-held layer's parameters get no .grad; dX is the masked dense Linear's.
+TEST(TorchSparseLinearInputGradientAlone, HandsNothingToTheWeights) {
+  torch::manual_seed(10);
+  const Tensor w = torch::randn({11, 17}), b = torch::randn({11});
+  const Tensor mask = (torch::rand({11, 17}) < 0.4).to(torch::kFloat);
+  const Tensor x = torch::randn({6, 17}), g = torch::randn({6, 11});
+  const Reference ref = masked_dense(w, mask, b, x, g);
+
+  SparseLinear owned(w, mask, b, SparseLinearOptions(17, 11).weights(WeightOwner::sluice));
+  const Tensor values = owned->values().clone();
+  const Tensor xs = x.clone().requires_grad_(true);
+  const Tensor dx = torch::autograd::grad({(owned(xs) * g).sum()}, {xs})[0];
+  EXPECT_LT(relative(dx, ref.dx), 1e-5);
+  EXPECT_FALSE(owned->step().applied);
+  EXPECT_TRUE(torch::equal(owned->values(), values));
+
+  SparseLinear frozen(w, mask, b, SparseLinearOptions(17, 11));
+  for (Tensor& p : frozen->parameters()) p.requires_grad_(false);
+  const Tensor xf = x.clone().requires_grad_(true);
+  (frozen(xf) * g).sum().backward();
+  EXPECT_LT(relative(xf.grad(), ref.dx), 1e-5);
+  EXPECT_FALSE(frozen->values().grad().defined());
+  EXPECT_FALSE(frozen->bias().grad().defined());
+
+  // Only the bias trained: the values get no gradient, the bias its own.
+  SparseLinear bias_only(w, mask, b, SparseLinearOptions(17, 11));
+  bias_only->values().requires_grad_(false);
+  (bias_only(x) * g).sum().backward();
+  EXPECT_FALSE(bias_only->values().grad().defined());
+  EXPECT_LT(relative(bias_only->bias().grad(), ref.db), 1e-5);
+}
+
 TEST(TorchSparseLinearNoBias, MatchesMaskedDenseLinear) {
   torch::manual_seed(6);
   SparseLinear layer(SparseLinearOptions(33, 21).bias(false).sparsity(0.7));
