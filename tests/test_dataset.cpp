@@ -43,6 +43,31 @@ TEST_F(DatasetFiles, ReadsPlainAndGzippedCsv) {
   }
 }
 
+// A first line of names is a header: skipped, its column count kept. A line of names
+// anywhere else, or a first line with a number among names, is a bad row.
+TEST_F(DatasetFiles, AFirstLineOfNamesIsAHeader) {
+  write(temp("header.csv"), "\n width, height ,label\n1,2,0\n3,4,1\n");
+  const Dataset d = load_csv(temp("header.csv"));
+  EXPECT_EQ(d.samples(), 2);
+  EXPECT_EQ(d.labels, (std::vector<int>{0, 1}));
+  EXPECT_EQ(d.features(1, 1), 4.0F);
+  write(temp("short_header.csv"), "a,b\n1,2,0\n");
+  write(temp("late_header.csv"), "1,2,0\na,b,c\n");
+  write(temp("mixed_header.csv"), "a,2,label\n1,2,0\n");
+  write(temp("header_only.csv"), "a,b,label\n");
+  for (const auto& [name, message] : {std::pair{"short_header.csv", ":2: 3 columns, expected 2"},
+                                      std::pair{"late_header.csv", ":2: column 1 is not"},
+                                      std::pair{"mixed_header.csv", ":1: column 1 is not"},
+                                      std::pair{"header_only.csv", "no data rows"}}) {
+    try {
+      load_csv(temp(name));
+      ADD_FAILURE() << name;
+    } catch (const FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST_F(DatasetFiles, BadRowsNameTheLine) {
   write(temp("bad1.csv"), "1,2,0\n1,x,1\n");
   write(temp("bad2.csv"), "1,2,0\n1,2\n1,2,3,4\n");

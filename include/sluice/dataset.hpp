@@ -19,8 +19,9 @@ struct Dataset {
 };
 
 /// Reads a CSV of numbers, one sample per line, the last column its integer label
-/// (>= 0); gzip'd files are read transparently. Every row must have as many columns as
-/// the first. Blank lines are skipped. FormatError names the file, line and column of a
+/// (>= 0); gzip'd files are read transparently. A first line of names (no cell a
+/// number) is a header and skipped. Every row must have as many columns as the first.
+/// Blank lines are skipped. FormatError names the file, line and column of a
 /// bad row; IoError if the file cannot be opened.
 Dataset load_csv(const std::filesystem::path& path);
 

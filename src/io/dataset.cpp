@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -81,6 +82,55 @@ Dataset subset(const Dataset& data, const std::vector<std::int64_t>& order, std:
   return out;
 }
 
+/// The line's comma-separated cells, blanks around each trimmed.
+std::vector<std::string> cells_of(const std::string& line) {
+  std::vector<std::string> cells;
+  std::size_t start = 0;
+  while (true) {
+    std::size_t end = line.find(',', start);
+    if (end == std::string::npos) end = line.size();
+    const std::string cell = line.substr(start, end - start);
+    const auto first = cell.find_first_not_of(" \t");
+    const auto last = cell.find_last_not_of(" \t");
+    cells.push_back(first == std::string::npos ? "" : cell.substr(first, last - first + 1));
+    if (end == line.size()) return cells;
+    start = end + 1;
+  }
+}
+
+/// The cell as a finite number, or nullopt.
+std::optional<double> number_of(const std::string& cell) {
+  double v = 0;
+  const auto [ptr, ec] = std::from_chars(cell.data(), cell.data() + cell.size(), v);
+  if (cell.empty() || ec != std::errc() || ptr != cell.data() + cell.size() || !std::isfinite(v))
+    return std::nullopt;
+  return v;
+}
+
+/// A row's values: features then the label. FormatError says which cell is wrong.
+std::vector<double> values_of(const std::vector<std::string>& cells, const std::string& at) {
+  std::vector<double> values;
+  for (const std::string& cell : cells) {
+    const std::string column = "column " + std::to_string(values.size() + 1);
+    const std::optional<double> v = number_of(cell);
+    if (!v)
+      throw FormatError(at + ": " + column + " is not a finite number: " + detail::excerpt(cell));
+    // Features are held in fp32: a larger value would become infinite there.
+    if (std::fabs(*v) > std::numeric_limits<float>::max())
+      throw FormatError(at + ": " + column +
+                        " is outside the fp32 range: " + detail::excerpt(cell));
+    values.push_back(*v);
+  }
+  if (values.size() < 2) throw FormatError(at + ": needs at least one feature and a label");
+  const double label = values.back();
+  if (label < 0 || label != std::floor(label) || label > 1e6) {
+    char shown[32];
+    std::snprintf(shown, sizeof shown, "%.6g", label);
+    throw FormatError(at + ": label " + shown + " is not an integer in [0, 1e6]");
+  }
+  return values;
+}
+
 }  // namespace
 
 Dataset load_csv(const std::filesystem::path& path) {
@@ -88,51 +138,28 @@ Dataset load_csv(const std::filesystem::path& path) {
   std::vector<std::vector<double>> rows;
   std::vector<int> labels;
   std::size_t columns = 0;
+  bool first = true;
   for (std::size_t i = 0; i < lines.size(); ++i) {
-    const std::string& line = lines[i];
-    if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    const auto line_no = static_cast<std::int64_t>(i + 1);
-    std::vector<double> values;
-    std::size_t start = 0;
-    while (true) {
-      std::size_t end = line.find(',', start);
-      if (end == std::string::npos) end = line.size();
-      std::string cell = line.substr(start, end - start);
-      const auto first = cell.find_first_not_of(" \t");
-      const auto last = cell.find_last_not_of(" \t");
-      cell = first == std::string::npos ? "" : cell.substr(first, last - first + 1);
-      double v = 0;
-      const auto [ptr, ec] = std::from_chars(cell.data(), cell.data() + cell.size(), v);
-      if (cell.empty() || ec != std::errc() || ptr != cell.data() + cell.size() ||
-          !std::isfinite(v)) {
-        throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
-                          " is not a finite number: " + detail::excerpt(cell));
-      }
-      // Features are held in fp32: a larger value would become infinite there.
-      if (std::fabs(v) > std::numeric_limits<float>::max()) {
-        throw FormatError(where(path, line_no) + ": column " + std::to_string(values.size() + 1) +
-                          " is outside the fp32 range: " + detail::excerpt(cell));
-      }
-      values.push_back(v);
-      if (end == line.size()) break;
-      start = end + 1;
+    if (lines[i].find_first_not_of(" \t") == std::string::npos) continue;
+    const std::vector<std::string> cells = cells_of(lines[i]);
+    // A first line of names alone (no cell a number) is a header, as most tools write one:
+    // it sets the column count and is not a sample.
+    const bool header = first && std::none_of(cells.begin(), cells.end(), [](const auto& c) {
+                          return number_of(c).has_value();
+                        });
+    first = false;
+    if (header) {
+      columns = cells.size();
+      continue;
     }
-    if (values.size() < 2) {
-      throw FormatError(where(path, line_no) + ": needs at least one feature and a label");
-    }
+    const std::string at = where(path, static_cast<std::int64_t>(i + 1));
+    std::vector<double> values = values_of(cells, at);
     if (columns == 0) columns = values.size();
     if (values.size() != columns) {
-      throw FormatError(where(path, line_no) + ": " + std::to_string(values.size()) +
-                        " columns, expected " + std::to_string(columns));
+      throw FormatError(at + ": " + std::to_string(values.size()) + " columns, expected " +
+                        std::to_string(columns));
     }
-    const double label = values.back();
-    if (label < 0 || label != std::floor(label) || label > 1e6) {
-      char shown[32];
-      std::snprintf(shown, sizeof shown, "%.6g", label);
-      throw FormatError(where(path, line_no) + ": label " + shown +
-                        " is not an integer in [0, 1e6]");
-    }
-    labels.push_back(static_cast<int>(label));
+    labels.push_back(static_cast<int>(values.back()));
     values.pop_back();
     rows.push_back(std::move(values));
   }
