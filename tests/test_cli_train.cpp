@@ -366,14 +366,14 @@ TEST_F(CliTrain, AStrayLabelsModelIsBudgetedNamingItsLine) {
             std::to_string(i % 3) + "\n";
   }
   std::ofstream(path("good.csv")) << rows;
-  std::ofstream(path("stray.csv")) << rows << "\n0.1,0.2,0.3,0.4,1000000\n";
+  std::ofstream(path("stray.csv")) << "a,b,c,d,label\n" << rows << "\n0.1,0.2,0.3,0.4,1000000\n";
   const std::string limited = std::string("prlimit --as=2147483648 ") + SLUICE_CLI_PATH;
   const Outcome good =
       sluice::testing::run_cli(limited, "train --epochs 1 --dataset " + path("good.csv"));
   EXPECT_EQ(good.exit_code, 0) << good.output;
   const Outcome stray =
       sluice::testing::run_cli(limited, "train --epochs 1 --dataset " + path("stray.csv"));
-  expect_exit(stray, 1, path("stray.csv") + ":42: label 1000000 implies 1000001 classes");
+  expect_exit(stray, 1, path("stray.csv") + ":43: label 1000000 implies 1000001 classes");
   EXPECT_NE(stray.output.find("RLIMIT_AS"), std::string::npos) << stray.output;
 }
 

@@ -51,6 +51,8 @@ TEST_F(DatasetFiles, AFirstLineOfNamesIsAHeader) {
   EXPECT_EQ(d.samples(), 2);
   EXPECT_EQ(d.labels, (std::vector<int>{0, 1}));
   EXPECT_EQ(d.features(1, 1), 4.0F);
+  EXPECT_EQ(csv_line_of(temp("header.csv"), 1), 4);  // for messages: the file's own lines
+  EXPECT_THROW(csv_line_of(temp("header.csv"), 2), ArgumentError);
   write(temp("short_header.csv"), "a,b\n1,2,0\n");
   write(temp("late_header.csv"), "1,2,0\na,b,c\n");
   write(temp("mixed_header.csv"), "a,2,label\n1,2,0\n");

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -556,8 +557,9 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   } else {
     memory.seed = o->seed;
     const bool classes_from_file = o->layers.empty() && dataset_name == o->dataset;
-    require_mlp_memory(sizes, o->sparsity, o->batch,
-                       classes_from_file ? largest_label_source(o->dataset, all) : "",
+    std::function<std::string()> label_source;
+    if (classes_from_file) label_source = [&] { return largest_label_source(o->dataset, all); };
+    require_mlp_memory(sizes, o->sparsity, o->batch, label_source,
                        o->layers.empty() ? "the default layers" : "--layers " + o->layers);
     check_model_store_budget(o->store, sizes, o->sparsity,
                              executor_options(*o, static_cast<std::int32_t>(sizes.size()) - 1),

@@ -1,7 +1,6 @@
 #include "model_budget.hpp"
 
 #include <algorithm>
-#include <fstream>
 
 #include "commands.hpp"
 #include "core/available_memory.hpp"
@@ -36,31 +35,21 @@ std::string largest_label_source(const std::filesystem::path& path, const Datase
   if (data.labels.empty()) return path.string();
   const auto largest = std::max_element(data.labels.begin(), data.labels.end());
   const auto sample = largest - data.labels.begin();
-  if (path.extension() == ".gz") {
-    return path.string() + ": sample " + std::to_string(sample + 1) + ", label " +
-           std::to_string(*largest);
-  }
-  // load_csv keeps every line that is not blank as a sample, in order.
-  std::ifstream in(path);
-  std::int64_t line_number = 0, samples = 0;
-  for (std::string line; std::getline(in, line);) {
-    ++line_number;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    if (samples++ == sample) break;
-  }
+  const std::int64_t line_number = csv_line_of(path, sample);
   return path.string() + ":" + std::to_string(line_number) + ": label " + std::to_string(*largest);
 }
 
 void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity, std::int64_t batch,
-                        const std::string& label_source, const std::string& layers_flag) {
+                        const std::function<std::string()>& label_source,
+                        const std::string& layers_flag) {
   std::string layers;
   for (const std::int64_t s : sizes) layers += (layers.empty() ? "" : ",") + std::to_string(s);
   const std::string what = "a model of layers " + layers;
   try {
     detail::require_memory(mlp_training_bytes(sizes, sparsity, batch), what);
   } catch (const ResourceError& e) {
-    if (!label_source.empty()) {
-      throw FormatError(label_source + " implies " + std::to_string(sizes.back()) +
+    if (label_source) {
+      throw FormatError(label_source() + " implies " + std::to_string(sizes.back()) +
                         " classes: " + e.what());
     }
     throw UsageError(layers_flag + ": " + e.what());

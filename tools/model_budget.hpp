@@ -5,6 +5,7 @@
 // than built for minutes (or until the process is killed).
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,12 @@ double mlp_training_bytes(const std::vector<std::int64_t>& sizes, double sparsit
 std::string largest_label_source(const std::filesystem::path& path, const Dataset& data);
 
 /// Throws unless mlp_training_bytes fits in the memory this process can have: a
-/// FormatError naming `label_source` (the sizes came from the data's classes) when it is
-/// not empty, else a UsageError naming `layers_flag`.
+/// FormatError naming what `label_source` says (the sizes came from the data's classes;
+/// asked only then, as it may read the file again) when it is given, else a UsageError
+/// naming `layers_flag`.
 void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity, std::int64_t batch,
-                        const std::string& label_source, const std::string& layers_flag);
+                        const std::function<std::string()>& label_source,
+                        const std::string& layers_flag);
 
 /// The least a GPT of `config` holds while it trains: `gpt_model_bytes` for its ModelMemory
 /// (each stored weight as an MLP's non-zero above), `gpt_activation_bytes` for a shard of

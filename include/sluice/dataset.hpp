@@ -24,6 +24,9 @@ struct Dataset {
 /// Blank lines are skipped. FormatError names the file, line and column of a
 /// bad row; IoError if the file cannot be opened.
 Dataset load_csv(const std::filesystem::path& path);
+/// The line (from 1) of `path` that load_csv reads sample `sample` (from 0) from, for
+/// messages; ArgumentError past the last sample.
+std::int64_t csv_line_of(const std::filesystem::path& path, std::int64_t sample);
 
 /// The UCI optical-digits set as scikit-learn ships it (sklearn/datasets/data/
 /// digits.csv.gz: 1797 rows, 64 pixel values 0..16, then the label 0..9).

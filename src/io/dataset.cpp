@@ -131,6 +131,17 @@ std::vector<double> values_of(const std::vector<std::string>& cells, const std::
   return values;
 }
 
+bool blank(const std::string& line) {
+  return line.find_first_not_of(" \t") == std::string::npos;
+}
+
+/// A first line of names alone (no cell a number) is a header, as most tools write one: it
+/// sets the column count and is not a sample.
+bool is_header(const std::vector<std::string>& cells) {
+  return std::none_of(cells.begin(), cells.end(),
+                      [](const std::string& c) { return number_of(c).has_value(); });
+}
+
 }  // namespace
 
 Dataset load_csv(const std::filesystem::path& path) {
@@ -140,13 +151,9 @@ Dataset load_csv(const std::filesystem::path& path) {
   std::size_t columns = 0;
   bool first = true;
   for (std::size_t i = 0; i < lines.size(); ++i) {
-    if (lines[i].find_first_not_of(" \t") == std::string::npos) continue;
+    if (blank(lines[i])) continue;
     const std::vector<std::string> cells = cells_of(lines[i]);
-    // A first line of names alone (no cell a number) is a header, as most tools write one:
-    // it sets the column count and is not a sample.
-    const bool header = first && std::none_of(cells.begin(), cells.end(), [](const auto& c) {
-                          return number_of(c).has_value();
-                        });
+    const bool header = first && is_header(cells);
     first = false;
     if (header) {
       columns = cells.size();
@@ -176,6 +183,19 @@ Dataset load_csv(const std::filesystem::path& path) {
   d.labels = std::move(labels);
   d.classes = *std::max_element(d.labels.begin(), d.labels.end()) + 1;
   return d;
+}
+
+std::int64_t csv_line_of(const std::filesystem::path& path, std::int64_t sample) {
+  const std::vector<std::string> lines = read_lines(path);
+  std::int64_t samples = 0;
+  bool first = true;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    if (blank(lines[i])) continue;
+    const bool header = first && is_header(cells_of(lines[i]));
+    first = false;
+    if (!header && samples++ == sample) return static_cast<std::int64_t>(i + 1);
+  }
+  throw ArgumentError(path.string() + " has no sample " + std::to_string(sample));
 }
 
 Dataset load_digits(const std::filesystem::path& path) {
