@@ -15,9 +15,12 @@ applies their sum.
 ``state_dict()`` holds the mask too (``mask_indices``: the values' flat positions
 row * in_features + column), and the values and bias also of a sluice_optimizer layer;
 ``load_state_dict`` takes that mask, so a layer built with another mask (another seed)
-loads to compute what the saved one did. A sluice_optimizer layer's optimizer state is not
-in it and starts afresh, as a torch optimizer's does without its own state_dict. The same
-holds for copy.deepcopy, torch.save of a module and torch.jit.save.
+loads to compute what the saved one did. A sluice_optimizer layer's state_dict holds its
+optimizer too (``optimizer_state``: its ModelMemory's checkpoint, with the moments, the
+step and the settings, as a torch optimizer's own state_dict holds them), so a run resumes
+where it stopped; ``layer.lr`` reads and sets its learning rate between steps.
+copy.deepcopy, torch.save of a module and torch.jit.save keep the values, not the
+optimizer's state.
 """
 import math
 import os
@@ -99,6 +102,16 @@ class SparseLinear(torch.nn.Module):
         """Applies the ModelMemory's optimizer (sluice_optimizer layers only)."""
         return self.layer.step()
 
+    @property
+    def lr(self):
+        """The ModelMemory optimizer's learning rate; set it between steps to schedule it."""
+        return self.layer.optimizer_settings()[1]
+
+    @lr.setter
+    def lr(self, value):
+        self.layer.set_learning_rate(float(value))
+        self._optimizer = self.layer.optimizer_settings()
+
     def zero_grad(self, set_to_none=False):
         """Module.zero_grad, and for a sluice_optimizer layer drops the gradient its backward
         passes handed the ModelMemory since the last step. (A Python module holding this
@@ -122,10 +135,20 @@ class SparseLinear(torch.nn.Module):
             destination[prefix + "values"] = self.layer.values()
             if self._has_bias:
                 destination[prefix + "bias"] = self.layer.bias()
+            destination[prefix + "optimizer_state"] = self.layer.optimizer_state()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         owned = self.layer.sluice_owned()
+        saved_state = state_dict.get(prefix + "optimizer_state")
+        if owned and saved_state is not None:
+            if problem := self._load_optimizer_state(saved_state, state_dict, prefix):
+                error_msgs.append(f"sluice SparseLinear {prefix or '(top)'}: {problem}")
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            unexpected_keys[:] = [k for k in unexpected_keys
+                                  if k[len(prefix):] not in self._OWN_KEYS]
+            return
         indices = state_dict.get(prefix + "mask_indices")
         values = state_dict.get(prefix + "values")
         bias = state_dict.get(prefix + "bias")
@@ -149,12 +172,39 @@ class SparseLinear(torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # An owned layer has no parameters: its saved values and bias are ours, as the mask.
+        # Its optimizer's state may be missing (saved before it was kept: it starts afresh);
+        # a torch-held layer leaves that to a torch optimizer.
         ours = {prefix + "mask_indices"}
         if owned:
             ours |= {prefix + "values"} | ({prefix + "bias"} if self._has_bias else set())
             if strict:
                 missing_keys.extend(k for k in sorted(ours) if k not in state_dict)
+        ours.add(prefix + "optimizer_state")
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]
+
+    _OWN_KEYS = ("mask_indices", "values", "bias", "optimizer_state")
+
+    def _load_optimizer_state(self, saved_state, state_dict, prefix):
+        """Loads a sluice_optimizer layer's saved ModelMemory (what is wrong: None, fine)."""
+        try:
+            layer = torch.ops.sluice.make_layer_from_state(saved_state)
+        except RuntimeError as e:
+            return str(e).splitlines()[0]
+        shape = (layer.in_features(), layer.out_features())
+        if shape != (self.in_features, self.out_features):
+            return (f"optimizer_state of a layer of {shape[0]} inputs and {shape[1]} outputs, "
+                    f"not {self.in_features} and {self.out_features}")
+        if (layer.bias() is not None) != self._has_bias:
+            return "optimizer_state " + ("has no bias" if self._has_bias else "has a bias")
+        # The copies saved beside it must agree: an edited one would silently be lost.
+        for key, mine in (("mask_indices", layer.mask_indices()), ("values", layer.values()),
+                          ("bias", layer.bias())):
+            theirs = state_dict.get(prefix + key)
+            if theirs is not None and mine is not None and not torch.equal(theirs, mine):
+                return f"{key} differs from optimizer_state's (load one or the other)"
+        self.layer = layer
+        self._optimizer = layer.optimizer_settings()
+        return None
 
     def _state_problem(self, indices, values, bias):
         """What is wrong with a saved mask, values and bias for this layer (None: fine)."""

@@ -5,12 +5,20 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <stdlib.h>  // mkdtemp
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "sluice/error.hpp"
+#include "sluice/model_memory.hpp"
 #include "sluice/optimizer.hpp"
 #include "sluice/torch/sparse_linear.hpp"
 
@@ -109,6 +117,76 @@ c10::intrusive_ptr<LayerBinding> unpickle_layer(PickledLayer state) {
                        optimizer, learning_rate, weight_decay);
 }
 
+/// A private directory under the system's temporary one (TMPDIR), removed with what it
+/// holds: ModelMemory saves and loads files, a state_dict holds bytes.
+class ScratchDirectory {
+ public:
+  ScratchDirectory() {
+    std::string name = (std::filesystem::temp_directory_path() / "sluice-state-XXXXXX").string();
+    if (::mkdtemp(name.data()) == nullptr) {
+      throw IoError("sluice_torch: cannot make a directory " + name + ": " + std::strerror(errno));
+    }
+    path_ = name;
+  }
+  ~ScratchDirectory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  ScratchDirectory(const ScratchDirectory&) = delete;
+  ScratchDirectory& operator=(const ScratchDirectory&) = delete;
+  std::filesystem::path file() const { return path_ / "state"; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// The layer's ModelMemory as the bytes of its checkpoint (ModelMemory::save): mask,
+/// values, bias, the optimizer's settings and state, and the step.
+Tensor optimizer_state(const c10::intrusive_ptr<LayerBinding>& self) {
+  ScratchDirectory dir;
+  self->layer().memory().save(dir.file());
+  const auto size = static_cast<std::int64_t>(std::filesystem::file_size(dir.file()));
+  Tensor state = ::torch::empty({size}, ::torch::kUInt8);
+  std::ifstream in(dir.file(), std::ios::binary);
+  if (!in.read(reinterpret_cast<char*>(state.data_ptr<std::uint8_t>()), size)) {
+    throw IoError("sluice_torch: cannot read back " + dir.file().string());
+  }
+  return state;
+}
+
+/// A layer whose weights are sluice's from optimizer_state()'s bytes, in a ModelMemory of
+/// its own (FormatError for bytes that are not one layer's checkpoint).
+c10::intrusive_ptr<LayerBinding> make_layer_from_state(const Tensor& state) {
+  if (state.scalar_type() != ::torch::kUInt8 || state.dim() != 1) {
+    throw FormatError("sluice_torch: optimizer_state must be a 1-D uint8 tensor");
+  }
+  const Tensor bytes = state.contiguous();
+  ScratchDirectory dir;
+  {
+    std::ofstream out(dir.file(), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()), bytes.numel());
+    if (!out.flush()) throw IoError("sluice_torch: cannot write " + dir.file().string());
+  }
+  auto memory = std::make_shared<HostModelMemory>();
+  try {
+    memory->load(dir.file());
+  } catch (const FormatError& e) {
+    // Named by what the caller holds, not the scratch file it went through.
+    std::string what = e.what();
+    const std::string file = dir.file().string() + ": ";
+    if (const auto at = what.find(file); at != std::string::npos) what.erase(0, at + file.size());
+    throw FormatError("sluice_torch: optimizer_state is not a layer's saved state: " + what);
+  }
+  if (memory->layer_count() != 1) {
+    throw FormatError("sluice_torch: optimizer_state holds " +
+                      std::to_string(memory->layer_count()) + " layers, not one");
+  }
+  sluice::SparseLinear layer(memory, 0);
+  SparseLinearOptions options(layer.in_features(), layer.out_features());
+  options.weights(WeightOwner::sluice).memory(memory);
+  return SparseLinearImpl(options, std::move(layer)).binding();
+}
+
 Tensor sparse_linear(const Tensor& x, const c10::optional<Tensor>& values,
                      const c10::optional<Tensor>& bias,
                      const c10::intrusive_ptr<LayerBinding>& layer) {
@@ -155,8 +233,26 @@ TORCH_LIBRARY(sluice, m) {
              return self->layer().step().applied;
            })
       .def("discard_gradient",
-           [](const c10::intrusive_ptr<LayerBinding>& self) { self->layer().discard_gradient(); });
+           [](const c10::intrusive_ptr<LayerBinding>& self) { self->layer().discard_gradient(); })
+      .def("optimizer_state", &sluice::torch::optimizer_state)
+      .def("optimizer_settings",
+           [](const c10::intrusive_ptr<LayerBinding>& self) {
+             const sluice::OptimizerConfig& config = self->layer().memory().optimizer();
+             return std::make_tuple(std::string(sluice::to_string(config.kind)),
+                                    config.learning_rate, config.weight_decay);
+           })
+      .def("set_learning_rate", [](const c10::intrusive_ptr<LayerBinding>& self, double lr) {
+        if (!(lr > 0) || !std::isfinite(lr)) {
+          throw sluice::ArgumentError("sluice_torch: learning rate " + std::to_string(lr) +
+                                      " is not a positive number");
+        }
+        sluice::ModelMemory& memory = self->layer().memory();
+        sluice::OptimizerConfig config = memory.optimizer();
+        config.learning_rate = lr;
+        memory.set_optimizer(config);
+      });
   m.def("make_layer", &sluice::torch::make_layer);
+  m.def("make_layer_from_state", &sluice::torch::make_layer_from_state);
   m.def("make_layer_at", &sluice::torch::make_layer_at);
   m.def("sparse_linear", &sluice::torch::sparse_linear);
 }

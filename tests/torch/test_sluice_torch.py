@@ -221,7 +221,7 @@ class StateDict(unittest.TestCase):
         x = torch.randn(6, 20)
         owned = sluice_torch.SparseLinear(20, 10, sparsity=0.7, sluice_optimizer="adam")
         state = owned.state_dict()
-        self.assertEqual(sorted(state), ["bias", "mask_indices", "values"])
+        self.assertEqual(sorted(state), ["bias", "mask_indices", "optimizer_state", "values"])
         again = sluice_torch.SparseLinear(20, 10, sparsity=0.7, sluice_optimizer="adam")
         again.load_state_dict(self.round_trip(state))
         self.assertTrue(torch.equal(again(x), owned(x)))
@@ -238,6 +238,62 @@ class StateDict(unittest.TestCase):
                                    sluice_torch.SparseLinear(16, 3, sluice_optimizer="sgd"))
         twin.load_state_dict(self.round_trip(net.state_dict()))
         self.assertTrue(torch.equal(twin(x), net(x)))
+
+    def test_a_sluice_optimizer_resumes_from_its_state_dict(self):
+        # Adam's moments, its step and its settings are in the state_dict: a layer loaded
+        # from it (another mask, another optimizer before) goes on bit for bit as the saved
+        # one, a learning rate set on both included; without them it starts Adam afresh.
+        torch.manual_seed(15)
+        batches = [(torch.randn(6, 13), torch.randn(6, 7)) for _ in range(5)]
+
+        def train(layer, some):
+            for x, target in some:
+                (layer(x) - target).square().sum().backward()
+                self.assertTrue(layer.step())
+
+        saved = sluice_torch.SparseLinear(13, 7, sparsity=0.6, sluice_optimizer="adam", lr=0.01)
+        train(saved, batches[:3])
+        state = self.round_trip(saved.state_dict())
+        resumed = sluice_torch.SparseLinear(13, 7, sparsity=0.3, sluice_optimizer="sgd", lr=0.5)
+        resumed.load_state_dict(state)
+        self.assertEqual(resumed.lr, 0.01)
+        afresh = sluice_torch.SparseLinear(13, 7, sparsity=0.3, sluice_optimizer="adam", lr=0.01)
+        afresh.load_state_dict({k: v for k, v in state.items() if k != "optimizer_state"})
+        for layer in (saved, resumed, afresh):
+            layer.lr = 0.02
+            train(layer, batches[3:])
+        self.assertTrue(torch.equal(resumed.layer.values(), saved.layer.values()))
+        self.assertTrue(torch.equal(resumed.layer.bias(), saved.layer.bias()))
+        self.assertFalse(torch.equal(afresh.layer.values(), saved.layer.values()))
+        # A torch-held layer takes the values and leaves the optimizer to torch.
+        held = sluice_torch.SparseLinear(13, 7)
+        held.load_state_dict(state)
+        self.assertTrue(torch.equal(held.values.detach(), state["values"]))
+        with self.assertRaisesRegex(RuntimeError, "not a positive number"):
+            saved.lr = -1.0
+
+    def test_a_saved_optimizer_state_that_does_not_fit_is_refused(self):
+        torch.manual_seed(16)
+        saved = sluice_torch.SparseLinear(13, 7, sparsity=0.6, sluice_optimizer="adam")
+        good = saved.state_dict()
+        corrupt = good["optimizer_state"].clone()
+        corrupt[100] ^= 1
+        layer = sluice_torch.SparseLinear(13, 7, sparsity=0.6, sluice_optimizer="sgd", lr=0.5)
+        x = torch.randn(4, 13)
+        before = layer(x)
+        not_saved = "not a layer's saved state"
+        for state, words in ((dict(good, optimizer_state=corrupt), not_saved),
+                             (dict(good, optimizer_state=corrupt[:50]), not_saved),
+                             (dict(good, values=good["values"] + 1), "values differs"),
+                             (dict(good, optimizer_state=good["values"]), "uint8")):
+            with self.assertRaisesRegex(RuntimeError, words):
+                layer.load_state_dict(state)
+            self.assertTrue(torch.equal(layer(x), before))
+            self.assertEqual(layer.lr, 0.5)
+        for other in (sluice_torch.SparseLinear(13, 8, sluice_optimizer="adam"),
+                      sluice_torch.SparseLinear(13, 7, bias=False, sluice_optimizer="adam")):
+            with self.assertRaisesRegex(RuntimeError, "optimizer_state (of a layer of 13|has a)"):
+                other.load_state_dict(good)
 
     def test_deepcopy_pickle_and_torchscript_keep_the_layer(self):
         torch.manual_seed(10)
