@@ -1,6 +1,6 @@
 // The output files of `sluice sweep` and `sluice predict`: a path cannot smuggle commands
 // into the gnuplot script, a run that fails leaves none of its files, and the plot script
-// has one temporary name.
+// has one temporary name. Standard output that cannot be written fails every command.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -84,6 +84,24 @@ TEST_F(CliOutputs, AFailedPredictLeavesNoneOfItsFiles) {
   const Outcome o = run("predict --out " + out.string());
   EXPECT_EQ(o.exit_code, 1) << o.output;
   EXPECT_FALSE(fs::exists(out / "acceleration.csv"));
+}
+
+// A result that does not reach standard output (a full disk) is exit 1, said on stderr:
+// a script must not take a lost result for a good one.
+TEST_F(CliOutputs, OutputThatCannotBeWrittenIsAFailure) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const std::string to_full =
+      std::string("sh -c 'exec \"$0\" \"$@\" >/dev/full' ") + SLUICE_CLI_PATH;
+  for (const char* args : {"predict --json", "spmm --shape 16x16 --tokens 4 --repeat 1",
+                           "train --dataset synthetic --layers 64,8,10 --epochs 1 --json"}) {
+    const Outcome o = sluice::testing::run_cli(to_full, args);
+    EXPECT_EQ(o.exit_code, 1) << args << "\n" << o.output;
+    EXPECT_NE(o.output.find("sluice: could not write the output: No space left on device"),
+              std::string::npos)
+        << args << "\n"
+        << o.output;
+    EXPECT_EQ(run(args).exit_code, 0) << args;  // the same written where it can be
+  }
 }
 
 }  // namespace

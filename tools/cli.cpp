@@ -1,6 +1,9 @@
 // The `sluice` command line as a function (tools/cli.hpp).
 #include "cli.hpp"
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -16,6 +19,18 @@ namespace {
 // A message that echoes an argument or a cell whole (CLI11's do) is cut to a line.
 std::string shorten(const char* message) {
   return sluice::detail::shorten_words(message);
+}
+
+/// `code`, unless what the command wrote on stdout did not all reach it (a full disk, a
+/// closed file): then 1, said on stderr, so that a script does not take a lost result for
+/// a good one.
+int with_output_written(int code) {
+  std::cout.flush();
+  if (std::cout && std::fflush(stdout) == 0 && !std::ferror(stdout)) return code;
+  const int error = errno;
+  std::cerr << "sluice: could not write the output"
+            << (error != 0 ? std::string(": ") + std::strerror(error) : std::string()) << "\n";
+  return code == 0 ? 1 : code;
 }
 }  // namespace
 
@@ -59,7 +74,7 @@ int run_cli(int argc, const char* const* argv, CliMode mode) {
     for (auto& [sub, run] : commands) {
       if (!sub->parsed()) continue;
       if (run.check) run.check();
-      return mode == CliMode::run ? run.run() : 0;
+      return mode == CliMode::run ? with_output_written(run.run()) : 0;
     }
     return 2;
   } catch (const UsageError& e) {

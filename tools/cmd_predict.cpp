@@ -361,7 +361,6 @@ int run_predict(const PredictOptions& options) {
     print_text(p, options);
     if (!options.out_dir.empty()) std::cout << "\nWrote CSV files to " << options.out_dir << "\n";
   }
-  flush_standard_output("predict");
   return 0;
 }
 

@@ -597,7 +597,6 @@ int run_sweep(const SweepOptions& o) {
                 << " (SLUICE_PATH_COSTS=" << o.save_path_costs << " makes --path auto use them)\n";
     }
   }
-  flush_standard_output("sweep");
   return 0;
 }
 

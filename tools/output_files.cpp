@@ -171,9 +171,4 @@ bool run_gnuplot(const std::string& script, const fs::path& dir, const std::vect
   return made;
 }
 
-void flush_standard_output(const char* command) {
-  std::cout.flush();
-  if (!std::cout) throw IoError(std::string(command) + ": cannot write to standard output");
-}
-
 }  // namespace sluice::cli

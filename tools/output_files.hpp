@@ -21,10 +21,6 @@ void write_atomically(const std::filesystem::path& path, const std::string& cont
 /// earlier run as they were). IoError naming the file when that fails.
 void write_all_atomically(const std::vector<std::pair<std::filesystem::path, std::string>>& files);
 
-/// Flushes standard output: a write that failed (a closed pipe, a full disk) is an IoError
-/// naming `command`, so the exit status says so.
-void flush_standard_output(const char* command);
-
 /// A validator for an option naming a file: refuses an empty path (an unset shell
 /// variable) and control characters (a newline would end a line of a plot script).
 CLI::Validator path_argument();
