@@ -109,6 +109,9 @@ class SparseLinear(torch.nn.Module):
 
     @lr.setter
     def lr(self, value):
+        if not self.layer.sluice_owned():
+            raise RuntimeError("sluice_torch: this layer's weights are torch parameters; set "
+                               "the learning rate of the torch optimizer that steps them")
         self.layer.set_learning_rate(float(value))
         self._optimizer = self.layer.optimizer_settings()
 
@@ -146,8 +149,8 @@ class SparseLinear(torch.nn.Module):
                 error_msgs.append(f"sluice SparseLinear {prefix or '(top)'}: {problem}")
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
-            unexpected_keys[:] = [k for k in unexpected_keys
-                                  if k[len(prefix):] not in self._OWN_KEYS]
+            ours = {prefix + key for key in self._OWN_KEYS}
+            unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]
             return
         indices = state_dict.get(prefix + "mask_indices")
         values = state_dict.get(prefix + "values")

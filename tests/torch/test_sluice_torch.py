@@ -271,6 +271,8 @@ class StateDict(unittest.TestCase):
         self.assertTrue(torch.equal(held.values.detach(), state["values"]))
         with self.assertRaisesRegex(RuntimeError, "not a positive number"):
             saved.lr = -1.0
+        with self.assertRaisesRegex(RuntimeError, "learning rate of the torch optimizer"):
+            held.lr = 0.1
 
     def test_a_saved_optimizer_state_that_does_not_fit_is_refused(self):
         torch.manual_seed(16)
