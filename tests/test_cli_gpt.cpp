@@ -135,12 +135,19 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
               "missing.txt");
   { std::ofstream(dir_ / "empty.txt"); }
   expect_exit(run("train --model gpt --text " + path("empty.txt") + " --steps 1"), 1, "empty.txt");
-  // An MLP checkpoint is no GPT.
+  // An MLP checkpoint is no GPT, nor a GPT's an MLP: wrong flags for good data, named.
   const std::string mlp = path("mlp.ckpt");
   ASSERT_EQ(
       run("train --dataset synthetic --layers 64,8,10 --steps 2 --checkpoint " + mlp).exit_code, 0);
-  expect_exit(run("generate --checkpoint " + mlp), 1, "holds no GPT");
-  expect_exit(run(gpt() + "--steps 1 --resume " + mlp), 1, "holds no GPT");
+  expect_exit(run("generate --checkpoint " + mlp), 2,
+              "holds an MLP (layers 64,8,10), not a GPT: sluice generate samples");
+  expect_exit(run(gpt() + "--steps 1 --resume " + mlp), 2,
+              "holds an MLP (layers 64,8,10), not a GPT: train it without --model gpt");
+  const std::string gpt_ckpt = path("gpt.ckpt");
+  ASSERT_EQ(run(gpt() + "--steps 1 --checkpoint " + gpt_ckpt).exit_code, 0);
+  expect_exit(run("train --epochs 1 --resume " + gpt_ckpt), 2,
+              "holds a gpt vocab=256 context=16 d_model=32 heads=2 blocks=1, not an MLP: train "
+              "it with --model gpt");
 }
 
 // --model-store: the GPT in files under a budget smaller than the model, its disk keys in
@@ -192,8 +199,8 @@ TEST_F(CliGpt, TrainsInAModelStoreAndResumesIt) {
   ASSERT_EQ(run("train --dataset synthetic --layers 64,8,10 --steps 2 --model-store " + path("mlp"))
                 .exit_code,
             0);
-  expect_exit(run(text + "--steps 1 --model-store " + path("mlp")), 1, "holds no GPT");
-  expect_exit(run("generate --model-store " + path("mlp")), 1, "holds no GPT");
+  expect_exit(run(text + "--steps 1 --model-store " + path("mlp")), 2, "not a GPT");
+  expect_exit(run("generate --model-store " + path("mlp")), 2, "not a GPT");
 }
 
 // A text that never ends (a device, a pipe left open) is refused once it passes the most a

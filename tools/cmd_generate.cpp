@@ -7,6 +7,7 @@
 
 #include "commands.hpp"
 #include "measure.hpp"
+#include "model_kind.hpp"
 #include "model_store_option.hpp"
 #include "number_options.hpp"
 #include "output_files.hpp"
@@ -75,13 +76,14 @@ Command add_generate_command(CLI::App& app) {
     const std::unique_ptr<ModelMemory> owner = make_model_memory(o->store);
     ModelMemory& memory = *owner;
     if (!o->checkpoint.empty()) memory.load(o->checkpoint);
+    const std::string source =
+        o->checkpoint.empty() ? "model store " + o->store.directory : "checkpoint " + o->checkpoint;
+    require_gpt(memory, source, "sluice generate samples text from a GPT alone");
     GptConfig config;
     try {
       config = gpt_config_of(memory);
     } catch (const FormatError& e) {
-      const std::string what = o->checkpoint.empty() ? "model store " + o->store.directory
-                                                     : "checkpoint " + o->checkpoint;
-      throw FormatError(what + " holds no GPT: " + e.what());
+      throw FormatError(source + " holds no GPT: " + e.what());
     }
     LocalFabricOptions fo;
     fo.engine.threads = o->threads > 0 ? runnable_threads(o->threads, "generate") : 0;

@@ -24,6 +24,7 @@
 #include "lr_decay_option.hpp"
 #include "measure.hpp"
 #include "model_budget.hpp"
+#include "model_kind.hpp"
 #include "model_store_option.hpp"
 #include "number_options.hpp"
 #include "output_files.hpp"
@@ -128,6 +129,7 @@ std::string model_source(const TrainOptions& o) {
 /// whose layers do not make a network is bad data (exit 1), named.
 std::vector<std::int64_t> resume_model(ModelMemory& memory, TrainOptions& o, bool seed_given) {
   if (!o.resume.empty()) memory.load(o.resume);  // else a --model-store holds the model
+  require_mlp(memory, model_source(o));
   std::vector<std::int64_t> sizes;
   try {
     sizes = mlp_sizes(memory);

@@ -15,6 +15,7 @@
 #include "json_writer.hpp"
 #include "measure.hpp"
 #include "model_budget.hpp"
+#include "model_kind.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
@@ -98,6 +99,7 @@ void build_model(ModelMemory& memory, const GptTrainOptions& o, const GptConfig&
 /// The model to resume: the checkpoint's, or the one the store holds.
 GptConfig resumed_model(ModelMemory& memory, GptTrainOptions& o) {
   if (!o.resume.empty()) memory.load(o.resume);
+  require_gpt(memory, source_of(o), "train it without --model gpt");
   GptConfig c;
   try {
     c = gpt_config_of(memory);
