@@ -23,6 +23,7 @@ copy.deepcopy, torch.save of a module and torch.jit.save keep the values, not th
 optimizer's state.
 """
 import math
+import operator
 import os
 
 import torch
@@ -37,6 +38,18 @@ def sparse_linear(x, values, bias, layer):
     return torch.ops.sluice.sparse_linear(x, values, bias, layer)
 
 
+def _random_positions(n, keep):
+    """`keep` distinct positions in [0, n), increasing, uniformly drawn from torch's
+    generator; for keep much below n, without a tensor of n positions."""
+    if 4 * keep >= n:  # n positions take little beside the layer's keep values
+        return torch.randperm(n)[:keep].sort().values
+    chosen = torch.empty(0, dtype=torch.int64)
+    while chosen.numel() < keep:  # draws with repeats; their distinct set is uniform
+        draws = torch.randint(0, n, (2 * (keep - chosen.numel()),), dtype=torch.int64)
+        chosen = torch.cat([chosen, draws]).unique()
+    return chosen[torch.randperm(chosen.numel())[:keep]].sort().values
+
+
 class SparseLinear(torch.nn.Module):
     """y = x W^T + b with W sparse, run by sluice's engine."""
 
@@ -44,6 +57,7 @@ class SparseLinear(torch.nn.Module):
                  sluice_optimizer=None, lr=1e-3, weight_decay=0.0, _weight=None, _mask=None,
                  _bias=None):
         super().__init__()
+        in_features, out_features = operator.index(in_features), operator.index(out_features)
         if in_features < 1 or out_features < 1:
             raise ValueError(f"a layer of {in_features} inputs and {out_features} outputs: "
                              "both must be at least 1")
@@ -51,27 +65,34 @@ class SparseLinear(torch.nn.Module):
             if not 0.0 <= sparsity < 1.0:
                 raise ValueError(f"sparsity {sparsity} is not in [0, 1)")
             # As torch.nn.Linear initialises, over the fan-in each row keeps; the mask is
-            # drawn from torch's generator too (torch.manual_seed reproduces both).
-            kept = max(1.0, in_features * (1.0 - sparsity))
-            bound = 1.0 / math.sqrt(kept)
-            _weight = torch.empty(out_features, in_features).uniform_(-bound, bound)
+            # drawn from torch's generator too (torch.manual_seed reproduces both), and
+            # no dense [out, in] tensor is made: the layer holds its non-zeros alone.
             n = in_features * out_features
             keep = max(1, round((1.0 - sparsity) * n))
-            _mask = torch.zeros(n)
-            _mask[torch.randperm(n)[:keep]] = 1.0
-            _mask = _mask.view(out_features, in_features)
+            bound = 1.0 / math.sqrt(max(1.0, in_features * (1.0 - sparsity)))
+            positions = _random_positions(n, keep)
+            drawn = torch.empty(keep).uniform_(-bound, bound)
             if bias:
                 b = 1.0 / math.sqrt(in_features)
                 _bias = torch.empty(out_features).uniform_(-b, b)
+        elif _weight.dim() != 2:
+            raise ValueError(f"weight of shape {tuple(_weight.shape)}: it must be [out, in]")
+        if _bias is not None and tuple(_bias.shape) != (out_features,):
+            raise ValueError(f"bias of shape {tuple(_bias.shape)} for {out_features} outputs")
         self.in_features = in_features
         self.out_features = out_features
         owned = sluice_optimizer is not None
         self._optimizer = (sluice_optimizer or "adam", lr, weight_decay)
         self._has_bias = _bias is not None
-        self.layer = torch.ops.sluice.make_layer(
-            _weight.detach().float(), None if _mask is None else _mask.detach().float(),
-            sparsity, None if _bias is None else _bias.detach().float(), owned,
-            *self._optimizer)
+        _bias = None if _bias is None else _bias.detach().float()
+        if _weight is None:
+            self.layer = torch.ops.sluice.make_layer_at(positions, drawn, in_features,
+                                                        out_features, _bias, owned,
+                                                        *self._optimizer)
+        else:
+            self.layer = torch.ops.sluice.make_layer(
+                _weight.detach().float(), None if _mask is None else _mask.detach().float(),
+                sparsity, _bias, owned, *self._optimizer)
         if owned:
             # No parameters: an empty tensor that wants a gradient stands in for the
             # values, so that autograd runs the backward (which hands in the gradient).
@@ -91,6 +112,8 @@ class SparseLinear(torch.nn.Module):
     @classmethod
     def from_mask(cls, weight, mask, bias=None, **kwargs):
         """weight [out, in] where mask is non-zero."""
+        if weight.dim() != 2:
+            raise ValueError(f"weight of shape {tuple(weight.shape)}: it must be [out, in]")
         return cls(weight.shape[1], weight.shape[0], _weight=weight, _mask=mask, _bias=bias,
                    **kwargs)
 

@@ -274,8 +274,8 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
       SparseLinearGradient g =
           layer.backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
                          want_dx ? &dx_view : nullptr, options);
-      if (want_values && values.numel() > 0)
-        d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
+      // (an empty layer's too: its values' .grad is empty, as an empty parameter's is)
+      if (want_values) d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
       if (want_bias && bias.numel() > 0)
         d_bias = tensor_of(std::move(g.bias)).to(bias.scalar_type());
     }

@@ -2,6 +2,7 @@
 drop-in equality with a masked torch.nn.Linear, the constructors, sluice's optimizer, and
 state_dict, deepcopy, pickle and TorchScript round trips that carry the mask."""
 import copy
+import math
 import io
 import unittest
 
@@ -144,6 +145,12 @@ class DropIn(unittest.TestCase):
         for sizes in ((0, 2), (4, 0)):
             with self.assertRaisesRegex(ValueError, "at least 1"):
                 sluice_torch.SparseLinear(*sizes)
+        with self.assertRaisesRegex(TypeError, "integer"):
+            sluice_torch.SparseLinear(4.0, 2)
+        with self.assertRaisesRegex(ValueError, r"bias of shape \(3,\) for 2 outputs"):
+            sluice_torch.SparseLinear.from_mask(torch.ones(2, 4), torch.ones(2, 4), torch.ones(3))
+        with self.assertRaisesRegex(ValueError, r"weight of shape \(4,\): it must be \[out, in\]"):
+            sluice_torch.SparseLinear.from_mask(torch.ones(4), torch.ones(4))
 
     def test_a_gradient_for_the_input_alone_leaves_the_weights(self):
         # autograd.grad with respect to the input (an adversarial example's, a saliency
@@ -165,6 +172,34 @@ class DropIn(unittest.TestCase):
         self.assertLess(relative(x.grad, want), 1e-5)
         self.assertIsNone(frozen.values.grad)
         self.assertIsNone(frozen.bias.grad)
+
+    def test_a_random_mask_is_drawn_without_a_dense_matrix(self):
+        # 10^10 positions at 99.999%: the layer holds its 10^5 non-zeros and nothing of
+        # the dense size (whose float32 tensor alone would take 40 GB); the positions are
+        # distinct, spread as uniform draws spread them, and torch.manual_seed repeats them.
+        torch.manual_seed(17)
+        layer = sluice_torch.SparseLinear(100000, 100000, sparsity=0.99999)
+        positions = layer.layer.mask_indices()
+        self.assertEqual(positions.numel(), 100000)
+        self.assertTrue(bool((positions[1:] > positions[:-1]).all()))
+        rows_hit = (positions // 100000).unique().numel() / 100000
+        self.assertLess(abs(rows_hit - (1 - math.exp(-1))), 0.01)  # 0.632 for uniform draws
+        torch.manual_seed(17)
+        again = sluice_torch.SparseLinear(100000, 100000, sparsity=0.99999)
+        self.assertTrue(torch.equal(again.layer.mask_indices(), positions))
+        self.assertTrue(torch.equal(again.values, layer.values))
+        # A dense enough layer draws a permutation: every position once at sparsity 0.
+        self.assertTrue(torch.equal(sluice_torch.SparseLinear(7, 5, sparsity=0.0).mask(),
+                                    torch.ones(5, 7, dtype=torch.bool)))
+
+    def test_an_empty_layer_trains_its_bias(self):
+        w = torch.randn(3, 4)
+        layer = sluice_torch.SparseLinear.from_mask(w, torch.zeros(3, 4), torch.zeros(3))
+        x = torch.randn(2, 4)
+        self.assertTrue(torch.equal(layer(x), torch.zeros(2, 3)))
+        layer(x).sum().backward()
+        self.assertEqual(layer.values.grad.shape, (0,))  # as an empty parameter's
+        self.assertTrue(torch.equal(layer.bias.grad, torch.full((3,), 2.0)))
 
     def test_sluice_optimizer_accumulates_backward_passes(self):
         # Weights that are sluice's: the backward passes before a step add up, as a
