@@ -288,6 +288,9 @@ TEST_F(CliGpt, StepsAndMaxSecondsLimitTheMlpToo) {
   const json t = run_json("train --dataset synthetic --layers 64,16,10 --max-seconds 0.5");
   EXPECT_GE(t.value("steps", 0), 1);
   EXPECT_LT(t.value("train_seconds", 99.0), 5.0);
+  // A limit no step fits in says so, as the GPT's does (not "0 of 0 steps were skipped").
+  expect_exit(run("train --dataset synthetic --layers 64,16,10 --max-seconds 1e-9"), 2,
+              "no step was trained: --max-seconds is too small");
 }
 
 }  // namespace

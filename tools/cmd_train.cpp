@@ -281,6 +281,7 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
 /// A diverged model, or one no step of this run changed, is worth nothing: the run fails
 /// and an older checkpoint at the path is kept.
 void refuse_failed_training(const TrainTotals& t, const TrainOptions& o) {
+  if (t.steps == 0) throw UsageError("no step was trained: --max-seconds is too small");
   const bool diverged = !std::isfinite(t.final_loss);
   if (!diverged && t.skipped < t.steps) return;
   std::string why = diverged ? "training diverged: the last epoch's loss is not finite; "
