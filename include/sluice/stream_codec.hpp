@@ -26,6 +26,11 @@ WeightStream encode_stream(const CsrMatrix& matrix, StreamKind kind = StreamKind
                            Precision precision = Precision::fp32,
                            StreamOrder order = StreamOrder::by_output);
 
+/// Whether a layer of `outputs` rows and `nnz` non-zeros can be streamed by input in
+/// `precision`: a bf16 stream's tags by input address at most 65535 outputs, and a
+/// layer's transposed positions are 32-bit.
+bool streams_by_input(std::int64_t outputs, std::int64_t nnz, Precision precision);
+
 /// The pieces of encode_stream, for producers that encode a layer chunk by chunk:
 /// the stream's header (UnsupportedError if the layer cannot be streamed so), where the chunk
 /// that starts at run `first` ends (whole runs, about `chunk_packets` packets, at least

@@ -19,6 +19,7 @@
 #include "executor/ram_beside_memory.hpp"
 #include "model_memory/mask_update.hpp"
 #include "sluice/error.hpp"
+#include "sluice/stream_codec.hpp"
 
 namespace sluice {
 namespace {
@@ -192,11 +193,8 @@ struct LayerStreamingExecutor::Impl {
     const StreamOrder wanted = options.backward_order.value_or(
         memory.by_input_from_ram() ? StreamOrder::by_input : StreamOrder::by_output);
     const LayerShape w = memory.layer_shape(layer);
-    const bool can_by_input =
-        static_cast<std::uint64_t>(w.nnz) <= std::numeric_limits<std::uint32_t>::max() &&
-        (options.precisions[static_cast<std::size_t>(layer)] == Precision::fp32 ||
-         w.rows <= static_cast<std::int64_t>(kMaxBf16Inputs));
-    return can_by_input ? wanted : StreamOrder::by_output;
+    const Precision precision = options.precisions[static_cast<std::size_t>(layer)];
+    return streams_by_input(w.rows, w.nnz, precision) ? wanted : StreamOrder::by_output;
   }
 
   // A layer's backward stream. The first layer's dX is not wanted: its mask alone, by

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -11,6 +10,7 @@
 #include "core/parallel.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
+#include "sluice/stream_codec.hpp"
 
 namespace sluice {
 
@@ -317,11 +317,8 @@ void SparseLinear::forward(Engine& engine, ConstMatrixView x, MutableMatrixView 
 StreamOrder SparseLinear::data_order(Precision precision) const {
   // By input where the layer can be streamed so (as the executor decides): the engine then
   // gathers dY once for dX and the weight gradient alike.
-  const CsrMatrix& w = weights();
-  const bool by_input =
-      static_cast<std::uint64_t>(w.nnz()) <= std::numeric_limits<std::uint32_t>::max() &&
-      (precision == Precision::fp32 || w.rows() <= static_cast<std::int64_t>(kMaxBf16Inputs));
-  return by_input ? StreamOrder::by_input : StreamOrder::by_output;
+  return streams_by_input(out_features(), nnz(), precision) ? StreamOrder::by_input
+                                                            : StreamOrder::by_output;
 }
 
 WeightStream SparseLinear::run_backward(Engine& engine, ConstMatrixView x, ConstMatrixView dy,

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -12,6 +13,11 @@
 #include "sluice/stream_validator.hpp"
 
 namespace sluice {
+
+bool streams_by_input(std::int64_t outputs, std::int64_t nnz, Precision precision) {
+  return static_cast<std::uint64_t>(nnz) <= std::numeric_limits<std::uint32_t>::max() &&
+         (precision == Precision::fp32 || outputs <= static_cast<std::int64_t>(kMaxBf16Inputs));
+}
 
 StreamHeader stream_header_for(const CsrMatrix& matrix, StreamKind kind, Precision precision,
                                StreamOrder order) {
