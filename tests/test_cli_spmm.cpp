@@ -62,6 +62,21 @@ TEST_F(CliSpmm, CheckPassesOnOrdinaryLayersInEveryPrecisionAndOrder) {
             2);
 }
 
+// The default order is training's: by input where the layer can be streamed so, else by
+// output (a bf16 stream by input addresses 65535 outputs); asked by input, such a layer is
+// refused. The JSON says which order ran.
+TEST_F(CliSpmm, TheBackwardOrderFollowsWhatTheLayerCanStream) {
+  const std::string bf16 =
+      "spmm --sparsity 0.9 --tokens 3 --repeat 1 --check --backward --precision bf16 --json ";
+  const Outcome tall = run(bf16 + "--shape 70000x3", false);
+  ASSERT_EQ(tall.exit_code, 0) << tall.output;
+  EXPECT_NE(tall.output.find("\"backward_order\": \"by_output\""), std::string::npos);
+  EXPECT_LT(json_number(tall.output, "max_rel_error_bwd"), 1e-5) << tall.output;
+  const Outcome square = run(bf16 + "--shape 30x30", false);
+  EXPECT_NE(square.output.find("\"backward_order\": \"by_input\""), std::string::npos);
+  EXPECT_EQ(run(bf16 + "--shape 70000x3 --backward-order by_input").exit_code, 2);
+}
+
 TEST_F(CliSpmm, ReportsTheThreadsThatRan) {
   const Outcome o =
       run("spmm --shape 40x40 --sparsity 0.5 --tokens 8 --repeat 1 --threads 4096 --json");

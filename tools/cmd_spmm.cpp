@@ -33,7 +33,7 @@ struct SpmmOptions {
   bool check = false;
   bool json = false;
   bool backward = false;
-  std::string backward_order = "by_input";
+  std::string backward_order = "auto";
   std::string precision = "fp32";
   std::string path = "auto";
   Geometry geometry;
@@ -45,6 +45,7 @@ struct SpmmResult {
   int threads = 0;
   std::string isa, geometry, precision;
   std::string path, backward_path;  ///< the path the engine took: sparse or dense
+  std::string backward_order;       ///< by_input or by_output (what --backward-order took)
   double sparse_ms = 0, dense_ms = 0, prepare_ms = 0, balance = 1;
   // dense_ms is oneDNN's matmul in the same precision; the best is the fastest of any.
   std::string dense_kind, dense_best_kind, backward_dense_best_kind;
@@ -113,7 +114,10 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   const ConstMatrixView x_ref = rounded && x_in_bf16 ? x_held.view() : x.view();
   // By input the lane holds dY (in bf16 where it packs the rows) and reads X in place, in
   // fp32.
-  const bool by_input = o.backward_order == "by_input";
+  // auto: by input where the layer can be streamed so, as training decides.
+  const bool by_input =
+      o.backward_order == "by_input" ||
+      (o.backward_order == "auto" && streams_by_input(w.rows(), w.nnz(), precision));
   const bool dense_backward =
       engine.path_for(stream_header_for(w, StreamKind::weights, precision,
                                         by_input ? StreamOrder::by_input : StreamOrder::by_output),
@@ -144,7 +148,10 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
                 1);
   r.balance = placement.balance();
   r.path = to_string(engine.path_for(stream.header, o.tokens));
-  if (o.backward) r.backward_path = to_string(engine.path_for(backward_stream.header, o.tokens));
+  if (o.backward) {
+    r.backward_path = to_string(engine.path_for(backward_stream.header, o.tokens));
+    r.backward_order = to_string(backward_order);
+  }
   // The engine's products are timed in turn, round by round (see
   // median_seconds_interleaved), so backward/forward holds even while the machine's
   // speed drifts. oneDNN's are timed apart: its OpenMP threads spin after each call and
@@ -222,6 +229,7 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
     j.field("bwd_weight_ms", r.bwd_weight_ms).field("dense_backward_ms", r.dense_backward_ms);
     j.field("backward_acceleration", r.dense_backward_ms / r.backward_ms);
     j.field("backward_dense_ms", r.dense_backward_ms).field("backward_path", r.backward_path);
+    j.field("backward_order", r.backward_order);
     j.field("backward_dense_best_ms", r.backward_dense_best_ms);
     j.field("backward_dense_best_kind", r.backward_dense_best_kind);
     j.field("backward_acceleration_vs_best", r.backward_dense_best_ms / r.backward_ms);
@@ -324,9 +332,10 @@ Command add_spmm_command(CLI::App& app) {
   cmd->add_flag("--backward", o->backward, "Also time (and check) backward-data and -weight");
   cmd->add_option("--backward-order", o->backward_order,
                   "How the backward reads the layer: by_input (its transpose: dY gathered once "
-                  "for both gradients, as training does with the model in RAM) or by_output "
-                  "(dX scattered, then a pass for dW)")
-      ->check(CLI::IsMember({"by_input", "by_output"}));
+                  "for both gradients, as training does with the model in RAM), by_output "
+                  "(dX scattered, then a pass for dW), or auto (by_input where the layer can be "
+                  "streamed so: a bf16 stream by input addresses 65535 outputs)")
+      ->check(CLI::IsMember({"auto", "by_input", "by_output"}));
   cmd->add_flag("--json", o->json, "Print JSON on stdout instead of a table");
 
   return [o] {
