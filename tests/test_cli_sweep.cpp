@@ -115,6 +115,13 @@ TEST_F(CliSweep, TrainingStepSweepRuns) {
   ASSERT_EQ(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("\"training_step\""), std::string::npos) << o.output;
   EXPECT_EQ(split(read_file(out / "sweep.csv"), '\n').size(), 3u);
+  // The backward streams as training's does: by output where a bf16 stream by input
+  // cannot address the layer's outputs (it was refused).
+  const Outcome tall =
+      run("sweep --shape 70000x3 --tokens 4 --repeat 1 --precision bf16 "
+          "--training --sparsities 0.9 --out " +
+          out.string());
+  EXPECT_EQ(tall.exit_code, 0) << tall.output;
 }
 
 // --path both times each point on the dense path too, and fits the path model to it.

@@ -196,15 +196,18 @@ Sweep measure(const SweepOptions& o, const std::vector<double>& sparsities,
   struct Layer {
     Placement placement;
     WeightStream stream;
-    WeightStream backward;  ///< by input, as a training step streams it (with --training)
+    WeightStream backward;  ///< as a training step streams it (with --training)
   };
   std::vector<Layer> layers;
   for (const double sparsity : sparsities) {
     const CsrMatrix w = CsrMatrix::random(outputs, inputs, sparsity, o.seed);
+    const StreamOrder backward_order = streams_by_input(outputs, w.nnz(), precision)
+                                           ? StreamOrder::by_input
+                                           : StreamOrder::by_output;
     Layer layer{round_robin_placement(w, s.geometry.lanes),
                 encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision),
                 o.training ? encode_stream(w, StreamKind::weights, kDefaultChunkPackets, precision,
-                                           StreamOrder::by_input)
+                                           backward_order)
                            : WeightStream{}};
     SweepPoint p;
     p.sparsity = sparsity;
