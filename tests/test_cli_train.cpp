@@ -377,4 +377,13 @@ TEST_F(CliTrain, AStrayLabelsModelIsBudgetedNamingItsLine) {
   EXPECT_NE(stray.output.find("RLIMIT_AS"), std::string::npos) << stray.output;
 }
 
+// A step holds no more tokens than the training set has: a --batch beyond it is budgeted
+// as the set (it was counted whole, and 10^7 tokens of a 4096-wide model refused).
+TEST_F(CliTrain, ABatchBeyondTheDataIsBudgetedAsTheData) {
+  const Outcome o = sluice::testing::run_cli(
+      SLUICE_CLI_PATH,
+      "train --dataset synthetic --layers 64,4096,4096,10 --batch 16777216 --steps 1");
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+}
+
 }  // namespace

@@ -119,6 +119,17 @@ OptimizerConfig new_optimizer(OptimizerKind kind, double learning_rate) {
   return config;
 }
 
+/// The fraction of the stored layers' positions that are zero.
+double stored_sparsity(const ModelMemory& memory) {
+  double kept = 0, cells = 0;
+  for (std::int32_t layer = 0; layer < memory.layer_count(); ++layer) {
+    const LayerShape s = memory.layer_shape(layer);
+    kept += static_cast<double>(s.nnz);
+    cells += static_cast<double>(s.rows) * static_cast<double>(s.cols);
+  }
+  return cells > 0 ? 1.0 - kept / cells : 0.0;
+}
+
 /// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
 std::string model_source(const TrainOptions& o) {
   return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
@@ -554,15 +565,22 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   standardize(train, test);
   const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
   if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
+  // What a step holds: no more tokens than the training set has, and the model in RAM
+  // unless a store holds it (then its RAM budget).
+  const std::int64_t step_tokens = std::min(o->batch, train.samples());
+  std::optional<double> store_ram;
+  if (!o->store.directory.empty()) store_ram = static_cast<double>(o->store.budget);
 
   if (resuming) {
     resume_optimizer(memory, *o, optimizer->count() > 0, lr->count() > 0, progress);
+    require_mlp_memory(sizes, stored_sparsity(memory), step_tokens, store_ram, {},
+                       "--batch " + std::to_string(o->batch));
   } else {
     memory.seed = o->seed;
     const bool classes_from_file = o->layers.empty() && dataset_name == o->dataset;
     std::function<std::string()> label_source;
     if (classes_from_file) label_source = [&] { return largest_label_source(o->dataset, all); };
-    require_mlp_memory(sizes, o->sparsity, o->batch, label_source,
+    require_mlp_memory(sizes, o->sparsity, step_tokens, store_ram, label_source,
                        o->layers.empty() ? "the default layers" : "--layers " + o->layers);
     check_model_store_budget(o->store, sizes, o->sparsity,
                              executor_options(*o, static_cast<std::int32_t>(sizes.size()) - 1),

@@ -18,15 +18,20 @@ constexpr double kTrainingBytesPerWeight = 64.0;
 
 }  // namespace
 
+double mlp_activation_bytes(const std::vector<std::int64_t>& sizes, std::int64_t batch) {
+  double bytes = 0;
+  for (const std::int64_t size : sizes) {
+    bytes += 12.0 * static_cast<double>(size) * static_cast<double>(batch);
+  }
+  return bytes;
+}
+
 double mlp_training_bytes(const std::vector<std::int64_t>& sizes, double sparsity,
                           std::int64_t batch) {
-  double bytes = 0;
+  double bytes = mlp_activation_bytes(sizes, batch);
   for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
     const double cells = static_cast<double>(sizes[l]) * static_cast<double>(sizes[l + 1]);
     bytes += kTrainingBytesPerWeight * (1.0 - sparsity) * cells;
-  }
-  for (const std::int64_t size : sizes) {
-    bytes += 12.0 * static_cast<double>(size) * static_cast<double>(batch);
   }
   return bytes;
 }
@@ -40,13 +45,16 @@ std::string largest_label_source(const std::filesystem::path& path, const Datase
 }
 
 void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity, std::int64_t batch,
+                        std::optional<double> store_ram_bytes,
                         const std::function<std::string()>& label_source,
                         const std::string& layers_flag) {
   std::string layers;
   for (const std::int64_t s : sizes) layers += (layers.empty() ? "" : ",") + std::to_string(s);
   const std::string what = "a model of layers " + layers;
   try {
-    detail::require_memory(mlp_training_bytes(sizes, sparsity, batch), what);
+    detail::require_memory(store_ram_bytes ? *store_ram_bytes + mlp_activation_bytes(sizes, batch)
+                                           : mlp_training_bytes(sizes, sparsity, batch),
+                           what);
   } catch (const ResourceError& e) {
     if (label_source) {
       throw FormatError(label_source() + " implies " + std::to_string(sizes.back()) +

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,16 +23,20 @@ namespace sluice::cli {
 /// and delta.
 double mlp_training_bytes(const std::vector<std::int64_t>& sizes, double sparsity,
                           std::int64_t batch);
+/// Its per-token part alone, for `batch` tokens.
+double mlp_activation_bytes(const std::vector<std::int64_t>& sizes, std::int64_t batch);
 
 /// "file:line: label N" for the first sample of `data` (loaded from the CSV `path`) with
 /// its largest label: where its class count comes from.
 std::string largest_label_source(const std::filesystem::path& path, const Dataset& data);
 
-/// Throws unless mlp_training_bytes fits in the memory this process can have: a
+/// Throws unless mlp_training_bytes fits in the memory this process can have, the model
+/// counted as `store_ram_bytes` instead where a model store holds it (its RAM budget): a
 /// FormatError naming what `label_source` says (the sizes came from the data's classes;
 /// asked only then, as it may read the file again) when it is given, else a UsageError
 /// naming `layers_flag`.
 void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity, std::int64_t batch,
+                        std::optional<double> store_ram_bytes,
                         const std::function<std::string()>& label_source,
                         const std::string& layers_flag);
 
