@@ -132,6 +132,10 @@ TEST_F(CliModelStore, AModelLargerThanTheProcessMayHaveTrainsInAStore) {
       sluice::testing::run_cli(limited, "train --dataset synthetic --steps 1 " + store);
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   expect_exit(sluice::testing::run_cli(limited, model), 2, "more than the 1.2 GB of RLIMIT_AS");
+  // A small model's store holds no more than the model, whatever its budget (2 GiB here).
+  const Outcome small =
+      sluice::testing::run_cli(limited, kTrain + "--epochs 1 --model-store " + path("small"));
+  EXPECT_EQ(small.exit_code, 0) << small.output;
 }
 
 TEST_F(CliModelStore, ABudgetTooSmallIsAUsageErrorThatLeavesNoModel) {

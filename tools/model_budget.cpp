@@ -52,9 +52,10 @@ void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity,
   for (const std::int64_t s : sizes) layers += (layers.empty() ? "" : ",") + std::to_string(s);
   const std::string what = "a model of layers " + layers;
   try {
-    detail::require_memory(store_ram_bytes ? *store_ram_bytes + mlp_activation_bytes(sizes, batch)
-                                           : mlp_training_bytes(sizes, sparsity, batch),
-                           what);
+    const double activations = mlp_activation_bytes(sizes, batch);
+    double model = mlp_training_bytes(sizes, sparsity, batch) - activations;
+    if (store_ram_bytes) model = std::min(model, *store_ram_bytes);  // a store holds no more
+    detail::require_memory(model + activations, what);
   } catch (const ResourceError& e) {
     if (label_source) {
       throw FormatError(label_source() + " implies " + std::to_string(sizes.back()) +

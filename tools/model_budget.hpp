@@ -31,7 +31,7 @@ double mlp_activation_bytes(const std::vector<std::int64_t>& sizes, std::int64_t
 std::string largest_label_source(const std::filesystem::path& path, const Dataset& data);
 
 /// Throws unless mlp_training_bytes fits in the memory this process can have, the model
-/// counted as `store_ram_bytes` instead where a model store holds it (its RAM budget): a
+/// counted as at most `store_ram_bytes` where a model store holds it (its RAM budget): a
 /// FormatError naming what `label_source` says (the sizes came from the data's classes;
 /// asked only then, as it may read the file again) when it is given, else a UsageError
 /// naming `layers_flag`.
