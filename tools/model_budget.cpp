@@ -7,6 +7,7 @@
 #include "sluice/dataset.hpp"
 #include "sluice/error.hpp"
 #include "sluice/gpt.hpp"
+#include "train_options.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -26,9 +27,8 @@ double mlp_activation_bytes(const std::vector<std::int64_t>& sizes, std::int64_t
   return bytes;
 }
 
-double mlp_training_bytes(const std::vector<std::int64_t>& sizes, double sparsity,
-                          std::int64_t batch) {
-  double bytes = mlp_activation_bytes(sizes, batch);
+double mlp_model_bytes(const std::vector<std::int64_t>& sizes, double sparsity) {
+  double bytes = 0;
   for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
     const double cells = static_cast<double>(sizes[l]) * static_cast<double>(sizes[l + 1]);
     bytes += kTrainingBytesPerWeight * (1.0 - sparsity) * cells;
@@ -48,14 +48,11 @@ void require_mlp_memory(const std::vector<std::int64_t>& sizes, double sparsity,
                         std::optional<double> store_ram_bytes,
                         const std::function<std::string()>& label_source,
                         const std::string& layers_flag) {
-  std::string layers;
-  for (const std::int64_t s : sizes) layers += (layers.empty() ? "" : ",") + std::to_string(s);
-  const std::string what = "a model of layers " + layers;
+  const std::string what = "a model of layers " + join_sizes(sizes);
   try {
-    const double activations = mlp_activation_bytes(sizes, batch);
-    double model = mlp_training_bytes(sizes, sparsity, batch) - activations;
+    double model = mlp_model_bytes(sizes, sparsity);
     if (store_ram_bytes) model = std::min(model, *store_ram_bytes);  // a store holds no more
-    detail::require_memory(model + activations, what);
+    detail::require_memory(model + mlp_activation_bytes(sizes, batch), what);
   } catch (const ResourceError& e) {
     if (label_source) {
       throw FormatError(label_source() + " implies " + std::to_string(sizes.back()) +
@@ -69,7 +66,7 @@ double gpt_model_bytes(const GptConfig& config) {
   double weights = 0;
   for (const GptLayerShape& g : gpt_layer_shapes(config)) {
     const double cells = static_cast<double>(g.rows) * static_cast<double>(g.cols);
-    weights += g.sparse ? (1.0 - config.sparsity) * cells : cells;  // as mlp_training_bytes
+    weights += g.sparse ? (1.0 - config.sparsity) * cells : cells;  // as mlp_model_bytes
   }
   return kTrainingBytesPerWeight * weights;
 }

@@ -18,19 +18,17 @@ struct GptConfig;
 namespace sluice::cli {
 
 /// The least a sparse MLP of `sizes` at `sparsity` holds while it trains on batches of
-/// `batch`: per non-zero its value, column, transposed pattern, gradient, optimizer
-/// moments, placements and stream; per neuron and token the pre-activation, activation
-/// and delta.
-double mlp_training_bytes(const std::vector<std::int64_t>& sizes, double sparsity,
-                          std::int64_t batch);
-/// Its per-token part alone, for `batch` tokens.
+/// `batch`: its model, per non-zero its value, column, transposed pattern, gradient,
+/// optimizer moments, placements and stream; its activations, per neuron and token the
+/// pre-activation, activation and delta.
+double mlp_model_bytes(const std::vector<std::int64_t>& sizes, double sparsity);
 double mlp_activation_bytes(const std::vector<std::int64_t>& sizes, std::int64_t batch);
 
 /// "file:line: label N" for the first sample of `data` (loaded from the CSV `path`) with
 /// its largest label: where its class count comes from.
 std::string largest_label_source(const std::filesystem::path& path, const Dataset& data);
 
-/// Throws unless mlp_training_bytes fits in the memory this process can have, the model
+/// Throws unless the two fit in the memory this process can have, the model
 /// counted as at most `store_ram_bytes` where a model store holds it (its RAM budget): a
 /// FormatError naming what `label_source` says (the sizes came from the data's classes;
 /// asked only then, as it may read the file again) when it is given, else a UsageError

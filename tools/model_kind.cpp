@@ -1,11 +1,9 @@
 #include "model_kind.hpp"
 
-#include <cstdint>
-#include <vector>
-
 #include "commands.hpp"
 #include "sluice/error.hpp"
 #include "sluice/executor.hpp"
+#include "train_options.hpp"
 
 namespace sluice::cli {
 
@@ -13,10 +11,7 @@ void require_gpt(const ModelMemory& memory, const std::string& source, const std
   if (!memory.model.empty() || memory.layer_count() == 0) return;  // gpt_config_of checks it
   std::string what = std::to_string(memory.layer_count()) + " layers";
   try {
-    std::string sizes;
-    for (const std::int64_t s : mlp_sizes(memory))
-      sizes += (sizes.empty() ? "" : ",") + std::to_string(s);
-    what = "layers " + sizes;
+    what = "layers " + join_sizes(mlp_sizes(memory));
   } catch (const ArgumentError&) {  // not even a stack of layers: counted
   }
   throw UsageError(source + " holds an MLP (" + what + "), not a GPT: " + hint);
