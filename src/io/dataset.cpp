@@ -135,11 +135,27 @@ bool blank(const std::string& line) {
   return line.find_first_not_of(" \t") == std::string::npos;
 }
 
-/// A first line of names alone (no cell a number) is a header, as most tools write one: it
-/// sets the column count and is not a sample.
-bool is_header(const std::vector<std::string>& cells) {
-  return std::none_of(cells.begin(), cells.end(),
-                      [](const std::string& c) { return number_of(c).has_value(); });
+/// Where a CSV's samples are: every line not blank, but for a header, a first line of
+/// names alone (no cell a number) as most tools write one, which sets the column count.
+struct CsvLines {
+  std::size_t header_columns = 0;    ///< 0: no header
+  std::vector<std::size_t> samples;  ///< indices of the sample lines
+};
+CsvLines csv_lines(const std::vector<std::string>& lines) {
+  CsvLines out;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    if (blank(lines[i])) continue;
+    if (out.samples.empty() && out.header_columns == 0) {
+      const std::vector<std::string> cells = cells_of(lines[i]);
+      if (std::none_of(cells.begin(), cells.end(),
+                       [](const std::string& c) { return number_of(c).has_value(); })) {
+        out.header_columns = cells.size();
+        continue;
+      }
+    }
+    out.samples.push_back(i);
+  }
+  return out;
 }
 
 }  // namespace
@@ -148,19 +164,11 @@ Dataset load_csv(const std::filesystem::path& path) {
   const std::vector<std::string> lines = read_lines(path);
   std::vector<std::vector<double>> rows;
   std::vector<int> labels;
-  std::size_t columns = 0;
-  bool first = true;
-  for (std::size_t i = 0; i < lines.size(); ++i) {
-    if (blank(lines[i])) continue;
-    const std::vector<std::string> cells = cells_of(lines[i]);
-    const bool header = first && is_header(cells);
-    first = false;
-    if (header) {
-      columns = cells.size();
-      continue;
-    }
+  const CsvLines csv = csv_lines(lines);
+  std::size_t columns = csv.header_columns;
+  for (const std::size_t i : csv.samples) {
     const std::string at = where(path, static_cast<std::int64_t>(i + 1));
-    std::vector<double> values = values_of(cells, at);
+    std::vector<double> values = values_of(cells_of(lines[i]), at);
     if (columns == 0) columns = values.size();
     if (values.size() != columns) {
       throw FormatError(at + ": " + std::to_string(values.size()) + " columns, expected " +
@@ -186,16 +194,11 @@ Dataset load_csv(const std::filesystem::path& path) {
 }
 
 std::int64_t csv_line_of(const std::filesystem::path& path, std::int64_t sample) {
-  const std::vector<std::string> lines = read_lines(path);
-  std::int64_t samples = 0;
-  bool first = true;
-  for (std::size_t i = 0; i < lines.size(); ++i) {
-    if (blank(lines[i])) continue;
-    const bool header = first && is_header(cells_of(lines[i]));
-    first = false;
-    if (!header && samples++ == sample) return static_cast<std::int64_t>(i + 1);
+  const std::vector<std::size_t> samples = csv_lines(read_lines(path)).samples;
+  if (sample < 0 || static_cast<std::size_t>(sample) >= samples.size()) {
+    throw ArgumentError(path.string() + " has no sample " + std::to_string(sample));
   }
-  throw ArgumentError(path.string() + " has no sample " + std::to_string(sample));
+  return static_cast<std::int64_t>(samples[static_cast<std::size_t>(sample)] + 1);
 }
 
 Dataset load_digits(const std::filesystem::path& path) {
