@@ -160,9 +160,51 @@ TEST_F(MatrixIoTest, MarketIntegerAndPattern) {
   EXPECT_NE(read_matrix_market(pattern, 6).values(), a.values());
 }
 
+// SuiteSparse stores most of its matrices so: one triangle, each off-diagonal entry
+// standing for its mirror (negated when skew-symmetric).
+TEST_F(MatrixIoTest, MarketSymmetricFilesMirrored) {
+  const CsrMatrix sym = read_matrix_market(write_text(
+      "sym.mtx",
+      "%%MatrixMarket matrix coordinate real Symmetric\n3 3 4\n1 1 5\n3 1 -2\n2 3 7\n3 3 1\n"));
+  const CsrMatrix general =
+      read_matrix_market(write_text("gen.mtx",
+                                    "%%MatrixMarket matrix coordinate real general\n3 3 6\n"
+                                    "1 1 5\n1 3 -2\n2 3 7\n3 1 -2\n3 2 7\n3 3 1\n"));
+  expect_same_pattern(sym, general);
+  EXPECT_EQ(sym.values(), general.values());
+
+  const CsrMatrix skew = read_matrix_market(write_text(
+      "skew.mtx",
+      "%%MatrixMarket matrix coordinate integer skew-symmetric\n3 3 2\n2 1 4\n3 2 -1\n"));
+  EXPECT_EQ(skew.row_offsets(), (std::vector<std::int64_t>{0, 1, 3, 4}));
+  EXPECT_EQ(skew.col_indices(), (std::vector<std::uint32_t>{1, 0, 2, 1}));
+  EXPECT_EQ(skew.values(), (std::vector<float>{-4.0F, 4.0F, 1.0F, -1.0F}));
+
+  const CsrMatrix pattern = read_matrix_market(
+      write_text("psym.mtx", "%%MatrixMarket matrix coordinate pattern symmetric\n2 2 1\n2 1\n"));
+  EXPECT_EQ(pattern.col_indices(), (std::vector<std::uint32_t>{1, 0}));
+  for (const float v : pattern.values()) EXPECT_NE(v, 0.0F);
+}
+
+TEST_F(MatrixIoTest, MarketSymmetricFilesChecked) {
+  const std::string sym = "%%MatrixMarket matrix coordinate real symmetric\n";
+  expect_bad_market("rect.mtx", sym + "2 3 1\n1 1 1\n", 2,
+                    "a symmetric matrix must be square, not 2x3");
+  expect_bad_market("both.mtx", sym + "3 3 2\n3 1 1\n% c\n1 3 1\n", 5,
+                    "duplicate entry (1, 3), first given on line 3 (in a symmetric file");
+  expect_bad_market("count.mtx", sym + "3 3 2\n3 1 1\n", 4, "file ends after 1 of 2 entries");
+  expect_bad_market("extra.mtx", sym + "3 3 1\n3 1 1\n2 1 1\n", 4, "extra entry");
+  expect_bad_market("skewdiag.mtx",
+                    "%%MatrixMarket matrix coordinate real skew-symmetric\n2 2 1\n2 2 1\n", 3,
+                    "entry (2, 2) on the diagonal of a skew-symmetric matrix");
+  expect_bad_market("pskew.mtx",
+                    "%%MatrixMarket matrix coordinate pattern skew-symmetric\n2 2 1\n2 1\n", 1,
+                    "a pattern cannot be skew-symmetric");
+}
+
 TEST_F(MatrixIoTest, MarketUnsupportedKindsRefused) {
-  expect_bad_market("sym.mtx", "%%MatrixMarket matrix coordinate real symmetric\n2 2 1\n1 1 1\n", 1,
-                    "symmetric' is not supported");
+  expect_bad_market("herm.mtx", "%%MatrixMarket matrix coordinate real hermitian\n2 2 1\n1 1 1\n",
+                    1, "hermitian' is not supported");
   expect_bad_market("cx.mtx", "%%MatrixMarket matrix coordinate complex general\n2 2 1\n1 1 1 0\n",
                     1, "complex' is not supported");
   expect_bad_market("arr.mtx", "%%MatrixMarket matrix array real general\n2 2\n1\n2\n3\n4\n", 1,

@@ -88,8 +88,9 @@ TransposedPattern transposed_pattern(const CsrMatrix& w);
 /// W^T with its values.
 CsrMatrix transpose(const CsrMatrix& w);
 
-/// Reads a Matrix Market file: coordinate format; real, integer or pattern; general
-/// symmetry. Pattern values are filled from `seed`. Duplicate entries are an error.
+/// Reads a Matrix Market file: coordinate format; real, integer or pattern; general,
+/// symmetric or skew-symmetric (each off-diagonal entry given once, in either triangle, and
+/// mirrored). Pattern values are filled from `seed`. Duplicate entries are an error.
 /// Errors name the file, the line and what is wrong.
 CsrMatrix read_matrix_market(const std::filesystem::path& path, std::uint64_t seed = 1);
 /// Writes coordinate real general Matrix Market (values with round-trip precision).

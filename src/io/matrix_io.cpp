@@ -240,8 +240,46 @@ struct MarketEntry {
 };
 
 enum class MarketField { real, integer, pattern };
+/// Symmetric and skew-symmetric files store one triangle; each off-diagonal entry stands
+/// for its mirror too (negated when skew), as SuiteSparse's matrices are mostly stored.
+enum class MarketSymmetry { general, symmetric, skew_symmetric };
 
-MarketField read_market_header(const fs::path& path, LineReader& lines) {
+struct MarketHeader {
+  MarketField field;
+  MarketSymmetry symmetry;
+};
+
+MarketField market_field(const fs::path& path, std::string_view word) {
+  const std::string field = lowercase(word);
+  if (field == "real") return MarketField::real;
+  if (field == "integer") return MarketField::integer;
+  if (field == "pattern") return MarketField::pattern;
+  fail(path, 1, "field " + quoted(word) + " is not supported (real, integer or pattern)");
+}
+
+MarketSymmetry market_symmetry(const fs::path& path, std::string_view word) {
+  const std::string symmetry = lowercase(word);
+  if (symmetry == "general") return MarketSymmetry::general;
+  if (symmetry == "symmetric") return MarketSymmetry::symmetric;
+  if (symmetry == "skew-symmetric") return MarketSymmetry::skew_symmetric;
+  fail(path, 1,
+       "symmetry " + quoted(word) +
+           " is not supported (general, symmetric or skew-symmetric; hermitian is complex)");
+}
+
+const char* symmetry_name(MarketSymmetry symmetry) {
+  switch (symmetry) {
+    case MarketSymmetry::general:
+      return "general";
+    case MarketSymmetry::symmetric:
+      return "symmetric";
+    case MarketSymmetry::skew_symmetric:
+      return "skew-symmetric";
+  }
+  return "?";
+}
+
+MarketHeader read_market_header(const fs::path& path, LineReader& lines) {
   std::string_view line;
   if (!lines.next(line)) fail(path, 1, "empty file, expected a '%%MatrixMarket' header");
   std::array<std::string_view, 5> fields;
@@ -252,19 +290,18 @@ MarketField read_market_header(const fs::path& path, LineReader& lines) {
   if (count != 5) {
     fail(path, 1, "header needs 5 words ('%%MatrixMarket matrix coordinate <field> <symmetry>')");
   }
-  const std::string object = lowercase(fields[1]), format = lowercase(fields[2]),
-                    field = lowercase(fields[3]), symmetry = lowercase(fields[4]);
-  if (object != "matrix") fail(path, 1, "object " + quoted(fields[1]) + " is not supported");
-  if (format != "coordinate") {
+  if (lowercase(fields[1]) != "matrix") {
+    fail(path, 1, "object " + quoted(fields[1]) + " is not supported");
+  }
+  if (lowercase(fields[2]) != "coordinate") {
     fail(path, 1, "format " + quoted(fields[2]) + " is not supported, only coordinate");
   }
-  if (symmetry != "general") {
-    fail(path, 1, "symmetry " + quoted(fields[4]) + " is not supported, only general");
+  const MarketHeader header{market_field(path, fields[3]), market_symmetry(path, fields[4])};
+  if (header.field == MarketField::pattern && header.symmetry == MarketSymmetry::skew_symmetric) {
+    // The format defines no such file: a pattern has no values to negate.
+    fail(path, 1, "a pattern cannot be skew-symmetric");
   }
-  if (field == "real") return MarketField::real;
-  if (field == "integer") return MarketField::integer;
-  if (field == "pattern") return MarketField::pattern;
-  fail(path, 1, "field " + quoted(fields[3]) + " is not supported (real, integer or pattern)");
+  return header;
 }
 
 float parse_market_value(const fs::path& path, std::int64_t line, std::string_view text,
@@ -300,10 +337,29 @@ std::uint32_t parse_market_index(const fs::path& path, std::int64_t line, std::s
 
 }  // namespace
 
+/// Adds what a symmetric file's entry `e` stands for besides itself: its mirror across the
+/// diagonal (negated when skew). Either triangle may be given; an entry and its mirror both
+/// given are refused as duplicates.
+void add_mirror(const fs::path& path, MarketSymmetry symmetry, const MarketEntry& e,
+                std::vector<MarketEntry>& entries) {
+  if (e.row == e.col) {
+    if (symmetry == MarketSymmetry::skew_symmetric) {
+      fail(path, e.line,
+           "entry (" + std::to_string(e.row + 1) + ", " + std::to_string(e.col + 1) +
+               ") on the diagonal of a skew-symmetric matrix, whose diagonal is zero");
+    }
+    return;
+  }
+  const float value = symmetry == MarketSymmetry::skew_symmetric ? -e.value : e.value;
+  entries.push_back({e.col, e.row, value, e.line});
+}
+
 CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
   const std::string text = detail::read_file_bytes(path);
   LineReader lines(text);
-  const MarketField field = read_market_header(path, lines);
+  const MarketHeader header = read_market_header(path, lines);
+  const MarketField field = header.field;
+  const bool mirrored = header.symmetry != MarketSymmetry::general;
 
   // Comments ('%') and blank lines may come before the size line.
   std::string_view line;
@@ -336,6 +392,11 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
   }
   if (nnz < 0) fail(path, size_line, "negative entry count " + std::to_string(nnz));
   check_shape(path, size_line, rows, cols, nnz);
+  if (mirrored && rows != cols) {
+    fail(path, size_line,
+         std::string("a ") + symmetry_name(header.symmetry) + " matrix must be square, not " +
+             std::to_string(rows) + "x" + std::to_string(cols));
+  }
   require_offsets_memory(path, size_line, rows, cols);
   // A count the rest of the file cannot hold (an entry takes more than a byte) is
   // corrupt. Below that, a mere truncation is reported where the entries run out,
@@ -347,14 +408,16 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
   }
   const std::size_t shortest_entry = field == MarketField::pattern ? 4 : 6;
   std::vector<MarketEntry> entries;
-  entries.reserve(std::min(static_cast<std::size_t>(nnz), lines.remaining() / shortest_entry + 1));
+  entries.reserve((mirrored ? 2 : 1) *
+                  std::min(static_cast<std::size_t>(nnz), lines.remaining() / shortest_entry + 1));
   const std::size_t wanted_fields = field == MarketField::pattern ? 2 : 3;
   const char* entry_form = field == MarketField::pattern ? "'row col'" : "'row col value'";
   std::array<std::string_view, 3> entry;
+  std::int64_t stored = 0;  // entries read; a mirrored file holds more
   while (lines.next(line)) {
     if (line.starts_with('%') || is_blank(line)) continue;
     const std::int64_t number = lines.number();
-    if (static_cast<std::int64_t>(entries.size()) == nnz) {
+    if (stored == nnz) {
       fail(path, number, "extra entry: the size line declares only " + std::to_string(nnz));
     }
     const std::size_t count = split_fields(line, entry);
@@ -364,17 +427,19 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
     if (count > wanted_fields) {
       fail(path, number, std::string("extra field: expected only ") + entry_form);
     }
-    MarketEntry& e = entries.emplace_back();
+    MarketEntry e{};
     e.row = parse_market_index(path, number, entry[0], "row", rows);
     e.col = parse_market_index(path, number, entry[1], "column", cols);
     e.value =
         field == MarketField::pattern ? 0.0F : parse_market_value(path, number, entry[2], field);
     e.line = number;
+    entries.push_back(e);
+    ++stored;
+    if (mirrored) add_mirror(path, header.symmetry, e, entries);
   }
-  if (static_cast<std::int64_t>(entries.size()) < nnz) {
+  if (stored < nnz) {
     fail(path, lines.number() + 1,
-         "file ends after " + std::to_string(entries.size()) + " of " + std::to_string(nnz) +
-             " entries");
+         "file ends after " + std::to_string(stored) + " of " + std::to_string(nnz) + " entries");
   }
 
   // Entries may come in any order. A stable sort keeps file order among equal
@@ -391,7 +456,10 @@ CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
     if (a.row == b.row && a.col == b.col) {
       fail(path, b.line,
            "duplicate entry (" + std::to_string(b.row + 1) + ", " + std::to_string(b.col + 1) +
-               "), first given on line " + std::to_string(a.line));
+               "), first given on line " + std::to_string(a.line) +
+               (mirrored ? std::string(" (in a ") + symmetry_name(header.symmetry) +
+                               " file an entry (i, j) stands for (j, i) too)"
+                         : std::string()));
     }
   }
 
