@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -63,6 +64,22 @@ TEST_F(CliOutputs, ThePlotScriptHasOneTemporarySuffixAndQuotesThePath) {
   ASSERT_FALSE(scripts.empty()) << o.output;
   EXPECT_EQ(scripts.find(".tmp."), scripts.rfind(".tmp.")) << scripts;
   EXPECT_NE(read_file(dir_ / "last.gp").find("it''s here"), std::string::npos);
+}
+
+// A sweep of one sparsity has one x and one time: gnuplot must not warn of an empty range,
+// and the fit's R^2 is said to be undefined rather than printed as nan.
+TEST_F(CliOutputs, ASweepOfOneSparsityPlotsWithoutWarnings) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "no gnuplot";
+  for (const char* sparsity : {"0.5", "0"}) {
+    const fs::path out = dir_ / (std::string("out") + sparsity);
+    const Outcome o =
+        run(std::string(kTiny) + "--sparsities " + sparsity + " --out " + out.string());
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_EQ(o.output.find("Warning:"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("nan"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("R^2 undefined"), std::string::npos) << o.output;
+    EXPECT_TRUE(fs::exists(out / "sweep.png"));
+  }
 }
 
 TEST_F(CliOutputs, AFailedSweepLeavesNoneOfItsFilesAndTheEarlierOnes) {

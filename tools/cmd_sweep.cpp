@@ -519,8 +519,13 @@ void print_table(const Sweep& s) {
     for (int t = 0; t < kCostTerms; ++t)
       if (name == cost_term_name(t)) std::printf(" %s = %.4g s", name.c_str(), values[t]);
   }
-  std::printf("\n  R^2 = %.5f, rms residual %.1f%%, condition %.3g", s.fit.r_squared,
-              100 * s.fit.rms_relative_residual, s.fit.condition_number);
+  if (std::isfinite(s.fit.r_squared)) {
+    std::printf("\n  R^2 = %.5f, ", s.fit.r_squared);
+  } else {
+    std::printf("\n  R^2 undefined (the times do not vary), ");
+  }
+  std::printf("rms residual %.1f%%, condition %.3g", 100 * s.fit.rms_relative_residual,
+              s.fit.condition_number);
   if (!s.fit.held_at_zero.empty()) {
     std::printf("; forced to zero:");
     for (const auto& name : s.fit.held_at_zero) std::printf(" %s", name.c_str());
@@ -540,6 +545,8 @@ bool plot(const Sweep& s, const fs::path& dir) {
      << "set termoption noenhanced\nset output " << gnuplot_quote(png.tmp_path.string()) << "\n"
      << "set title " << gnuplot_quote("Acceleration over oneDNN dense: " + title(s)) << "\n"
      << "set logscale xy\nset grid\nset key top left\n"
+     // From just left of dense, so a sweep of one sparsity still has an x range.
+     << "set xrange [0.8:*]\n"
      << "set xlabel '1 / (1 - sparsity)  (1 = dense, 10 = 90% sparse, 1000 = 99.9%)'\n"
      << "set ylabel 'acceleration (dense time / sparse time)'\n"
      << "plot " << csv << " using 2:7 with points pt 7 ps 1.5 title 'measured', " << csv
