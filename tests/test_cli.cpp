@@ -343,6 +343,12 @@ TEST_F(Cli, PredictHeadlinesOneEngineOfTheLargestModel) {
   EXPECT_LT(tokens_of(fat.output), tokens_of(o.output));
   EXPECT_EQ(run("predict --activation-bytes 0").exit_code, 2);
   EXPECT_EQ(run("predict --activation-bytes x").exit_code, 2);
+  // Without --scaling the scaling sparsity would change nothing.
+  const Outcome alone = run("predict --scaling-sparsity 0.5");
+  EXPECT_EQ(alone.exit_code, 2);
+  EXPECT_NE(alone.output.find("--scaling-sparsity requires --scaling"), std::string::npos)
+      << alone.output;
+  EXPECT_EQ(run("predict --scaling --scaling-sparsity 0.5").exit_code, 0);
 }
 
 }  // namespace

@@ -372,10 +372,12 @@ Command add_predict_command(CLI::App& app) {
       "predict", "Predict wafer-scale acceleration vs sparsity and cluster scaling (cost model)");
   sub->add_option("--system", options->system, "System parameters to use (wse2)")
       ->capture_default_str();
-  sub->add_flag("--scaling", options->scaling,
-                "Also predict time per training step vs number of engines (1..1024)");
+  CLI::Option* scaling =
+      sub->add_flag("--scaling", options->scaling,
+                    "Also predict time per training step vs number of engines (1..1024)");
   sub->add_option("--scaling-sparsity", options->scaling_sparsity,
                   "Weight sparsity of the scaling prediction")
+      ->needs(scaling)  // alone it would change nothing
       ->capture_default_str();
   sub->add_option("--activation-bytes", options->activations.bytes_per_token_layer_per_d_model,
                   "Activation bytes an engine holds per token, layer and d_model (2: each "
