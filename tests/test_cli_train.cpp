@@ -290,6 +290,29 @@ TEST_F(CliTrain, AFileNameThatIsNotUtf8GivesValidJson) {
   EXPECT_NE(j["dataset"].get<std::string>().find("caf\xef\xbf\xbd.csv"), std::string::npos);
 }
 
+// A CSV whose labels are class names (iris's species) trains, says which class each name
+// is, and its JSON lists them by class; resumed, the same names are the same classes.
+TEST_F(CliTrain, ClassNamesInACsvAreClasses) {
+  std::string text = "width,height,species\n";
+  const char* names[] = {"setosa", "versicolor", "virginica"};  // by height
+  for (int r = 89; r >= 0; --r) {  // virginica first: the classes' order is not the file's
+    text += std::to_string(r % 7) + "," + std::to_string(r % 3) + "," + names[r % 3] + "\n";
+  }
+  std::ofstream(path("iris.csv")) << text;
+  const std::string train = "train --dataset " + path("iris.csv") + " --epochs 3 --batch 8 ";
+  Outcome o =
+      run(train + "--layers 2,8,3 --sparsity 0 --lr 0.05 --checkpoint " + path("iris.ckpt"));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("(by name, sorted): 'setosa'=0, 'versicolor'=1, 'virginica'=2"),
+            std::string::npos)
+      << o.output;
+  o = run(train + "--json --resume " + path("iris.ckpt"), /*merge_stderr=*/false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  const json j = json::parse(o.output);
+  EXPECT_EQ(j["class_names"], json({"setosa", "versicolor", "virginica"}));
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.9);  // the label follows the second column
+}
+
 /// Runs the CLI with `args` (split on spaces) in a child; returns its pid.
 pid_t spawn_cli(const std::string& args) {
   std::vector<std::string> words{SLUICE_CLI_PATH};

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "sluice/dataset.hpp"
 #include "sluice/error.hpp"
@@ -61,6 +63,50 @@ TEST_F(DatasetFiles, AFirstLineOfNamesIsAHeader) {
                                       std::pair{"late_header.csv", ":2: column 1 is not"},
                                       std::pair{"mixed_header.csv", ":1: column 1 is not"},
                                       std::pair{"header_only.csv", "no data rows"}}) {
+    try {
+      load_csv(temp(name));
+      ADD_FAILURE() << name;
+    } catch (const FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Labels that are names (iris's species) number the classes in sorted order; a cell in
+// double quotes, as spreadsheets and Python's csv module write them, is read without them.
+TEST_F(DatasetFiles, LabelsMayBeClassNamesAndCellsQuoted) {
+  write(temp("iris.csv"),
+        "\"sepal, cm\",\"petal\",\"species\"\n"
+        "5.1,\"1.4\",setosa\n6.3, \"4.9\" ,\"virginica\"\n5.9,4.2,versicolor\n"
+        "4.9,1.5,setosa\n6.0,5.0,\"Iris \"\"x\"\", y\"\n");
+  const Dataset d = load_csv(temp("iris.csv"));
+  ASSERT_EQ(d.samples(), 5);
+  EXPECT_EQ(d.features.rows(), 2);
+  EXPECT_EQ(d.features(1, 1), 4.9F);
+  EXPECT_EQ(d.class_names,
+            (std::vector<std::string>{"Iris \"x\", y", "setosa", "versicolor", "virginica"}));
+  EXPECT_EQ(d.classes, 4);
+  EXPECT_EQ(d.labels, (std::vector<int>{1, 3, 2, 1, 0}));
+  const auto [train, test] = split_dataset(d, 0.4, 1);
+  EXPECT_EQ(train.class_names, d.class_names);
+  EXPECT_EQ(test.class_names, d.class_names);
+
+  // Numbers alone stay the classes they say; mixed with names, they are refused.
+  write(temp("numbers.csv"), "1,\"2\"\n3,0\n");
+  const Dataset numbers = load_csv(temp("numbers.csv"));
+  EXPECT_TRUE(numbers.class_names.empty());
+  EXPECT_EQ(numbers.labels, (std::vector<int>{2, 0}));
+  EXPECT_EQ(numbers.classes, 3);
+
+  write(temp("empty_label.csv"), "1,a\n2, \n");
+  write(temp("mixed.csv"), "1,2\n3,cat\n5,10\n");
+  write(temp("semicolons.csv"), "1;2;0\n3;4;1\n");
+  for (const auto& [name, message] :
+       {std::pair{"empty_label.csv", "empty_label.csv:2: the label is empty"},
+        std::pair{"mixed.csv", "mixed.csv:2: label 'cat' is a name, but "},
+        std::pair{"semicolons.csv",
+                  "semicolons.csv:2: one column, '3;4;1': a sample needs "
+                  "features and a label, separated by commas"}}) {
     try {
       load_csv(temp(name));
       ADD_FAILURE() << name;

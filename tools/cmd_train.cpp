@@ -377,14 +377,20 @@ std::string backward_orders(const LayerStreamingExecutor& executor) {
   return orders;
 }
 
-void report(const TrainOptions* o, const std::string& dataset_name, const Evaluation& e,
-            const TrainTotals& t, const LayerStreamingExecutor& executor, const ModelMemory& memory,
-            bool resuming) {
+void report(const TrainOptions* o, const Dataset& all, const std::string& dataset_name,
+            const Evaluation& e, const TrainTotals& t, const LayerStreamingExecutor& executor,
+            const ModelMemory& memory, bool resuming) {
   const StepMetrics& total = executor.totals();
   if (o->json) {
     JsonWriter j(2);
     j.begin_object();
-    j.field("dataset", dataset_name).field("test_accuracy", e.accuracy).field("test_loss", e.loss);
+    j.field("dataset", dataset_name);
+    if (!all.class_names.empty()) {  // class i the i-th
+      j.key("class_names").begin_array();
+      for (const std::string& name : all.class_names) j.value(name);
+      j.end_array();
+    }
+    j.field("test_accuracy", e.accuracy).field("test_loss", e.loss);
     j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", t.epochs);
     j.field("skipped_steps", t.skipped);
     j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o, resuming));
@@ -449,6 +455,17 @@ void check_split(const TrainOptions& options, const PreparedData& data,
     throw UsageError(what + "; " + std::to_string(o->engines) +
                      " engines need at least as many samples in each");
   }
+}
+
+/// "classes of FILE: name=0, name=1, ...", the first few of a long list.
+std::string class_list(const std::string& dataset_name, const std::vector<std::string>& names) {
+  constexpr std::size_t kShown = 12;
+  std::string text = "classes of " + dataset_name + " (by name, sorted): ";
+  for (std::size_t c = 0; c < std::min(names.size(), kShown); ++c) {
+    text += (c > 0 ? ", " : "") + detail::excerpt(names[c]) + "=" + std::to_string(c);
+  }
+  if (names.size() > kShown) text += ", ... (" + std::to_string(names.size()) + " classes)";
+  return text;
 }
 
 /// The layer sizes of the run: --layers, the resumed model's, or the data's default; each
@@ -562,6 +579,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   Dataset& train = data.train;
   Dataset& test = data.test;
   check_split(*o, data, dataset_name);
+  if (!all.class_names.empty()) progress << class_list(dataset_name, all.class_names) << "\n";
   standardize(train, test);
   const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
   if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
@@ -623,7 +641,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   if (!o->checkpoint.empty()) memory.save(o->checkpoint);
   // In batches of --batch tokens, so --memory-budget holds here too.
   const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}}, o->batch);
-  report(o, dataset_name, e, t, executor, memory, resuming);
+  report(o, all, dataset_name, e, t, executor, memory, resuming);
 
   return 0;
 }

@@ -38,6 +38,9 @@ double mlp_model_bytes(const std::vector<std::int64_t>& sizes, double sparsity) 
 
 std::string largest_label_source(const std::filesystem::path& path, const Dataset& data) {
   if (data.labels.empty()) return path.string();
+  if (!data.class_names.empty()) {
+    return path.string() + ": " + std::to_string(data.class_names.size()) + " class names";
+  }
   const auto largest = std::max_element(data.labels.begin(), data.labels.end());
   const auto sample = largest - data.labels.begin();
   const std::int64_t line_number = csv_line_of(path, sample);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -15,12 +16,16 @@ struct Dataset {
   DenseMatrix features;     ///< features x samples
   std::vector<int> labels;  ///< one per sample, in [0, classes)
   int classes = 0;
+  /// A CSV's class names, class i the i-th; empty where the labels are numbers.
+  std::vector<std::string> class_names;
   std::int64_t samples() const { return features.cols(); }
 };
 
-/// Reads a CSV of numbers, one sample per line, the last column its integer label
-/// (>= 0); gzip'd files are read transparently. A first line of names (no cell a
-/// number) is a header and skipped. Every row must have as many columns as the first.
+/// Reads a CSV of numbers, one sample per line, the last column its label: an integer in
+/// [0, 1e6], or a class name (when any label is not a number, every label is a name and
+/// the classes are the names in sorted order); gzip'd files are read transparently. A
+/// cell may be in double quotes. A first line of names (no cell a number) is a header and
+/// skipped. Every row must have as many columns as the first.
 /// Blank lines are skipped. FormatError names the file, line and column of a
 /// bad row; IoError if the file cannot be opened.
 Dataset load_csv(const std::filesystem::path& path);

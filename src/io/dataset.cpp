@@ -11,10 +11,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 
 #include "core/excerpt.hpp"
 #include "core/input_file.hpp"
@@ -71,6 +73,7 @@ Dataset subset(const Dataset& data, const std::vector<std::int64_t>& order, std:
                std::size_t end) {
   Dataset out;
   out.classes = data.classes;
+  out.class_names = data.class_names;
   out.features = DenseMatrix(data.features.rows(), static_cast<std::int64_t>(end - begin));
   for (std::size_t j = begin; j < end; ++j) {
     const std::int64_t src = order[j];
@@ -82,19 +85,38 @@ Dataset subset(const Dataset& data, const std::vector<std::int64_t>& order, std:
   return out;
 }
 
-/// The line's comma-separated cells, blanks around each trimmed.
+std::string trimmed(std::string_view text) {
+  const auto first = text.find_first_not_of(" \t");
+  if (first == std::string_view::npos) return {};
+  return std::string(text.substr(first, text.find_last_not_of(" \t") - first + 1));
+}
+
+/// The line's comma-separated cells, blanks around each trimmed. A cell in double quotes,
+/// as spreadsheets and Python's csv module write them, may hold commas, and "" in it is
+/// one quote.
 std::vector<std::string> cells_of(const std::string& line) {
   std::vector<std::string> cells;
-  std::size_t start = 0;
+  std::size_t i = 0;
   while (true) {
-    std::size_t end = line.find(',', start);
-    if (end == std::string::npos) end = line.size();
-    const std::string cell = line.substr(start, end - start);
-    const auto first = cell.find_first_not_of(" \t");
-    const auto last = cell.find_last_not_of(" \t");
-    cells.push_back(first == std::string::npos ? "" : cell.substr(first, last - first + 1));
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+    std::string cell;
+    if (i < line.size() && line[i] == '"') {
+      for (++i; i < line.size(); ++i) {
+        if (line[i] != '"') {
+          cell += line[i];
+        } else if (i + 1 < line.size() && line[i + 1] == '"') {
+          cell += line[++i];
+        } else {
+          ++i;  // the closing quote
+          break;
+        }
+      }
+    }
+    const std::size_t end = std::min(line.find(',', i), line.size());
+    cell += trimmed(std::string_view(line).substr(i, end - i));
+    cells.push_back(std::move(cell));
     if (end == line.size()) return cells;
-    start = end + 1;
+    i = end + 1;
   }
 }
 
@@ -107,11 +129,16 @@ std::optional<double> number_of(const std::string& cell) {
   return v;
 }
 
-/// A row's values: features then the label. FormatError says which cell is wrong.
-std::vector<double> values_of(const std::vector<std::string>& cells, const std::string& at) {
+/// A row's features: every cell but the last, its label. FormatError says which is wrong.
+std::vector<double> features_of(const std::vector<std::string>& cells, const std::string& at) {
+  if (cells.size() < 2) {
+    throw FormatError(at + ": one column, " + detail::excerpt(cells.front()) +
+                      ": a sample needs features and a label, separated by commas");
+  }
   std::vector<double> values;
-  for (const std::string& cell : cells) {
-    const std::string column = "column " + std::to_string(values.size() + 1);
+  for (std::size_t c = 0; c + 1 < cells.size(); ++c) {
+    const std::string& cell = cells[c];
+    const std::string column = "column " + std::to_string(c + 1);
     const std::optional<double> v = number_of(cell);
     if (!v)
       throw FormatError(at + ": " + column + " is not a finite number: " + detail::excerpt(cell));
@@ -121,14 +148,57 @@ std::vector<double> values_of(const std::vector<std::string>& cells, const std::
                         " is outside the fp32 range: " + detail::excerpt(cell));
     values.push_back(*v);
   }
-  if (values.size() < 2) throw FormatError(at + ": needs at least one feature and a label");
-  const double label = values.back();
-  if (label < 0 || label != std::floor(label) || label > 1e6) {
-    char shown[32];
-    std::snprintf(shown, sizeof shown, "%.6g", label);
-    throw FormatError(at + ": label " + shown + " is not an integer in [0, 1e6]");
-  }
   return values;
+}
+
+constexpr int kMostClasses = 1000000;
+
+/// The samples' labels from their label cells (`where(i)` names sample i's line):
+/// integers in [0, 1e6] as given, or class names, numbered in sorted order into `names`.
+/// Numbers and names mixed are refused (a typo among class numbers would otherwise renumber
+/// every class). FormatError names the line of a bad one.
+std::vector<int> labels_of(const std::vector<std::string>& cells,
+                           const std::function<std::string(std::size_t)>& where,
+                           std::vector<std::string>& names) {
+  std::vector<int> labels(cells.size());
+  std::vector<std::optional<double>> numbers(cells.size());
+  std::optional<std::size_t> a_number, a_name;
+  for (std::size_t i = 0; i < cells.size(); ++i) {
+    if (cells[i].empty()) throw FormatError(where(i) + ": the label is empty");
+    numbers[i] = number_of(cells[i]);
+    (numbers[i] ? a_number : a_name).emplace(i);
+    if (a_number && a_name) {
+      throw FormatError(where(i) + ": label " + detail::excerpt(cells[i]) + " is a " +
+                        (numbers[i] ? "number" : "name") + ", but " +
+                        where(numbers[i] ? *a_name : *a_number) + "'s is a " +
+                        (numbers[i] ? "name" : "number") +
+                        ": the labels must be class numbers or class names, not both");
+    }
+  }
+  if (!a_name) {
+    for (std::size_t i = 0; i < cells.size(); ++i) {
+      const double label = *numbers[i];
+      if (label < 0 || label != std::floor(label) || label > kMostClasses) {
+        char shown[32];
+        std::snprintf(shown, sizeof shown, "%.6g", label);
+        throw FormatError(where(i) + ": label " + shown + " is not an integer in [0, 1e6]");
+      }
+      labels[i] = static_cast<int>(label);
+    }
+    return labels;
+  }
+  names = cells;
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  if (names.size() > static_cast<std::size_t>(kMostClasses)) {
+    throw FormatError(where(cells.size() - 1) + ": the labels name " +
+                      std::to_string(names.size()) + " classes, more than 1e6");
+  }
+  for (std::size_t i = 0; i < cells.size(); ++i) {
+    labels[i] =
+        static_cast<int>(std::lower_bound(names.begin(), names.end(), cells[i]) - names.begin());
+  }
+  return labels;
 }
 
 bool blank(const std::string& line) {
@@ -163,23 +233,27 @@ CsvLines csv_lines(const std::vector<std::string>& lines) {
 Dataset load_csv(const std::filesystem::path& path) {
   const std::vector<std::string> lines = read_lines(path);
   std::vector<std::vector<double>> rows;
-  std::vector<int> labels;
+  std::vector<std::string> label_cells;
   const CsvLines csv = csv_lines(lines);
   std::size_t columns = csv.header_columns;
   for (const std::size_t i : csv.samples) {
     const std::string at = where(path, static_cast<std::int64_t>(i + 1));
-    std::vector<double> values = values_of(cells_of(lines[i]), at);
-    if (columns == 0) columns = values.size();
-    if (values.size() != columns) {
-      throw FormatError(at + ": " + std::to_string(values.size()) + " columns, expected " +
+    std::vector<std::string> cells = cells_of(lines[i]);
+    std::vector<double> features = features_of(cells, at);  // a bad value said first
+    if (columns == 0) columns = cells.size();
+    if (cells.size() != columns) {
+      throw FormatError(at + ": " + std::to_string(cells.size()) + " columns, expected " +
                         std::to_string(columns));
     }
-    labels.push_back(static_cast<int>(values.back()));
-    values.pop_back();
-    rows.push_back(std::move(values));
+    rows.push_back(std::move(features));
+    label_cells.push_back(std::move(cells.back()));
   }
   if (rows.empty()) throw FormatError(path.string() + ": no data rows");
   Dataset d;
+  d.labels = labels_of(
+      label_cells,
+      [&](std::size_t i) { return where(path, static_cast<std::int64_t>(csv.samples[i] + 1)); },
+      d.class_names);
   d.features =
       DenseMatrix(static_cast<std::int64_t>(columns - 1), static_cast<std::int64_t>(rows.size()));
   for (std::size_t s = 0; s < rows.size(); ++s) {
@@ -188,7 +262,6 @@ Dataset load_csv(const std::filesystem::path& path) {
           static_cast<float>(rows[s][f]);
     }
   }
-  d.labels = std::move(labels);
   d.classes = *std::max_element(d.labels.begin(), d.labels.end()) + 1;
   return d;
 }
