@@ -335,8 +335,6 @@ std::uint32_t parse_market_index(const fs::path& path, std::int64_t line, std::s
   return static_cast<std::uint32_t>(index - 1);
 }
 
-}  // namespace
-
 /// Adds what a symmetric file's entry `e` stands for besides itself: its mirror across the
 /// diagonal (negated when skew). Either triangle may be given; an entry and its mirror both
 /// given are refused as duplicates.
@@ -353,6 +351,8 @@ void add_mirror(const fs::path& path, MarketSymmetry symmetry, const MarketEntry
   const float value = symmetry == MarketSymmetry::skew_symmetric ? -e.value : e.value;
   entries.push_back({e.col, e.row, value, e.line});
 }
+
+}  // namespace
 
 CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
   const std::string text = detail::read_file_bytes(path);
