@@ -122,6 +122,10 @@ TEST_F(TextCorpusFiles, BadSourcesNameThePath) {
   message = testing::thrown_message<FormatError>([&] { TextCorpus::load(dir_ / "nothing", 8); });
   EXPECT_CONTAINS(message, (dir_ / "nothing").string());
   EXPECT_CONTAINS(message, "no text files");
+  EXPECT_EQ(message.find("subdirectories"), std::string::npos) << message;
+  std::filesystem::create_directories(dir_ / "nothing" / "books");
+  message = testing::thrown_message<FormatError>([&] { TextCorpus::load(dir_ / "nothing", 8); });
+  EXPECT_CONTAINS(message, "one directory's files; its subdirectory is not read");
 
   testing::thrown_message<ArgumentError>([&] { TextCorpus::load(dir_ / "enough.txt", 0); });
 }

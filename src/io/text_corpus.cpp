@@ -27,12 +27,23 @@ bool is_text_member(const std::filesystem::directory_entry& entry) {
 
 std::string read_directory(const std::filesystem::path& dir) {
   std::vector<std::filesystem::path> files;
+  std::int64_t subdirectories = 0;
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     if (is_text_member(*it)) files.push_back(it->path());
+    std::error_code kind;
+    if (it->is_directory(kind) && !kind) ++subdirectories;
   }
   if (ec) throw IoError("cannot list " + dir.string() + ": " + ec.message());
-  if (files.empty()) throw FormatError(dir.string() + ": no text files in the directory");
+  if (files.empty()) {
+    const std::string skipped =
+        subdirectories == 1 ? "its subdirectory is"
+                            : "its " + std::to_string(subdirectories) + " subdirectories are";
+    throw FormatError(dir.string() + ": no text files in the directory" +
+                      (subdirectories == 0
+                           ? std::string()
+                           : " (a corpus is one directory's files; " + skipped + " not read)"));
+  }
   std::sort(files.begin(), files.end());  // the same corpus whatever order readdir gives
   std::string text;
   const std::uint64_t limit = max_corpus_bytes();
