@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "block_references.hpp"
+#include "sluice/bf16.hpp"
 #include "sluice/gpt.hpp"
 
 namespace sluice::testing::gpt_reference {
@@ -30,14 +31,19 @@ inline GptConfig tiny_config(std::int64_t blocks = 1) {
 
 /// A GPT whose every parameter is random (gains near 1, biases non-zero), so that no
 /// gradient is trivially right: the layers in GptLayers' order, as build_gpt adds them.
-inline void build_random_gpt(ModelMemory& memory, const GptConfig& c, std::uint64_t seed) {
+/// `bf16_exact`: every weight a bf16 value, which a bf16 stream carries unchanged.
+inline void build_random_gpt(ModelMemory& memory, const GptConfig& c, std::uint64_t seed,
+                             bool bf16_exact = false) {
   const GptLayers layers(c);
   const std::int64_t d = c.d_model;
   auto add = [&](std::int64_t rows, std::int64_t cols, double sparsity, double scale, bool bias,
                  double offset = 0) {
     CsrMatrix w = CsrMatrix::random(rows, cols, sparsity, seed++);
     w.fill_values(seed++, static_cast<float>(scale));
-    for (float& v : w.values()) v += static_cast<float>(offset);
+    for (float& v : w.values()) {
+      v += static_cast<float>(offset);
+      if (bf16_exact) v = round_to_bf16(v);
+    }
     std::vector<float> b;
     if (bias) {
       for (const float x : random_vector(rows, static_cast<std::uint32_t>(seed++))) {
@@ -66,6 +72,8 @@ inline void build_random_gpt(ModelMemory& memory, const GptConfig& c, std::uint6
 struct Reference {
   std::vector<Grid> w;  // every layer dense, zeros off its mask
   std::vector<std::vector<double>> b;
+  /// As a bf16 stream's products take them: the projections' inputs rounded to bf16.
+  bool bf16_projections = false;
 };
 
 inline Reference reference_of(const ModelMemory& memory) {
@@ -83,7 +91,11 @@ inline Grid affine(const Reference& r, std::int32_t l, const Grid& x) {
   for (std::int64_t o = 0; o < w.rows; ++o)
     for (std::int64_t t = 0; t < x.cols; ++t) {
       double sum = r.b[static_cast<std::size_t>(l)].empty() ? 0 : r.b[l][o];
-      for (std::int64_t i = 0; i < w.cols; ++i) sum += w(o, i) * x(i, t);
+      for (std::int64_t i = 0; i < w.cols; ++i) {
+        const double input =
+            r.bf16_projections ? round_to_bf16(static_cast<float>(x(i, t))) : x(i, t);
+        sum += w(o, i) * input;
+      }
       y(o, t) = sum;
     }
   return y;

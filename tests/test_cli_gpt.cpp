@@ -150,6 +150,29 @@ TEST_F(CliGpt, BadArgumentsExit2AndBadDataExit1) {
               "it with --model gpt");
 }
 
+// --precision bf16: the projections stream in bf16, as the JSON and the progress say; the
+// model trains, resumes in fp32 (a run's precision, not the model's), and one precision for
+// every projection is all the GPT takes.
+TEST_F(CliGpt, ProjectionsStreamInBf16) {
+  const std::string ckpt = path("bf16.ckpt");
+  const Outcome o = run(gpt() + "--steps 20 --lr 0.003 --precision bf16 --checkpoint " + ckpt);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("projections streamed in bf16"), std::string::npos) << o.output;
+  const json fp32 = run_json(gpt() + "--steps 20 --lr 0.003");
+  const json bf16 = run_json(gpt() + "--steps 20 --lr 0.003 --precision bf16");
+  EXPECT_EQ(bf16.value("precision", ""), "bf16");
+  EXPECT_EQ(fp32.value("precision", ""), "fp32");
+  EXPECT_NE(bf16.value("val_loss", 0.0), fp32.value("val_loss", 0.0));
+  EXPECT_NEAR(bf16.value("val_loss", 0.0), fp32.value("val_loss", 0.0), 0.02);
+  EXPECT_LT(bf16.value("val_bits_per_byte", 99.0), 6.0);
+  const json resumed = run_json("train --model gpt --text " + path("text.txt") +
+                                " --batch 4 --steps 2 --precision fp32 --resume " + ckpt);
+  EXPECT_EQ(resumed.value("steps_total", 0), 22);
+  expect_exit(run(gpt() + "--steps 1 --precision bf16,fp32"), 2,
+              "the GPT's projections stream in one precision, fp32 or bf16");
+  expect_exit(run(gpt() + "--steps 1 --precision fp16"), 2, "--precision 'fp16'");
+}
+
 // --model-store: the GPT in files under a budget smaller than the model, its disk keys in
 // the JSON, and 3 + 2 steps resumed from the store ending as 5 in one run in RAM (the
 // decay planned to step 5 in both); what a store cannot do is refused.

@@ -315,6 +315,7 @@ int run_gpt(const TrainOptions& o, const CLI::App& cmd) {
   g.engines = o.engines;
   g.threads = o.threads;
   g.path = o.path;
+  g.precision = o.precision;
   g.optimizer = o.optimizer;
   g.optimizer_given = cmd.count("--optimizer") > 0;
   if (cmd.count("--lr") > 0) g.lr = o.lr;

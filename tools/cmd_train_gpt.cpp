@@ -16,6 +16,7 @@
 #include "measure.hpp"
 #include "model_budget.hpp"
 #include "model_kind.hpp"
+#include "sluice/bf16.hpp"
 #include "sluice/dynamic_sparsity.hpp"
 #include "sluice/error.hpp"
 #include "sluice/fabric.hpp"
@@ -258,10 +259,11 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   }
   Fabric& fabric = given != nullptr ? *given : *local;
   const DynamicSparsity dynamic = gpt_schedule(memory, o, resuming, progress);
-  GptModel model(memory, fabric, config, dynamic);
+  GptModel model(memory, fabric, config, dynamic, parse_precision(o.precision));
   progress << "gpt: " << config.describe() << ", sparsity " << json_number(model.config().sparsity)
-           << ", " << gpt_parameters(config) << " parameters (" << stored_parameters(memory)
-           << " stored); " << path.string() << ": " << corpus.train().size() << " bytes to train, "
+           << (o.precision == "bf16" ? ", projections streamed in bf16" : "") << ", "
+           << gpt_parameters(config) << " parameters (" << stored_parameters(memory) << " stored); "
+           << path.string() << ": " << corpus.train().size() << " bytes to train, "
            << corpus.held_out().size() << " held out\n";
 
   const RunTotals t = train_steps(model, memory, corpus, o, progress);
@@ -290,6 +292,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     j.field("heads", config.heads).field("blocks", config.blocks);
     j.field("sparsity", model.config().sparsity).field("batch", o.batch);
     j.field("engines", o.engines).field("fabric", o.fabric).field("path", o.path);
+    j.field("precision", o.precision);
     j.field("optimizer", to_string(memory.optimizer().kind));
     j.field("learning_rate", memory.optimizer().learning_rate).field("seed", memory.seed);
     const LearningRateDecay& decay = memory.optimizer().decay;

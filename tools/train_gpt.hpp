@@ -24,6 +24,7 @@ struct GptTrainOptions {
   std::string fabric = "local";  ///< for the report; an MPI fabric is made by the caller
   int threads = 0;
   std::string path = "auto";
+  std::string precision = "fp32";  ///< of the projections' streams
   std::string optimizer = "adam";
   // With the cosine decay, 6e-3 gave a lower held-out loss than 3e-3 after 1,540 steps on
   // the default text (docs/gpt.md).

@@ -15,10 +15,13 @@ namespace {
 
 /// `--model gpt`: the options it would ignore refused.
 void check_gpt_options(const TrainOptions& o, const CLI::App& cmd) {
-  for (const char* name :
-       {"--dataset", "--data", "--layers", "--epochs", "--precision", "--memory-budget",
-        "--prefetch", "--prefetch-bytes", "--backward-order"}) {
+  for (const char* name : {"--dataset", "--data", "--layers", "--epochs", "--memory-budget",
+                           "--prefetch", "--prefetch-bytes", "--backward-order"}) {
     if (cmd.count(name) > 0) throw UsageError(std::string(name) + " is not for --model gpt");
+  }
+  if (o.precision != "fp32" && o.precision != "bf16") {
+    throw UsageError("--precision " + detail::excerpt(o.precision) +
+                     ": the GPT's projections stream in one precision, fp32 or bf16");
   }
   if (cmd.count("--horizon-epochs") > 0) {
     throw UsageError(
@@ -161,7 +164,8 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
       ->check(CLI::IsMember({"auto", "by_input", "by_output"}));
   cmd->add_option("--precision", o->precision,
                   "fp32 or bf16 (weights streamed and activations held in bf16, fp32 sums "
-                  "and master weights), or one per layer: bf16,bf16,fp32");
+                  "and master weights), or one per layer: bf16,bf16,fp32; the GPT's "
+                  "projections stream in one (its activations stay fp32)");
   cmd->add_option("--fabric", o->fabric,
                   "local: --engines engines in this process; mpi: run under mpirun, rank 0 "
                   "drives and every other rank is one engine")

@@ -104,7 +104,12 @@ class GptModel {
   /// With a `dynamic` rule other than none, train_step changes the sparse layers' masks
   /// on its schedule (GptLayers::sparse; the dense parameters' masks never change), as
   /// the MLP's executor does (sluice/dynamic_sparsity.hpp); ArgumentError if it is invalid.
-  GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config, DynamicSparsity dynamic = {});
+  /// `projections`: the precision the projections and the LM head stream in (bf16: half the
+  /// bytes, fp32 sums and master weights; a projection of more than 65535 inputs or
+  /// outputs, which a bf16 stream's tags cannot address, streams in fp32). The dense
+  /// parameters stream in fp32.
+  GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config, DynamicSparsity dynamic = {},
+           Precision projections = Precision::fp32);
   ~GptModel();
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;

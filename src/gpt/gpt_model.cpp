@@ -11,6 +11,7 @@
 #include "gpt/gpt_mask_updates.hpp"
 #include "sluice/error.hpp"
 #include "sluice/gpt.hpp"
+#include "sluice/stream_packets.hpp"
 
 namespace sluice {
 namespace {
@@ -28,6 +29,7 @@ struct GptModel::Impl {
   GptConfig config;
   GptLayers layers;
   std::int32_t engines = 1;
+  Precision projections = Precision::fp32;
   std::vector<std::int64_t> shard_tokens;  // each engine's tokens of the loaded batch
   std::int64_t total_tokens = 0;
   std::map<std::pair<std::int32_t, std::int32_t>, Placement> placements;
@@ -36,12 +38,14 @@ struct GptModel::Impl {
   StepMetrics metrics;  // of the current call
   detail::GptMaskUpdates mask_updates;
 
-  Impl(ModelMemory& m, Fabric& f, GptConfig c, const DynamicSparsity& dynamic)
+  Impl(ModelMemory& m, Fabric& f, GptConfig c, const DynamicSparsity& dynamic,
+       Precision projections)
       : memory(m),
         fabric(f),
         config(c),
         layers(c),
         engines(f.engine_count()),
+        projections(projections),
         mask_updates(m, f, layers, dynamic) {
     const GptConfig held = gpt_config_of(memory);
     if (held.describe() != config.describe()) {
@@ -90,6 +94,14 @@ struct GptModel::Impl {
 
   // --- streaming ---------------------------------------------------------------------------
 
+  /// The precision `layer` streams in: the projections' where a bf16 stream's tags address
+  /// the layer both ways (the forward's inputs, the backward's outputs), else fp32.
+  Precision precision_of(std::int32_t layer) const {
+    const LayerShape w = memory.layer_shape(layer);
+    const auto most = static_cast<std::int64_t>(kMaxBf16Inputs);
+    return w.rows <= most && w.cols <= most ? projections : Precision::fp32;
+  }
+
   const Placement* placement(std::int32_t layer, std::int32_t k) {
     if (memory.mask_generation() != mask_generation) {
       placements.clear();
@@ -98,7 +110,7 @@ struct GptModel::Impl {
     const LayerShape w = memory.layer_shape(layer);
     const Geometry g =
         fabric.engine(k).geometry_for(w.rows, w.cols, shard_tokens[static_cast<std::size_t>(k)],
-                                      Precision::fp32, static_cast<std::uint64_t>(w.nnz));
+                                      precision_of(layer), static_cast<std::uint64_t>(w.nnz));
     const auto key = std::make_pair(layer, std::max(1, g.lanes));
     auto it = placements.find(key);
     if (it == placements.end()) {
@@ -117,7 +129,8 @@ struct GptModel::Impl {
     if (!takes_stream(op)) return fabric.run_block(call, nullptr, {}, {});
     const bool backward = op >= Op::head_back;
     const bool by_input = backward && is_projection(op);
-    const WeightStream w = memory.stream(layer, StreamKind::weights, Precision::fp32,
+    const Precision precision = is_projection(op) ? precision_of(layer) : Precision::fp32;
+    const WeightStream w = memory.stream(layer, StreamKind::weights, precision,
                                          by_input ? StreamOrder::by_input : StreamOrder::by_output);
     metrics.stream_packets += w.packet_count();
     metrics.stream_bytes += w.byte_size();
@@ -204,8 +217,9 @@ struct GptModel::Impl {
   }
 };
 
-GptModel::GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config, DynamicSparsity dynamic)
-    : impl_(std::make_unique<Impl>(memory, fabric, config, dynamic)) {}
+GptModel::GptModel(ModelMemory& memory, Fabric& fabric, GptConfig config, DynamicSparsity dynamic,
+                   Precision projections)
+    : impl_(std::make_unique<Impl>(memory, fabric, config, dynamic, projections)) {}
 
 GptModel::~GptModel() = default;
 
