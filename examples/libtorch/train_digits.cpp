@@ -41,8 +41,10 @@ int main(int argc, char** argv) try {
       argc > 1 ? std::optional<std::filesystem::path>(argv[1]) : std::nullopt);
   const int epochs = count_arg(argc > 2 ? argv[2] : nullptr, 10);
   if (!path || epochs < 1) {
-    std::fprintf(stderr,
-                 "usage: train_digits [digits.csv.gz] [epochs >= 1] (no digits file found)\n");
+    std::fprintf(stderr, "usage: train_digits [digits.csv.gz] [epochs >= 1]%s\n",
+                 path ? ""
+                      : " (no digits file found: give build/data/digits.csv.gz, which "
+                        "scripts/sluice-setup fetches, or set SLUICE_DIGITS)");
     return 2;
   }
   auto [train, test] = sluice::split_dataset(sluice::load_digits(*path), 0.2, /*seed=*/7);
