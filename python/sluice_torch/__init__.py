@@ -19,8 +19,8 @@ loads to compute what the saved one did. A sluice_optimizer layer's state_dict h
 optimizer too (``optimizer_state``: its ModelMemory's checkpoint, with the moments, the
 step and the settings, as a torch optimizer's own state_dict holds them), so a run resumes
 where it stopped; ``layer.lr`` reads and sets its learning rate between steps.
-copy.deepcopy, torch.save of a module and torch.jit.save keep the values, not the
-optimizer's state.
+copy.deepcopy and pickling (torch.save of a module) keep that optimizer's state too;
+torch.jit.save keeps the values, not the optimizer's state.
 """
 import math
 import operator
@@ -145,6 +145,22 @@ class SparseLinear(torch.nn.Module):
         super().zero_grad(set_to_none)
         if self.values is None:
             self.layer.discard_gradient()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self.layer.sluice_owned():
+            # The ModelMemory whole (values, moments, step), as the state_dict holds it: the
+            # layer's own pickling (TorchScript's) keeps its values alone, and a copy that
+            # restarts Adam would hand its state_dict's fresh moments to whatever loads it.
+            del state["layer"]
+            state["_sluice_state"] = self.layer.optimizer_state()
+        return state
+
+    def __setstate__(self, state):
+        saved = state.pop("_sluice_state", None)
+        super().__setstate__(state)
+        if saved is not None:
+            self.layer = torch.ops.sluice.make_layer_from_state(saved)
 
     def dense_weight(self):
         """W as a dense [out, in] tensor, zeros off the mask."""

@@ -355,6 +355,32 @@ class StateDict(unittest.TestCase):
         buffer.seek(0)
         self.assertTrue(torch.equal(torch.jit.load(buffer)(x), layer(x)))
 
+    def test_a_copy_keeps_the_sluice_optimizers_state(self):
+        # A sluice_optimizer layer copied or pickled mid-run (a best model kept aside) goes on
+        # as the original does, bit for bit: Adam's moments and step come with it.
+        torch.manual_seed(12)
+        x = torch.randn(6, 20)
+        layer = sluice_torch.SparseLinear(20, 9, sparsity=0.6, sluice_optimizer="adam", lr=0.01)
+        for _ in range(3):
+            layer(x).pow(2).sum().backward()
+            layer.step()
+        copies = [copy.deepcopy(layer), self.round_trip_pickle(layer)]
+        for twin in [layer] + copies:
+            twin(x).pow(2).sum().backward()
+            self.assertTrue(twin.step())
+        for twin in copies:
+            self.assertTrue(torch.equal(twin.layer.values(), layer.layer.values()))
+            self.assertTrue(torch.equal(twin.state_dict()["optimizer_state"],
+                                        layer.state_dict()["optimizer_state"]))
+            self.assertEqual(twin.lr, layer.lr)
+
+    @staticmethod
+    def round_trip_pickle(module):
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return torch.load(buffer)
+
     def test_a_pickled_module_holds_its_values_once(self):
         torch.manual_seed(11)
         for kwargs in ({}, {"sluice_optimizer": "sgd"}):
