@@ -48,6 +48,22 @@ TEST_F(CliSpmm, CheckJudgesUnderflowAsUnderflow) {
   EXPECT_LT(json_number(o.output, "max_rel_error_bwd"), 1e-5) << o.output;
 }
 
+// A script that runs many files reads which one each result is (null for a random W), and
+// the table says it too.
+TEST_F(CliSpmm, TheMatrixFileIsNamed) {
+  const fs::path file = dir_ / "named.mtx";
+  std::ofstream(file) << "%%MatrixMarket matrix coordinate real general\n3 3 1\n1 1 2\n";
+  const Outcome o = run("spmm --matrix " + file.string() + " --tokens 2 --repeat 1 --json", false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("\"matrix\": \"" + file.string() + "\""), std::string::npos) << o.output;
+  const Outcome table = run("spmm --matrix " + file.string() + " --tokens 2 --repeat 1");
+  EXPECT_NE(table.output.find("sluice spmm: " + file.string() + ": 3 x 3 weights"),
+            std::string::npos)
+      << table.output;
+  const Outcome random = run("spmm --shape 8x8 --sparsity 0.5 --tokens 2 --repeat 1 --json", false);
+  EXPECT_NE(random.output.find("\"matrix\": null"), std::string::npos) << random.output;
+}
+
 TEST_F(CliSpmm, CheckPassesOnOrdinaryLayersInEveryPrecisionAndOrder) {
   for (const char* precision : {"fp32", "bf16"}) {
     for (const char* order : {"by_input", "by_output"}) {

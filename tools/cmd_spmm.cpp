@@ -40,6 +40,7 @@ struct SpmmOptions {
 };
 
 struct SpmmResult {
+  std::string matrix;  ///< the --matrix file; empty for a random W
   std::int64_t out = 0, in = 0, tokens = 0, nnz = 0;
   double sparsity = 0;
   int threads = 0;
@@ -81,6 +82,7 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
   DenseMatrix y(w.rows(), o.tokens);
 
   SpmmResult r;
+  r.matrix = o.matrix;
   r.out = w.rows();
   r.in = w.cols();
   r.tokens = o.tokens;
@@ -212,6 +214,8 @@ SpmmResult measure(const CsrMatrix& w, const SpmmOptions& o) {
 
 void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
   j.begin_object();
+  j.key("matrix");  // which file a script's many runs measured (null: a random W)
+  r.matrix.empty() ? j.null() : j.value(r.matrix);
   j.field("out", r.out).field("in", r.in).field("tokens", r.tokens).field("nnz", r.nnz);
   j.field("sparsity", r.sparsity).field("threads", r.threads).field("isa", r.isa);
   j.field("precision", r.precision).field("path", r.path);
@@ -247,10 +251,10 @@ void write_json(JsonWriter& j, const SpmmResult& r, bool backward) {
 void print_table(const std::vector<SpmmResult>& results, bool backward, bool check) {
   const SpmmResult& first = results.front();
   std::printf(
-      "sluice spmm: %lld x %lld weights, %lld tokens, %d threads, ISA %s, %s, geometry %s\n",
-      static_cast<long long>(first.out), static_cast<long long>(first.in),
-      static_cast<long long>(first.tokens), first.threads, first.isa.c_str(),
-      first.precision.c_str(), first.geometry.c_str());
+      "sluice spmm: %s%s%lld x %lld weights, %lld tokens, %d threads, ISA %s, %s, geometry %s\n",
+      first.matrix.c_str(), first.matrix.empty() ? "" : ": ", static_cast<long long>(first.out),
+      static_cast<long long>(first.in), static_cast<long long>(first.tokens), first.threads,
+      first.isa.c_str(), first.precision.c_str(), first.geometry.c_str());
   if (process_cpus() < allowed_cpus()) {
     std::printf("affinity mask: this process may run on %d of the %d CPUs it is allowed\n",
                 process_cpus(), allowed_cpus());
