@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -158,6 +159,38 @@ TEST_F(MatrixIoTest, MarketIntegerAndPattern) {
   for (const float v : a.values()) EXPECT_NE(v, 0.0F);
   EXPECT_EQ(read_matrix_market(pattern, 5).values(), a.values());
   EXPECT_NE(read_matrix_market(pattern, 6).values(), a.values());
+}
+
+// A gzip'd file (x.mtx.gz, as scipy writes one) reads as the file it holds, by either
+// reader and by read_matrix's extension; a corrupt one is refused naming the file.
+TEST_F(MatrixIoTest, GzippedFilesReadAsTheirContents) {
+  const auto gzip = [&](const std::string& name, const std::string& text) {
+    const fs::path path = dir_ / name;
+    gzFile gz = gzopen(path.c_str(), "wb");
+    EXPECT_NE(gz, nullptr);
+    gzwrite(gz, text.data(), static_cast<unsigned>(text.size()));
+    gzclose(gz);
+    return path;
+  };
+  const std::string market =
+      "%%MatrixMarket matrix coordinate real general\n3 4 2\n3 4 -1.5\n1 2 2\n";
+  const CsrMatrix plain = read_matrix_market(write_text("m.mtx", market));
+  for (const fs::path& path : {gzip("m.mtx.gz", market), gzip("m.MTX.GZ", market)}) {
+    const CsrMatrix m = read_matrix(path);
+    expect_same_pattern(m, plain);
+    EXPECT_EQ(m.values(), plain.values());
+  }
+  const std::string smtx = "2, 3, 2\n0 1 2\n2 0\n";
+  expect_same_pattern(read_matrix(gzip("s.smtx.gz", smtx)), read_smtx(write_text("s.smtx", smtx)));
+  EXPECT_EQ(read_matrix_market(gzip("named_plain.mtx", market)).values(), plain.values());
+
+  std::string truncated = read_text(dir_ / "m.mtx.gz");
+  truncated.resize(truncated.size() / 2);
+  const fs::path bad = write_text("bad.mtx.gz", truncated);
+  EXPECT_CONTAINS(thrown_message<FormatError>([&] { read_matrix(bad); }),
+                  bad.string() + ": corrupt gzip data");
+  EXPECT_CONTAINS(thrown_message<FormatError>([&] { read_matrix(gzip("m.txt.gz", market)); }),
+                  "unknown matrix file extension '.txt.gz'");
 }
 
 // SuiteSparse stores most of its matrices so: one triangle, each off-diagonal entry

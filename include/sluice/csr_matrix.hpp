@@ -101,7 +101,8 @@ void write_matrix_market(const CsrMatrix& matrix, const std::filesystem::path& p
 CsrMatrix read_smtx(const std::filesystem::path& path, std::uint64_t seed = 1);
 /// Writes a `.smtx` mask (the values are not stored).
 void write_smtx(const CsrMatrix& matrix, const std::filesystem::path& path);
-/// Picks the reader by extension: `.smtx` or `.mtx`.
+/// Picks the reader by extension: `.smtx` or `.mtx`, or either gzip'd (`.mtx.gz`). Both
+/// readers take a gzip'd file whatever its name.
 CsrMatrix read_matrix(const std::filesystem::path& path, std::uint64_t seed = 1);
 
 }  // namespace sluice

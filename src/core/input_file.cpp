@@ -1,5 +1,7 @@
 #include "core/input_file.hpp"
 
+#include <zlib.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -28,13 +30,22 @@ void append_file_bytes(const std::filesystem::path& path, std::string& text, std
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
                                                              &std::fclose);
   if (!file) throw IoError("cannot open " + path.string() + ": " + std::strerror(errno));
-  if (!no_size) text.reserve(text.size() + size);
-  std::vector<char> chunk(std::size_t{1} << 20);
-  for (;;) {
-    const std::size_t got = std::fread(chunk.data(), 1, chunk.size(), file.get());
+  bool at_end = false;
+  if (!no_size) {  // read in place: no chunk to allocate for a small file
+    const std::size_t before = text.size();
+    text.resize(before + size);
+    const std::size_t got = std::fread(text.data() + before, 1, size, file.get());
+    text.resize(before + got);
+    at_end = got < size;  // it shrank, or an error (below)
+  }
+  // What a file's size does not say: a device's or pipe's bytes, or a file that grew.
+  const std::size_t chunk_bytes = no_size ? std::size_t{1} << 20 : std::size_t{1} << 12;
+  const std::unique_ptr<char[]> chunk(new char[chunk_bytes]);
+  while (!at_end) {
+    const std::size_t got = std::fread(chunk.get(), 1, chunk_bytes, file.get());
     if (text.size() + got > limit) throw_input_too_large(path, limit);
-    text.append(chunk.data(), got);
-    if (got < chunk.size()) break;
+    text.append(chunk.get(), got);
+    at_end = got < chunk_bytes;
   }
   if (std::ferror(file.get()) != 0) {
     throw IoError("cannot read " + path.string() + ": " + std::strerror(errno));
@@ -45,6 +56,46 @@ std::string read_file_bytes(const std::filesystem::path& path, std::uint64_t lim
   std::string text;
   append_file_bytes(path, text, limit);
   return text;
+}
+
+namespace {
+
+/// Whether `path` is a regular file that does not start as a gzip stream does: one read as
+/// it is. (A pipe or device is not peeked at, which would take its first bytes.)
+bool plain_regular_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
+                                                             &std::fclose);
+  unsigned char magic[2] = {0, 0};
+  return file &&
+         !(std::fread(magic, 1, 2, file.get()) == 2 && magic[0] == 0x1f && magic[1] == 0x8b);
+}
+
+}  // namespace
+
+std::string read_maybe_gzipped_bytes(const std::filesystem::path& path, std::uint64_t limit) {
+  // A plain file as it is, its size checked before it is read; zlib passes a pipe through.
+  if (plain_regular_file(path)) return read_file_bytes(path, limit);
+  const std::unique_ptr<gzFile_s, int (*)(gzFile)> file(gzopen(path.c_str(), "rb"), &gzclose);
+  if (!file) throw IoError("cannot open " + path.string() + ": " + std::strerror(errno));
+  constexpr unsigned kChunk = 1U << 20;
+  gzbuffer(file.get(), kChunk);
+  std::string text;
+  std::vector<char> chunk(kChunk);
+  int got = 0;
+  while ((got = gzread(file.get(), chunk.data(), kChunk)) > 0) {
+    if (text.size() + static_cast<std::size_t>(got) > limit) throw_input_too_large(path, limit);
+    text.append(chunk.data(), static_cast<std::size_t>(got));
+  }
+  int error = Z_OK;
+  const char* message = gzerror(file.get(), &error);
+  if (got >= 0 && (error == Z_OK || error == Z_STREAM_END)) return text;
+  std::string why = message != nullptr ? message : "";
+  const std::string prefix = path.string() + ": ";  // zlib names the file itself
+  if (why.starts_with(prefix)) why.erase(0, prefix.size());
+  if (error == Z_ERRNO) throw IoError("cannot read " + path.string() + ": " + why);  // not the data
+  throw FormatError(path.string() + ": corrupt gzip data (" + why + ")");
 }
 
 }  // namespace sluice::detail

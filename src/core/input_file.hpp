@@ -24,4 +24,10 @@ void append_file_bytes(const std::filesystem::path& path, std::string& text, std
 std::string read_file_bytes(const std::filesystem::path& path,
                             std::uint64_t limit = max_input_bytes());
 
+/// The file's bytes, decompressed when it is gzip'd (any other file is read as it is), at
+/// most `limit` of them: IoError naming the path if it cannot be opened, FormatError if its
+/// gzip stream is corrupt, throw_input_too_large past the limit.
+std::string read_maybe_gzipped_bytes(const std::filesystem::path& path,
+                                     std::uint64_t limit = max_input_bytes());
+
 }  // namespace sluice::detail

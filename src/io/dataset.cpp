@@ -2,15 +2,11 @@
 // teacher-student task, a seeded split and standardization.
 #include "sluice/dataset.hpp"
 
-#include <zlib.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -31,31 +27,9 @@ std::string where(const std::filesystem::path& path, std::int64_t line) {
   return path.string() + ":" + std::to_string(line);
 }
 
-// Reads every line of a plain or gzip'd file (gzread passes plain files through).
+// Every line of a plain or gzip'd file.
 std::vector<std::string> read_lines(const std::filesystem::path& path) {
-  gzFile file = gzopen(path.c_str(), "rb");
-  if (file == nullptr) {
-    throw IoError("cannot open " + path.string() + ": " + std::strerror(errno));
-  }
-  std::string text;
-  char buffer[1 << 16];
-  int n = 0;
-  // Bounded as every input is: a device or pipe that never ends must not be read forever.
-  const std::uint64_t limit = detail::max_input_bytes();
-  while ((n = gzread(file, buffer, sizeof buffer)) > 0) {
-    if (text.size() + static_cast<std::size_t>(n) > limit) {
-      gzclose(file);
-      detail::throw_input_too_large(path, limit);
-    }
-    text.append(buffer, static_cast<std::size_t>(n));
-  }
-  int err = Z_OK;
-  const char* message = gzerror(file, &err);
-  const std::string error_text = message != nullptr ? message : "";
-  gzclose(file);
-  if (n < 0 || (err != Z_OK && err != Z_STREAM_END)) {
-    throw FormatError("cannot read " + path.string() + ": " + error_text);
-  }
+  const std::string text = detail::read_maybe_gzipped_bytes(path);
   std::vector<std::string> lines;
   std::size_t start = 0;
   while (start <= text.size()) {

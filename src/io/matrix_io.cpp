@@ -355,7 +355,7 @@ void add_mirror(const fs::path& path, MarketSymmetry symmetry, const MarketEntry
 }  // namespace
 
 CsrMatrix read_matrix_market(const fs::path& path, std::uint64_t seed) {
-  const std::string text = detail::read_file_bytes(path);
+  const std::string text = detail::read_maybe_gzipped_bytes(path);
   LineReader lines(text);
   const MarketHeader header = read_market_header(path, lines);
   const MarketField field = header.field;
@@ -550,7 +550,7 @@ void parse_number_line(const fs::path& path, std::int64_t line_number, std::stri
 }  // namespace
 
 CsrMatrix read_smtx(const fs::path& path, std::uint64_t seed) {
-  const std::string text = detail::read_file_bytes(path);
+  const std::string text = detail::read_maybe_gzipped_bytes(path);
   LineReader lines(text);
   std::string_view line;
   if (!lines.next(line)) fail(path, 1, "empty file, expected 'rows, cols, nnz'");
@@ -651,11 +651,15 @@ void write_smtx(const CsrMatrix& matrix, const fs::path& path) {
 }
 
 CsrMatrix read_matrix(const fs::path& path, std::uint64_t seed) {
-  const std::string extension = lowercase(path.extension().string());
+  // Either reader takes a gzip'd file as it is (x.mtx.gz, as scipy writes one).
+  const bool gzipped = lowercase(path.extension().string()) == ".gz";
+  const fs::path kind = gzipped ? path.stem() : path;
+  const std::string extension = lowercase(kind.extension().string());
   if (extension == ".smtx") return read_smtx(path, seed);
   if (extension == ".mtx") return read_matrix_market(path, seed);
   throw FormatError(path.string() + ": unknown matrix file extension '" +
-                    path.extension().string() + "' (expected .smtx or .mtx)");
+                    kind.extension().string() + (gzipped ? ".gz" : "") +
+                    "' (expected .smtx or .mtx, either gzip'd or not)");
 }
 
 }  // namespace sluice
