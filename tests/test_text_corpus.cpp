@@ -1,5 +1,6 @@
 // TextCorpus on text the tests write: the split, the windows, the directory rules, the errors.
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -98,6 +99,32 @@ TEST_F(TextCorpusFiles, ReadsADirectoryOfFortuneFilesInNameOrder) {
   std::string read(corpus.train().begin(), corpus.train().end());
   read.append(corpus.held_out().begin(), corpus.held_out().end());
   EXPECT_EQ(read, a + b);
+}
+
+// A gzip'd text (enwik8.gz) is its text, alone or in a directory; a corrupt one is refused.
+TEST_F(TextCorpusFiles, GzippedTextIsReadDecompressed) {
+  const auto gzip = [&](const std::filesystem::path& path, const std::string& text) {
+    gzFile gz = gzopen(path.c_str(), "wb");
+    ASSERT_NE(gz, nullptr);
+    gzwrite(gz, text.data(), static_cast<unsigned>(text.size()));
+    gzclose(gz);
+  };
+  const auto all = [](const TextCorpus& c) {
+    std::string read(c.train().begin(), c.train().end());
+    return read.append(c.held_out().begin(), c.held_out().end());
+  };
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += "line " + std::to_string(i) + "\n";
+  gzip(dir_ / "text.gz", text);
+  EXPECT_EQ(all(TextCorpus::load(dir_ / "text.gz", 16)), text);
+  std::filesystem::create_directory(dir_ / "books");
+  gzip(dir_ / "books" / "a.gz", text);
+  write(dir_ / "books" / "b", "plain");
+  EXPECT_EQ(all(TextCorpus::load(dir_ / "books", 16)), text + "plain");
+  write(dir_ / "bad.gz", std::string("\x1f\x8b\x08", 3));
+  EXPECT_CONTAINS(
+      testing::thrown_message<FormatError>([&] { TextCorpus::load(dir_ / "bad.gz", 16); }),
+      "bad.gz: corrupt gzip data");
 }
 
 TEST_F(TextCorpusFiles, BadSourcesNameThePath) {

@@ -298,7 +298,8 @@ Command add_spmm_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "spmm",
       "Time the streamed sparse product against oneDNN's dense product on the same W and X");
-  auto* matrix = cmd->add_option("--matrix", o->matrix, "Weight mask/matrix file (.smtx or .mtx)");
+  auto* matrix = cmd->add_option("--matrix", o->matrix,
+                                 "Weight mask/matrix file (.smtx or .mtx, gzip'd or not)");
   auto* shape = cmd->add_option("--shape", o->shape, "OUTxIN of a random W (default 4096x4096)");
   auto* sparsity = cmd->add_option(
       "--sparsity", o->sparsity,

@@ -95,9 +95,10 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
       app.add_subcommand("train", "Train a sparse MLP or a byte-level GPT by weight streaming");
   cmd->add_option("--model", o->model, "mlp (on --dataset) or gpt (on --text)")
       ->check(CLI::IsMember({"mlp", "gpt"}));
-  cmd->add_option("--text", o->gpt.text,
-                  "GPT: a text file or a directory of them (default: $SLUICE_TEXT, else the "
-                  "fortunes scripts/sluice-setup fetches); the last 5% is held out")
+  cmd->add_option(
+         "--text", o->gpt.text,
+         "GPT: a text file or a directory of them, gzip'd or not (default: $SLUICE_TEXT, else the "
+         "fortunes scripts/sluice-setup fetches); the last 5% is held out")
       ->check(path_argument());
   cmd->add_option("--context", o->gpt.context, "GPT: bytes per sequence")
       ->check(number_range(1, 4096));

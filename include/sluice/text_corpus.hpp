@@ -29,7 +29,8 @@ class TextCorpus {
 
   /// Reads a file, or a directory's regular files concatenated in sorted name order (not
   /// recursing; skipping hidden files, symbolic links - fortune's *.u8 aliases - and the
-  /// *.dat indexes strfile writes beside fortune files). IoError naming the path if it cannot
+  /// *.dat indexes strfile writes beside fortune files); a gzip'd file is read decompressed
+  /// (enwik8.gz trains on its text, not its compressed bytes). IoError naming the path if it cannot
   /// be read; FormatError naming it if it holds no text or too little for one window of
   /// context + 1 bytes in each of the training and held-out parts; ResourceError naming it
   /// if it holds more than the most a corpus may (a device or pipe that never ends

@@ -74,14 +74,17 @@ bool plain_regular_file(const std::filesystem::path& path) {
 
 }  // namespace
 
-std::string read_maybe_gzipped_bytes(const std::filesystem::path& path, std::uint64_t limit) {
+void append_maybe_gzipped_bytes(const std::filesystem::path& path, std::string& text,
+                                std::uint64_t limit) {
   // A plain file as it is, its size checked before it is read; zlib passes a pipe through.
-  if (plain_regular_file(path)) return read_file_bytes(path, limit);
+  if (plain_regular_file(path)) {
+    append_file_bytes(path, text, limit);
+    return;
+  }
   const std::unique_ptr<gzFile_s, int (*)(gzFile)> file(gzopen(path.c_str(), "rb"), &gzclose);
   if (!file) throw IoError("cannot open " + path.string() + ": " + std::strerror(errno));
   constexpr unsigned kChunk = 1U << 20;
   gzbuffer(file.get(), kChunk);
-  std::string text;
   std::vector<char> chunk(kChunk);
   int got = 0;
   while ((got = gzread(file.get(), chunk.data(), kChunk)) > 0) {
@@ -90,12 +93,18 @@ std::string read_maybe_gzipped_bytes(const std::filesystem::path& path, std::uin
   }
   int error = Z_OK;
   const char* message = gzerror(file.get(), &error);
-  if (got >= 0 && (error == Z_OK || error == Z_STREAM_END)) return text;
+  if (got >= 0 && (error == Z_OK || error == Z_STREAM_END)) return;
   std::string why = message != nullptr ? message : "";
   const std::string prefix = path.string() + ": ";  // zlib names the file itself
   if (why.starts_with(prefix)) why.erase(0, prefix.size());
   if (error == Z_ERRNO) throw IoError("cannot read " + path.string() + ": " + why);  // not the data
   throw FormatError(path.string() + ": corrupt gzip data (" + why + ")");
+}
+
+std::string read_maybe_gzipped_bytes(const std::filesystem::path& path, std::uint64_t limit) {
+  std::string text;
+  append_maybe_gzipped_bytes(path, text, limit);
+  return text;
 }
 
 }  // namespace sluice::detail

@@ -24,9 +24,11 @@ void append_file_bytes(const std::filesystem::path& path, std::string& text, std
 std::string read_file_bytes(const std::filesystem::path& path,
                             std::uint64_t limit = max_input_bytes());
 
-/// The file's bytes, decompressed when it is gzip'd (any other file is read as it is), at
-/// most `limit` of them: IoError naming the path if it cannot be opened, FormatError if its
-/// gzip stream is corrupt, throw_input_too_large past the limit.
+/// As append_file_bytes, the file's bytes decompressed when it is gzip'd (any other file is
+/// read as it is); FormatError naming the path if its gzip stream is corrupt.
+void append_maybe_gzipped_bytes(const std::filesystem::path& path, std::string& text,
+                                std::uint64_t limit);
+/// The same into a string of its own.
 std::string read_maybe_gzipped_bytes(const std::filesystem::path& path,
                                      std::uint64_t limit = max_input_bytes());
 

@@ -47,7 +47,7 @@ std::string read_directory(const std::filesystem::path& dir) {
   std::sort(files.begin(), files.end());  // the same corpus whatever order readdir gives
   std::string text;
   const std::uint64_t limit = max_corpus_bytes();
-  for (const auto& file : files) detail::append_file_bytes(file, text, limit);
+  for (const auto& file : files) detail::append_maybe_gzipped_bytes(file, text, limit);
   return text;
 }
 
@@ -70,7 +70,7 @@ TextCorpus TextCorpus::load(const std::filesystem::path& path, std::int64_t cont
   if (std::filesystem::is_directory(status)) {
     text = read_directory(path);
   } else {
-    detail::append_file_bytes(path, text, max_corpus_bytes());
+    detail::append_maybe_gzipped_bytes(path, text, max_corpus_bytes());
   }
   return TextCorpus(std::move(text), context, path.string());
 }
