@@ -120,6 +120,9 @@ TEST_F(Cli, BadMatrixFilesExitWithOne) {
   expect_exit(run("spmm --tokens 4 --matrix " + (dir_ / "missing.smtx").string()), 1,
               "missing.smtx");
   expect_exit(run("spmm --tokens 4 --matrix " + file("m.txt", "3, 4, 3\n")), 1, "m.txt");
+  // A data set's name misspelt is no file: the message says what --dataset takes.
+  expect_exit(run("train --epochs 1 --dataset digitz"), 1,
+              "cannot open digitz: no such file (--dataset takes digits, synthetic or a CSV file)");
 }
 
 TEST_F(Cli, RandomBytesAreRefusedNotCrashedOn) {

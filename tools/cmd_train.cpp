@@ -93,6 +93,11 @@ Dataset load_data(const TrainOptions& o, std::string& name) {
     return make_synthetic_dataset(4000, 64, 10, o.seed);
   }
   name = o.dataset;
+  std::error_code ec;
+  if (!std::filesystem::exists(o.dataset, ec)) {  // a misspelt name, most likely
+    throw IoError("cannot open " + o.dataset +
+                  ": no such file (--dataset takes digits, synthetic or a CSV file)");
+  }
   return load_csv(o.dataset);
 }
 
