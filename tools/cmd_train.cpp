@@ -94,7 +94,7 @@ Dataset load_data(const TrainOptions& o, std::string& name) {
   }
   name = o.dataset;
   std::error_code ec;
-  if (!std::filesystem::exists(o.dataset, ec)) {  // a misspelt name, most likely
+  if (!std::filesystem::exists(o.dataset, ec) && !ec) {  // a misspelt name, most likely
     throw IoError("cannot open " + o.dataset +
                   ": no such file (--dataset takes digits, synthetic or a CSV file)");
   }
@@ -463,7 +463,7 @@ void check_split(const TrainOptions& options, const PreparedData& data,
   }
 }
 
-/// "classes of FILE: name=0, name=1, ...", the first few of a long list.
+/// "classes of FILE (by name, sorted): 'a'=0, 'b'=1, ...", the first few of a long list.
 std::string class_list(const std::string& dataset_name, const std::vector<std::string>& names) {
   constexpr std::size_t kShown = 12;
   std::string text = "classes of " + dataset_name + " (by name, sorted): ";
