@@ -212,6 +212,7 @@ TEST_F(CliGpt, TrainsInAModelStoreAndResumesIt) {
   expect_exit(
       run("train --model gpt --text " + path("missing.txt") + " " + shape + "--steps 1" + later), 1,
       "missing.txt");
+  EXPECT_FALSE(std::filesystem::exists(path("later")));
   EXPECT_EQ(run_json(text + shape + "--steps 1" + later).value("steps_total", 0), 1);
 
   expect_exit(run(text + shape + "--steps 1" + store), 2, "fixes them");

@@ -1,8 +1,8 @@
 // `sluice train --model-store DIR` end to end on the real binary: a store created, then
 // resumed, trains bit for bit as one run and as the model in RAM; a budget too small is a
-// usage error that leaves no model behind; a model larger than the process may have trains
-// in one; a corrupt store file is refused naming the file and the byte, and nothing in the
-// store changes.
+// usage error that leaves no store behind, as any refused first run; a model larger than the
+// process may have trains in one; a corrupt store file is refused naming the file and the byte, and
+// nothing in the store changes.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -142,14 +142,34 @@ TEST_F(CliModelStore, ABudgetTooSmallIsAUsageErrorThatLeavesNoModel) {
   const std::string store = path("small");
   expect_exit(run(kTrain + "--epochs 1 --model-store " + store + " --model-memory-budget 4096"), 2,
               "--model-memory-budget 4096 is too small: layer 0 (24x64");
-  for (const auto& [name, bytes] : files(store)) EXPECT_EQ(name, "MANIFEST");
-  // The store is still new: a run with room creates its model.
+  EXPECT_FALSE(fs::exists(store));
+  // A run with room creates its model.
   EXPECT_EQ(run_json(kTrain + "--epochs 1 --model-store " + store)["epochs_total"], 1);
   // Reopened with too little room, the trained store is refused and left as it was.
   const auto before = files(store);
   expect_exit(run(kTrain + "--epochs 1 --model-store " + store + " --model-memory-budget 4096"), 2,
               "is too small");
   EXPECT_EQ(files(store), before);
+}
+
+// A first run refused once its store is open (here: layers that do not fit the data) takes
+// away what it made, directories and all, and nothing else: a directory that was there
+// stays with the user's files in it. The next run then builds the model, not resumes an
+// empty one.
+TEST_F(CliModelStore, ARefusedFirstRunLeavesNoStore) {
+  const std::string misfit = "train --dataset synthetic --layers 10,24,3 --epochs 1 ";
+  expect_exit(run(misfit + "--model-store " + path("made/deeper/store")), 2,
+              "does not fit the data");
+  EXPECT_FALSE(fs::exists(path("made")));
+  fs::create_directory(path("mine"));
+  std::ofstream(path("mine/notes.txt")) << "the user's";
+  expect_exit(run(misfit + "--model-store " + path("mine")), 2, "does not fit the data");
+  EXPECT_EQ(files(path("mine")), (std::map<std::string, std::string>{{"notes.txt", "the user's"}}));
+  EXPECT_EQ(run_json(kTrain + "--epochs 1 --model-store " + path("mine"))["epochs_total"], 1);
+  // Once it holds a model, a refused run leaves the store as it was.
+  const auto before = files(path("mine"));
+  expect_exit(run(misfit + "--model-store " + path("mine")), 2, "differs from the layers");
+  EXPECT_EQ(files(path("mine")), before);
 }
 
 // A budget that holds the largest layer's working set but not the streams and gradients
@@ -161,7 +181,7 @@ TEST_F(CliModelStore, ABudgetWithoutRoomForTheStepsStreamsIsAUsageError) {
       "train --dataset synthetic --layers 64,128,128,128,10 --threads 1 --epochs 1 --engines 2 ";
   const Outcome refused = run(train + "--model-memory-budget 100000 --model-store " + store);
   expect_exit(refused, 2, "layer 1's working set (");
-  for (const auto& [name, bytes] : files(store)) EXPECT_EQ(name, "MANIFEST");
+  EXPECT_FALSE(fs::exists(store));
   const std::string least = "need at least ";
   const std::size_t at = refused.output.find(least);
   ASSERT_NE(at, std::string::npos) << refused.output;

@@ -570,6 +570,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
   std::ostream& progress = o->json ? std::cerr : std::cout;
   // A resumed model comes first: its seed fixes the data, the split and the order.
+  NewStoreCleanup new_store(o->store);
   const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o->store);
   ModelMemory& memory = *memory_owner;
   const bool resuming = !o->resume.empty() || memory.layer_count() > 0;
@@ -612,6 +613,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
     build_sparse_mlp(memory, sizes, o->sparsity, o->seed);
     memory.set_optimizer(new_optimizer(parse_optimizer(o->optimizer), o->lr));
   }
+  new_store.keep();
 
   if (!fabric_owner) {
     o->threads = o->threads > 0 ? runnable_threads(o->threads, "train") : 0;

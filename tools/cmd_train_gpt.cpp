@@ -233,6 +233,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   if (o.steps == 0 && o.max_seconds == 0) o.steps = 200;
   if (o.batch < o.engines) throw UsageError("--batch (sequences) must be at least --engines");
   std::ostream& progress = o.json ? std::cerr : std::cout;
+  NewStoreCleanup new_store(o.store);
   const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o.store);
   ModelMemory& memory = *memory_owner;
   const bool resuming = !o.resume.empty() || memory.layer_count() > 0;
@@ -247,6 +248,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   const std::filesystem::path path = text_path(o);
   const TextCorpus corpus = TextCorpus::load(path, config.context);
   if (!resuming) build_model(memory, o, config);
+  new_store.keep();
   set_decay(memory, o, resuming, progress);
   std::unique_ptr<LocalFabric> local;
   if (given == nullptr) {

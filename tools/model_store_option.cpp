@@ -43,6 +43,36 @@ std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o) {
   }
 }
 
+NewStoreCleanup::NewStoreCleanup(const ModelStoreOptions& o) {
+  if (o.directory.empty() || TieredModelMemory::holds_store(o.directory)) return;
+  directory_ = o.directory;
+  std::error_code ec;
+  for (std::filesystem::path p = std::filesystem::absolute(directory_, ec);
+       !ec && !p.empty() && !std::filesystem::exists(p, ec) && !ec; p = p.parent_path()) {
+    created_.push_back(p);
+  }
+  if (ec) return;  // where it cannot be told what is there, nothing is removed
+  if (created_.empty()) {
+    for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
+      there_before_.insert(entry.path().filename());
+    }
+    if (ec) return;
+  }
+  active_ = true;
+}
+
+NewStoreCleanup::~NewStoreCleanup() {
+  if (!active_) return;
+  std::error_code ec;
+  std::vector<std::filesystem::path> made;
+  for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
+    if (there_before_.count(entry.path().filename()) == 0) made.push_back(entry.path());
+  }
+  for (const std::filesystem::path& file : made) std::filesystem::remove(file, ec);
+  // Not recursive: a directory the run made holds only what it made, or it stays.
+  for (const std::filesystem::path& dir : created_) std::filesystem::remove(dir, ec);
+}
+
 std::int64_t drawn_nnz_bound(std::int64_t rows, std::int64_t cols, double sparsity) {
   const double cells = static_cast<double>(rows) * static_cast<double>(cols);
   const double density = 1.0 - sparsity;
@@ -54,9 +84,6 @@ namespace {
 
 std::string too_small(const ModelStoreOptions& o) {
   return "--model-memory-budget " + std::to_string(o.budget) + " is too small: ";
-}
-std::string left_without_model(const ModelStoreOptions& o) {
-  return "; the store " + o.directory + " was left without a model";
 }
 
 }  // namespace
@@ -70,8 +97,7 @@ std::int64_t check_layers_fit(const ModelStoreOptions& o, const std::vector<Laye
     if (need > o.budget) {
       throw UsageError(too_small(o) + "layer " + std::to_string(l) + " (" + std::to_string(s.rows) +
                        "x" + std::to_string(s.cols) + ", up to " + std::to_string(s.nnz) +
-                       " non-zeros) needs " + std::to_string(need) + " bytes of RAM at once" +
-                       left_without_model(o));
+                       " non-zeros) needs " + std::to_string(need) + " bytes of RAM at once");
     }
     if (need > largest) {
       largest = need;
@@ -98,8 +124,7 @@ void check_model_store_budget(const ModelStoreOptions& o, const std::vector<std:
                      std::to_string(largest) +
                      " bytes) and what training holds beside the "
                      "store (the layer's stream and its gradients) need at least " +
-                     std::to_string(executor_least_ram_budget(shapes, executor, engines, largest)) +
-                     left_without_model(o));
+                     std::to_string(executor_least_ram_budget(shapes, executor, engines, largest)));
   }
 }
 

@@ -2,7 +2,9 @@
 // `sluice train --model-store DIR [--model-memory-budget BYTES]`: the model in a
 // TieredModelMemory store instead of RAM, and what the run reports about its disk.
 #include <cstdint>
+#include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,29 @@ void check_model_store_options(const ModelStoreOptions& o, bool resume, bool che
 /// A HostModelMemory, or the store opened (created if new; resumed if it holds a model).
 /// A budget too small for one of the store's layers is a UsageError naming it.
 std::unique_ptr<ModelMemory> make_model_memory(const ModelStoreOptions& o);
+/// The store a training run creates, removed again if the run ends before its model is
+/// built (data that does not fit, a budget too small, a text that cannot be read): a
+/// refused first run leaves no empty or half-built store that the next run would take for
+/// a model to resume, and no directory the user did not have. Only what the run made goes:
+/// the files that were not in the directory before, the directories it created. Made
+/// before make_model_memory and declared before its ModelMemory, so that the store is
+/// closed when this looks at it.
+class NewStoreCleanup {
+ public:
+  explicit NewStoreCleanup(const ModelStoreOptions& o);
+  ~NewStoreCleanup();
+  NewStoreCleanup(const NewStoreCleanup&) = delete;
+  NewStoreCleanup& operator=(const NewStoreCleanup&) = delete;
+  /// The model is in the store: it stays, whatever happens to the run.
+  void keep() { active_ = false; }
+
+ private:
+  bool active_ = false;  ///< a store is being created and the model is not built yet
+  std::filesystem::path directory_;
+  std::set<std::filesystem::path> there_before_;
+  std::vector<std::filesystem::path> created_;  ///< directories, the innermost first
+};
+
 /// The most non-zeros a rows x cols mask drawn at `sparsity` (CsrMatrix::random) is taken
 /// to have: its count varies around the mean, and six standard deviations are spared, so
 /// that a budget this passes is not refused once the model is built.
