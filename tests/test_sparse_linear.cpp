@@ -273,6 +273,11 @@ TEST(SparseLinear, FromDenseAndMask) {
   EXPECT_CONTAINS(thrown_message<ShapeError>(
                       [&] { SparseLinear::from_dense(memory, dense, DenseMatrix(7, 5).view()); }),
                   "mask is 7x5");
+  // A NaN in the mask says neither: refused by position, not taken as non-zero.
+  mask(3, 5) = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_CONTAINS(
+      thrown_message<FormatError>([&] { SparseLinear::from_dense(memory, dense, mask); }),
+      "mask (3, 5) is NaN");
 }
 
 TEST(SparseLinear, MagnitudePruning) {
@@ -296,6 +301,12 @@ TEST(SparseLinear, MagnitudePruning) {
   thrown_message<ArgumentError>([&] { SparseLinear::pruned(memory, dense, -0.1); });
   thrown_message<ArgumentError>(
       [&] { SparseLinear::pruned(memory, dense, std::numeric_limits<double>::quiet_NaN()); });
+  // A weight that is not finite has no magnitude to rank, kept or not.
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -HUGE_VALF}) {
+    dense(1, 2) = bad;
+    EXPECT_CONTAINS(thrown_message<FormatError>([&] { SparseLinear::pruned(memory, dense, 0.75); }),
+                    "weight (1, 2) is not finite");
+  }
 }
 
 class SparseLinearFiles : public testing::TempDirTest {};

@@ -66,7 +66,8 @@ class SparseLinear {
   SparseLinear(SparseLinear&& other) noexcept;
   SparseLinear& operator=(SparseLinear&& other) noexcept;
 
-  /// W = dense where `mask` is non-zero (zeros of `dense` under the mask are kept).
+  /// W = dense where `mask` is non-zero (zeros of `dense` under the mask are kept); a NaN
+  /// in the mask, or a kept weight that is not finite, is a FormatError naming it.
   static SparseLinear from_dense(std::shared_ptr<ModelMemory> memory, ConstMatrixView dense,
                                  ConstMatrixView mask, std::vector<float> bias = {});
   /// The mask (and values) of a `.smtx` or `.mtx` file; see read_matrix for the values.
@@ -75,7 +76,7 @@ class SparseLinear {
                                 std::vector<float> bias = {});
   /// Magnitude pruning: keeps the round((1 - sparsity) * rows * cols) entries of `dense`
   /// largest in magnitude (ties: the first in row-major order), at least one per layer
-  /// unless the layer is empty.
+  /// unless the layer is empty. A weight that is not finite is a FormatError naming it.
   static SparseLinear pruned(std::shared_ptr<ModelMemory> memory, ConstMatrixView dense,
                              double sparsity, std::vector<float> bias = {});
 

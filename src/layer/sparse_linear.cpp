@@ -27,6 +27,11 @@ std::string shape(std::int64_t rows, std::int64_t cols) {
   return std::to_string(rows) + "x" + std::to_string(cols);
 }
 
+/// " (row, column)", as messages name an entry of a dense matrix.
+std::string position(std::int64_t row, std::int64_t col) {
+  return " (" + std::to_string(row) + ", " + std::to_string(col) + ")";
+}
+
 /// The feature count and token count of an activation view.
 struct Extent {
   std::int64_t features = 0;
@@ -182,6 +187,10 @@ SparseLinear SparseLinear::from_dense(std::shared_ptr<ModelMemory> memory, Const
   std::vector<float> values;
   for (std::int64_t r = 0; r < dense.rows; ++r) {
     for (std::int64_t c = 0; c < dense.cols; ++c) {
+      if (std::isnan(mask(r, c))) {
+        throw FormatError("SparseLinear::from_dense: mask" + position(r, c) +
+                          " is NaN, neither zero (pruned) nor non-zero (kept)");
+      }
       if (mask(r, c) == 0.0F) continue;
       columns.push_back(static_cast<std::uint32_t>(c));
       values.push_back(dense(r, c));
@@ -208,6 +217,15 @@ SparseLinear SparseLinear::pruned(std::shared_ptr<ModelMemory> memory, ConstMatr
   auto keep =
       static_cast<std::int64_t>(std::llround((1.0 - sparsity) * static_cast<double>(total)));
   keep = std::clamp<std::int64_t>(keep, total > 0 ? 1 : 0, total);
+  // A NaN has no magnitude to rank (and breaks nth_element's ordering).
+  for (std::int64_t r = 0; r < dense.rows; ++r) {
+    for (std::int64_t c = 0; c < dense.cols; ++c) {
+      if (!std::isfinite(dense(r, c))) {
+        throw FormatError("SparseLinear::pruned: weight" + position(r, c) +
+                          " is not finite: magnitude pruning ranks finite weights");
+      }
+    }
+  }
   // Rank positions by magnitude, ties by position, and mark the first `keep`.
   std::vector<std::int64_t> order(static_cast<std::size_t>(total));
   std::iota(order.begin(), order.end(), 0);
