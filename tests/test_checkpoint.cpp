@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -236,6 +237,7 @@ class CorruptCheckpoint : public ::testing::Test {
     HostModelMemory source;
     build(source, 8, odd_config(), /*small=*/true);
     train(source, 2, 40);
+    source.class_names = {"ant", "bee"};
     good_path = temp_dir() / "good.ck";
     source.save(good_path);
     good = read_bytes(good_path);
@@ -291,14 +293,19 @@ class CorruptCheckpoint : public ::testing::Test {
     const std::uint32_t crc = crc32(payload);
     std::memcpy(bytes.data() + offset + 12, &crc, 4);
   }
-  // The good file as `version` (below 5) writes it: without the decay section, and below
-  // 4 without the schedule section.
+  // The good file as `version` (below 6) writes it: without the class names section,
+  // below 5 without the decay section, and below 4 without the schedule section.
   std::vector<char> as_version(std::uint32_t version) {
     std::vector<char> old = good;
     std::memcpy(old.data() + 8, &version, 4);
-    const std::size_t decay = section(old, "LRDC");
-    old.erase(old.begin() + static_cast<long>(decay),
-              old.begin() + static_cast<long>(decay + 16 + 24));
+    const std::size_t names = section(old, "CLAS");
+    old.erase(old.begin() + static_cast<long>(names),
+              old.begin() + static_cast<long>(names + 16 + std::string("ant\0bee\0", 8).size()));
+    if (version < 5) {
+      const std::size_t decay = section(old, "LRDC");
+      old.erase(old.begin() + static_cast<long>(decay),
+                old.begin() + static_cast<long>(decay + 16 + 24));
+    }
     if (version < 4) {
       const std::size_t schedule = section(old, "DYNS");
       old.erase(old.begin() + static_cast<long>(schedule),
@@ -369,10 +376,10 @@ TEST_F(CorruptCheckpoint, WrongMagic) {
 
 TEST_F(CorruptCheckpoint, WrongVersion) {
   std::vector<char> bad = good;
-  const std::uint32_t version = 6;
+  const std::uint32_t version = 7;
   std::memcpy(bad.data() + 8, &version, 4);
   const std::string message = expect_refused(bad);
-  EXPECT_NE(message.find("version 6, expected 1 to 5"), std::string::npos) << message;
+  EXPECT_NE(message.find("version 7, expected 1 to 6"), std::string::npos) << message;
 }
 
 TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
@@ -473,6 +480,27 @@ TEST_F(CorruptCheckpoint, VersionFourFilesStillLoadWithNoDecay) {
   EXPECT_EQ(m.step(), 2);
 }
 
+TEST_F(CorruptCheckpoint, VersionFiveFilesStillLoadWithNoClassNames) {
+  const fs::path p = temp_dir() / "v5.ck";
+  write_bytes(p, as_version(5));
+  HostModelMemory m;
+  m.class_names = {"kept from before"};
+  m.load(p);
+  EXPECT_TRUE(m.class_names.empty());
+  EXPECT_EQ(m.step(), 2);
+  m.load(good_path);
+  EXPECT_EQ(m.class_names, (std::vector<std::string>{"ant", "bee"}));
+}
+
+// The class names section holds "ant\0bee\0": each edit keeps its length (the CRC fixed).
+TEST_F(CorruptCheckpoint, ClassNamesAWriterWouldRefuseAreRefused) {
+  EXPECT_NE(refused_at("CLAS", 7, 'x').find("the last class name is not ended"), std::string::npos);
+  const std::string repeated = refused_at("CLAS", 4, std::array<char, 3>{'a', 'n', 't'});
+  EXPECT_NE(repeated.find("class name 1 repeats an earlier one"), std::string::npos) << repeated;
+  EXPECT_NE(refused_at("CLAS", 0, std::array<char, 4>{'\0', 'n', 't', '\0'}).find("is empty"),
+            std::string::npos);
+}
+
 TEST_F(CorruptCheckpoint, DecayFieldsOutOfRangeAreRefused) {
   auto refused_with = [&](std::size_t field, auto value) {
     return refused_at("LRDC", field, value);
@@ -534,6 +562,30 @@ TEST(Checkpoint, AModelDescriptionACheckpointCannotHoldIsRefusedBeforeWriting) {
   a.model = std::string(ModelMemory::kMaxModelDescription + 1, 'x');
   EXPECT_THROW(a.save(path), ShapeError);
   EXPECT_FALSE(fs::exists(path));
+}
+
+TEST(Checkpoint, ClassNamesRoundTripAndWhatACheckpointCannotHoldIsRefusedBeforeWriting) {
+  HostModelMemory a;
+  build(a, 3, OptimizerConfig{});
+  a.class_names = {"setosa", "versicolor", "Iris virginica \xc3\xa9"};  // any bytes but NUL
+  const fs::path path = temp_dir() / "names.ck";
+  a.save(path);
+  HostModelMemory b;
+  b.class_names = {"other"};
+  b.load(path);
+  EXPECT_EQ(b.class_names, a.class_names);
+  a.class_names.clear();  // classes by number: loading it clears the target's
+  a.save(path);
+  b.load(path);
+  EXPECT_TRUE(b.class_names.empty());
+  const fs::path refused = temp_dir() / "bad_names.ck";
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"a", "b", "a"}, std::vector<std::string>{"a", ""},
+        std::vector<std::string>{std::string("a\0b", 3)}}) {
+    a.class_names = bad;
+    EXPECT_THROW(a.save(refused), ShapeError);
+  }
+  EXPECT_FALSE(fs::exists(refused));
 }
 
 TEST(Checkpoint, EpochsRoundTrip) {

@@ -738,7 +738,7 @@ TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
   EXPECT_EQ(m.optimizer().learning_rate, 0.003);
   EXPECT_EQ(m.optimizer().weight_decay, 0.01);
 }
-TEST_F(TieredStore, TheSchedulesAndTheModelAreCommittedAndOlderManifestsHaveNone) {
+TEST_F(TieredStore, TheSchedulesModelAndClassNamesAreCommittedAndOlderManifestsHaveNone) {
   make_store(1);
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
@@ -746,6 +746,7 @@ TEST_F(TieredStore, TheSchedulesAndTheModelAreCommittedAndOlderManifestsHaveNone
     EXPECT_FALSE(m.optimizer().decay.active());
     EXPECT_EQ(m.model, "");
     m.model = "gpt vocab=256 (a description)";
+    m.class_names = {"cat", "dog"};
     m.dynamic.rule = MaskUpdateRule::set;
     m.dynamic.drop = 0.25;
     m.dynamic.total_steps = 40;
@@ -763,16 +764,31 @@ TEST_F(TieredStore, TheSchedulesAndTheModelAreCommittedAndOlderManifestsHaveNone
     EXPECT_EQ(m.dynamic.seed, 8U);
     EXPECT_EQ(m.optimizer().decay, (LearningRateDecay{5, 30, 0.2}));
     EXPECT_EQ(m.model, "gpt vocab=256 (a description)");
+    EXPECT_EQ(m.class_names, (std::vector<std::string>{"cat", "dog"}));
     m.model = std::string(1, '\n');  // no manifest holds it: refused, nothing written
     EXPECT_THROW(m.commit_counters(), ShapeError);
+    m.model = "gpt vocab=256 (a description)";
+    m.class_names = {"cat", "cat"};  // nor these
+    EXPECT_THROW(m.commit_counters(), ShapeError);
   }
-  // Version 4 wrote no model section: it opens as a stack of layers; version 3 no decay
-  // section either, version 2 no schedule.
+  // Version 5 wrote no class names: they open as none; version 4 no model section either
+  // (a stack of layers), version 3 no decay section, version 2 no schedule.
   std::string bytes = files()["MANIFEST"];
+  const std::size_t names = bytes.find("CLAS");
+  ASSERT_NE(names, std::string::npos);
+  bytes.erase(names, 16 + 8);
+  std::uint32_t version = 5;
+  std::memcpy(bytes.data() + 8, &version, 4);
+  write("MANIFEST", bytes);
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_TRUE(m.class_names.empty());
+    EXPECT_EQ(m.model, "gpt vocab=256 (a description)");
+  }
   const std::size_t model = bytes.find("MODL");
   ASSERT_NE(model, std::string::npos);
   bytes.erase(model, 16 + 29);
-  std::uint32_t version = 4;
+  version = 4;
   std::memcpy(bytes.data() + 8, &version, 4);
   write("MANIFEST", bytes);
   {

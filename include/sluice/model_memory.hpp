@@ -170,6 +170,13 @@ class ModelMemory {
   /// Printable ASCII, at most kMaxModelDescription characters, for a checkpoint to hold it.
   std::string model;
   static constexpr std::size_t kMaxModelDescription = 4096;
+  /// The names of the model's output classes, class i the i-th (a data set's labels given
+  /// as names), kept in checkpoints and model stores, so that a run resumed on other data
+  /// numbers the classes as the model learnt them; empty where the classes are numbers.
+  /// Distinct, non-empty, without NUL bytes, at most kMostClassNames, for a checkpoint to
+  /// hold them.
+  std::vector<std::string> class_names;
+  static constexpr std::size_t kMostClassNames = 1'000'000;
   /// The mask-update schedule the model trains under (rule none: masks fixed), kept in
   /// checkpoints and model stores so that a resumed run goes on with the same schedule,
   /// its horizon (total_steps, counted from the model's first step) included. The trainer

@@ -1,12 +1,13 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 5; also in docs/checkpoint_format.md). Little-endian throughout.
+// File format (version 6; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
-//   version    u32      5 (versions 1 to 4 are still read: version 1 lacks the epoch count,
+//   version    u32      6 (versions 1 to 5 are still read: version 1 lacks the epoch count,
 //                       read as 0; versions 1 and 2 lack the model section, read as empty;
 //                       versions 1 to 3 lack the schedule section, read as rule none;
-//                       versions 1 to 4 lack the decay section, read as no decay)
+//                       versions 1 to 4 lack the decay section, read as no decay;
+//                       versions 1 to 5 lack the class names, read as none)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -26,6 +27,7 @@
 //   "DYNS"  once (version 4 on): ModelMemory::dynamic, the mask-update schedule
 //       (model_memory/model_sections.hpp)
 //   "LRDC"  once (version 5 on): the optimizer's LearningRateDecay (model_sections.hpp)
+//   "CLAS"  once (version 6 on): ModelMemory::class_names, each followed by a NUL byte
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -81,7 +83,7 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
 
 constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
-constexpr std::uint32_t kFormatVersion = 5;
+constexpr std::uint32_t kFormatVersion = 6;
 constexpr std::uint32_t kOldestReadableVersion = 1;
 /// Counters (steps, updates, epochs) above this are refused: they count up by one and
 /// reach the optimizer as doubles, which count exactly only this far, and a file that
@@ -114,6 +116,7 @@ struct Counters {
   std::int64_t epochs = 0;
   std::string model;
   DynamicSparsity dynamic;
+  std::vector<std::string> class_names;
 };
 
 void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counters& counters) {
@@ -136,6 +139,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   write_section(out, detail::model_section(counters.model));
   write_section(out, detail::schedule_section(counters.dynamic));
   write_section(out, detail::decay_section(c.decay));
+  write_section(out, detail::class_names_section(counters.class_names));
 
   const int slots = detail::optimizer_slot_count(c.kind);
   for (std::size_t i = 0; i < st.layers.size(); ++i) {
@@ -302,6 +306,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
   if (version >= 3) counters.model = detail::read_model_section(in);
   if (version >= 4) counters.dynamic = detail::read_schedule_section(in);
   if (version >= 5) c.decay = detail::read_decay_section(in);
+  if (version >= 6) counters.class_names = detail::read_class_names_section(in);
   // Every layer section takes at least its header and fixed fields: a huge count in a
   // small file is refused before reserving anything.
   if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {
@@ -349,13 +354,14 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
   try {
     {
       detail::require_storable_model(model, "save checkpoint " + path.string());
+      detail::require_storable_class_names(class_names, "save checkpoint " + path.string());
       try {  // what load would refuse is not written
         dynamic.validate();
       } catch (const ArgumentError& e) {
         throw ArgumentError("save checkpoint " + path.string() + ": " + e.what());
       }
       FileWriter out(tmp);
-      write_checkpoint(out, *state_, {seed, epochs, model, dynamic});
+      write_checkpoint(out, *state_, {seed, epochs, model, dynamic, class_names});
       out.commit();
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -383,6 +389,7 @@ void HostModelMemory::load_impl(const std::filesystem::path& path) {
   epochs = counters.epochs;
   model = std::move(counters.model);
   dynamic = counters.dynamic;
+  class_names = std::move(counters.class_names);
 }
 
 }  // namespace sluice

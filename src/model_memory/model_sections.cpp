@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
+#include <unordered_set>
 
 #include "sluice/error.hpp"
 #include "sluice/model_memory.hpp"
@@ -15,6 +17,26 @@ constexpr std::uint64_t kDecayBytes = 8 + 8 + 8;
 constexpr std::int64_t kMaxUpdateEvery = std::int64_t{1} << 40;
 /// As the checkpoint's counters: steps count exactly as doubles only this far.
 constexpr std::int64_t kMaxTotalSteps = std::int64_t{1} << 53;
+
+/// What keeps `names` from a checkpoint (empty: nothing).
+std::string class_names_problem(const std::vector<std::string>& names) {
+  if (names.size() > ModelMemory::kMostClassNames) {
+    return std::to_string(names.size()) + " class names, more than " +
+           std::to_string(ModelMemory::kMostClassNames);
+  }
+  std::unordered_set<std::string_view> seen;
+  for (std::size_t c = 0; c < names.size(); ++c) {
+    const std::string& name = names[c];
+    if (name.empty()) return "class name " + std::to_string(c) + " is empty";
+    if (name.find('\0') != std::string::npos) {
+      return "class name " + std::to_string(c) + " holds a NUL byte";
+    }
+    if (!seen.insert(name).second) {
+      return "class name " + std::to_string(c) + " repeats an earlier one";
+    }
+  }
+  return {};
+}
 
 }  // namespace
 
@@ -116,6 +138,44 @@ LearningRateDecay read_decay_section(FileReader& in) {
     s.fail(e.what());
   }
   return d;
+}
+
+void require_storable_class_names(const std::vector<std::string>& names, const std::string& what) {
+  if (const std::string problem = class_names_problem(names); !problem.empty()) {
+    throw ShapeError(what + ": " + problem);
+  }
+}
+
+Section class_names_section(const std::vector<std::string>& names) {
+  static constexpr char kEnd[1] = {'\0'};
+  Section s;
+  s.tag = kClassNamesTag;
+  for (const std::string& name : names) {
+    s.arrays.push_back(std::as_bytes(std::span(name)));
+    s.arrays.push_back(std::as_bytes(std::span(kEnd)));
+  }
+  return s;
+}
+
+std::vector<std::string> read_class_names_section(FileReader& in) {
+  SectionReader s(in, kClassNamesTag, "class names section");
+  const std::vector<char> text = s.get_array<char>(s.length(), "class names");
+  s.finish();
+  if (!text.empty() && text.back() != '\0') s.fail("the last class name is not ended");
+  const auto count = static_cast<std::size_t>(std::count(text.begin(), text.end(), '\0'));
+  if (count > ModelMemory::kMostClassNames) {
+    s.fail(std::to_string(count) + " class names, more than " +
+           std::to_string(ModelMemory::kMostClassNames));
+  }
+  std::vector<std::string> names;
+  names.reserve(count);
+  for (auto begin = text.begin(); begin != text.end();) {  // each name ends in a NUL
+    const auto end = std::find(begin, text.end(), '\0');
+    names.emplace_back(begin, end);
+    begin = end + 1;
+  }
+  if (const std::string problem = class_names_problem(names); !problem.empty()) s.fail(problem);
+  return names;
 }
 
 }  // namespace sluice::detail

@@ -3,16 +3,19 @@
 // run goes on with the model and the schedules it started with: "MODL", ModelMemory::model
 // (what the layers make; checkpoints from version 3, manifests from version 5), "DYNS",
 // ModelMemory::dynamic (the mask-update schedule; checkpoints from version 4, manifests
-// from version 3), and "LRDC", the optimizer's LearningRateDecay (checkpoints from
-// version 5, manifests from version 4).
+// from version 3), "LRDC", the optimizer's LearningRateDecay (checkpoints from version 5,
+// manifests from version 4), and "CLAS", ModelMemory::class_names (both from version 6).
 //
 //   "MODL" payload: the description's characters (printable ASCII, at most
 //                   ModelMemory::kMaxModelDescription; empty for a stack of layers)
 //   "DYNS" payload: u32 rule (0 none, 1 set, 2 rigl), i64 update_every, f64 drop,
 //                   f64 update_until, i64 total_steps, u64 seed
 //   "LRDC" payload: i64 warmup_steps, i64 decay_steps, f64 final_fraction
+//   "CLAS" payload: ModelMemory::class_names, each name's bytes followed by a NUL byte
+//                   (empty: classes are numbers; checkpoints and manifests from version 6)
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model_memory/checkpoint_io.hpp"
 #include "sluice/dynamic_sparsity.hpp"
@@ -49,5 +52,16 @@ Section decay_section(const LearningRateDecay& decay);
 /// Reads the next section as a learning-rate decay; FormatError naming the file and the
 /// byte for a wrong length or CRC or what LearningRateDecay::validate refuses.
 LearningRateDecay read_decay_section(FileReader& in);
+
+constexpr std::uint32_t kClassNamesTag = fourcc("CLAS");
+
+/// ShapeError ("`what`: class name ...") unless a checkpoint can hold `names`: at most
+/// ModelMemory::kMostClassNames, distinct, non-empty, without NUL bytes (the separator).
+void require_storable_class_names(const std::vector<std::string>& names, const std::string& what);
+/// The section holding `names` (storable: the writer checks before writing).
+Section class_names_section(const std::vector<std::string>& names);
+/// Reads the next section as class names; FormatError naming the file and the byte for a
+/// wrong CRC, a payload that does not end a name, or names a writer would have refused.
+std::vector<std::string> read_class_names_section(FileReader& in);
 
 }  // namespace sluice::detail

@@ -57,6 +57,7 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   epochs = st.manifest.epochs;
   dynamic = st.manifest.dynamic;
   model = st.manifest.model;
+  class_names = st.manifest.class_names;
   for (std::size_t l = 0; l < st.manifest.layers.size(); ++l) {
     const LayerShape& s = st.manifest.layers[l].shape;
     if (working_set_bytes(s) > budget_bytes) {
@@ -170,13 +171,15 @@ ModelStoreCounters TieredModelMemory::counters() const {
 namespace {
 
 /// A ModelMemory's public fields into the manifest about to be written. ShapeError, before
-/// anything is written, for a model description a manifest cannot hold.
+/// anything is written, for a model description or class names a manifest cannot hold.
 void stamp(detail::Manifest& next, const ModelMemory& memory) {
   detail::require_storable_model(memory.model, "model store");
+  detail::require_storable_class_names(memory.class_names, "model store");
   next.seed = memory.seed;
   next.epochs = memory.epochs;
   next.dynamic = memory.dynamic;
   next.model = memory.model;
+  next.class_names = memory.class_names;
 }
 
 }  // namespace
