@@ -98,6 +98,26 @@ TEST_F(DatasetFiles, LabelsMayBeClassNamesAndCellsQuoted) {
   EXPECT_EQ(numbers.labels, (std::vector<int>{2, 0}));
   EXPECT_EQ(numbers.classes, 3);
 
+  // Numbered by another list of names (a resumed model's), a subset keeps their numbers;
+  // a name not in the list is refused naming its first sample, numbers are refused.
+  Dataset some = load_csv(temp("iris.csv"));
+  const std::vector<std::string> model{"virginica", "setosa", "Iris \"x\", y", "versicolor", "z"};
+  renumber_classes(some, model);
+  EXPECT_EQ(some.labels, (std::vector<int>{1, 0, 3, 1, 2}));
+  EXPECT_EQ(some.class_names, model);
+  EXPECT_EQ(some.classes, 5);
+  some = load_csv(temp("iris.csv"));
+  EXPECT_CONTAINS(sluice::testing::thrown_message<FormatError>([&] {
+                    renumber_classes(some, {"setosa", "virginica", "versicolor"});
+                  }),
+                  "sample 4: class 'Iris \"x\", y' is not one of the 3 classes named");
+  EXPECT_EQ(some.labels, d.labels);
+  Dataset by_number = load_csv(temp("numbers.csv"));
+  EXPECT_CONTAINS(
+      sluice::testing::thrown_message<FormatError>([&] { renumber_classes(by_number, model); }),
+      "the labels are class numbers, where the classes are named ('virginica' is "
+      "class 0)");
+
   write(temp("empty_label.csv"), "1,a\n2, \n");
   write(temp("mixed.csv"), "1,2\n3,cat\n5,10\n");
   write(temp("semicolons.csv"), "1;2;0\n3;4;1\n");

@@ -101,14 +101,49 @@ Dataset load_data(const TrainOptions& o, std::string& name) {
   return load_csv(o.dataset);
 }
 
+/// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
+std::string model_source(const TrainOptions& o) {
+  return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
+}
+
+/// "classes of DATA (by name, ORDER): 'a'=0, 'b'=1, ...", the first few of a long list.
+std::string class_list(const std::string& dataset_name, const std::vector<std::string>& names,
+                       const std::string& order) {
+  constexpr std::size_t kShown = 12;
+  std::string text = "classes of " + dataset_name + " (by name, " + order + "): ";
+  for (std::size_t c = 0; c < std::min(names.size(), kShown); ++c) {
+    text += (c > 0 ? ", " : "") + detail::excerpt(names[c]) + "=" + std::to_string(c);
+  }
+  if (names.size() > kShown) text += ", ... (" + std::to_string(names.size()) + " classes)";
+  return text;
+}
+
+/// The data's labels numbered by a resumed model's class names, as it learnt them: the
+/// data's own sorted names would number a subset of the classes, or a superset, otherwise.
+void number_as_model(Dataset& all, const std::vector<std::string>& classes, const TrainOptions& o,
+                     const std::string& dataset_name) {
+  try {
+    renumber_classes(all, classes, [&](std::int64_t sample) {
+      return dataset_name + ":" + std::to_string(csv_line_of(o.dataset, sample));
+    });
+  } catch (const FormatError& e) {
+    const std::string what = e.what();
+    throw FormatError((what.rfind(dataset_name, 0) == 0 ? what : dataset_name + ": " + what) +
+                      "; " + class_list(model_source(o), classes, "as the model learnt them"));
+  }
+}
+
 /// The data set split and standardised for training and testing, as every rank builds it
-/// (the split and the order come from the seed).
+/// (the split and the order come from the seed); its named classes numbered as
+/// `model_classes` number them, if a resumed model has any.
 struct PreparedData {
   Dataset all, train, test;
 };
-PreparedData prepare_data(const TrainOptions& o, std::string& name) {
+PreparedData prepare_data(const TrainOptions& o, std::string& name,
+                          const std::vector<std::string>& model_classes = {}) {
   PreparedData d;
   d.all = load_data(o, name);
+  if (!model_classes.empty()) number_as_model(d.all, model_classes, o, name);
   std::tie(d.train, d.test) = split_dataset(d.all, 0.2, o.seed);
   return d;
 }
@@ -133,11 +168,6 @@ double stored_sparsity(const ModelMemory& memory) {
     cells += static_cast<double>(s.rows) * static_cast<double>(s.cols);
   }
   return cells > 0 ? 1.0 - kept / cells : 0.0;
-}
-
-/// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
-std::string model_source(const TrainOptions& o) {
-  return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
 }
 
 /// Loads --resume into `memory` and returns the sizes of its layers; the checkpoint's
@@ -463,17 +493,6 @@ void check_split(const TrainOptions& options, const PreparedData& data,
   }
 }
 
-/// "classes of FILE (by name, sorted): 'a'=0, 'b'=1, ...", the first few of a long list.
-std::string class_list(const std::string& dataset_name, const std::vector<std::string>& names) {
-  constexpr std::size_t kShown = 12;
-  std::string text = "classes of " + dataset_name + " (by name, sorted): ";
-  for (std::size_t c = 0; c < std::min(names.size(), kShown); ++c) {
-    text += (c > 0 ? ", " : "") + detail::excerpt(names[c]) + "=" + std::to_string(c);
-  }
-  if (names.size() > kShown) text += ", ... (" + std::to_string(names.size()) + " classes)";
-  return text;
-}
-
 /// The layer sizes of the run: --layers, the resumed model's, or the data's default; each
 /// checked against the data and the resumed model.
 std::vector<std::int64_t> model_sizes(const TrainOptions& options, const Dataset& all,
@@ -581,12 +600,19 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   const std::vector<std::int64_t> saved =
       resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
   std::string dataset_name;
-  PreparedData data = prepare_data(*o, dataset_name);
+  const bool numbered_by_model = !memory.class_names.empty();
+  PreparedData data = prepare_data(*o, dataset_name, memory.class_names);
   const Dataset& all = data.all;
   Dataset& train = data.train;
   Dataset& test = data.test;
   check_split(*o, data, dataset_name);
-  if (!all.class_names.empty()) progress << class_list(dataset_name, all.class_names) << "\n";
+  if (!all.class_names.empty()) {
+    progress << class_list(dataset_name, all.class_names,
+                           numbered_by_model ? "as the model learnt them" : "sorted")
+             << "\n";
+  }
+  // Kept with the model: a run resumed on other data numbers the classes as this one.
+  memory.class_names = all.class_names;
   standardize(train, test);
   const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
   if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");

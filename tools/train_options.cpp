@@ -114,8 +114,9 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
       ->check(positive_number());
   cmd->add_option("--dataset", o->dataset,
                   "digits, synthetic or a CSV file (last column the label: a class number, or a "
-                  "class name; a first line of names is a header); default: digits if its file "
-                  "is found, else synthetic");
+                  "class name, numbered in sorted order or as a resumed model learnt them; a "
+                  "first line of names is a header); default: digits if its file is found, "
+                  "else synthetic");
   cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
   cmd->add_option("--layers", o->layers,
                   "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");

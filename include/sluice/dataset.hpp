@@ -3,6 +3,7 @@
 // column, as the engines want tokens), integer class labels.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -37,6 +38,14 @@ std::int64_t csv_line_of(const std::filesystem::path& path, std::int64_t sample)
 /// digits.csv.gz: 1797 rows, 64 pixel values 0..16, then the label 0..9).
 /// FormatError unless the file has that shape.
 Dataset load_digits(const std::filesystem::path& path);
+
+/// Numbers `data`'s named classes as `names` does (a resumed model's classes, in
+/// ModelMemory::class_names): the i-th of `names` becomes class i, and `data.classes` and
+/// `data.class_names` those of `names`, whichever of them the data holds. FormatError
+/// naming the first sample of a class not among `names` (`where(sample)` names it, e.g. by
+/// its line; default "sample N"), or data whose classes are numbers.
+void renumber_classes(Dataset& data, const std::vector<std::string>& names,
+                      const std::function<std::string(std::int64_t)>& where = {});
 
 /// Where the digits file is: `explicit_path` if given, else $SLUICE_DIGITS, else the
 /// first of these that exists:

@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include "core/excerpt.hpp"
 #include "core/input_file.hpp"
@@ -238,6 +239,39 @@ Dataset load_csv(const std::filesystem::path& path) {
   }
   d.classes = *std::max_element(d.labels.begin(), d.labels.end()) + 1;
   return d;
+}
+
+void renumber_classes(Dataset& data, const std::vector<std::string>& names,
+                      const std::function<std::string(std::int64_t)>& where) {
+  const auto sample_name = [&](std::int64_t sample) {
+    return where ? where(sample) : "sample " + std::to_string(sample);
+  };
+  if (names.empty()) throw ArgumentError("renumber_classes: no class names to number by");
+  if (data.class_names.empty()) {
+    throw FormatError("the labels are class numbers, where the classes are named (" +
+                      detail::excerpt(names.front()) + " is class 0)");
+  }
+  std::unordered_map<std::string_view, int> number;
+  for (std::size_t c = 0; c < names.size(); ++c) number.emplace(names[c], static_cast<int>(c));
+  std::vector<int> renumbered(data.class_names.size(), -1);
+  for (std::size_t c = 0; c < data.class_names.size(); ++c) {
+    const auto found = number.find(data.class_names[c]);
+    if (found != number.end()) renumbered[c] = found->second;
+  }
+  std::vector<int> labels(data.labels.size());  // `data` is left as it was if one is refused
+  for (std::size_t i = 0; i < labels.size(); ++i) {
+    const int label = renumbered[static_cast<std::size_t>(data.labels[i])];
+    if (label < 0) {
+      throw FormatError(
+          sample_name(static_cast<std::int64_t>(i)) + ": class " +
+          detail::excerpt(data.class_names[static_cast<std::size_t>(data.labels[i])]) +
+          " is not one of the " + std::to_string(names.size()) + " classes named");
+    }
+    labels[i] = label;
+  }
+  data.labels = std::move(labels);
+  data.classes = static_cast<int>(names.size());
+  data.class_names = names;
 }
 
 std::int64_t csv_line_of(const std::filesystem::path& path, std::int64_t sample) {
