@@ -238,6 +238,8 @@ class CorruptCheckpoint : public ::testing::Test {
     build(source, 8, odd_config(), /*small=*/true);
     train(source, 2, 40);
     source.class_names = {"ant", "bee"};
+    source.input_mean = {0.5, -1.0};
+    source.input_scale = {2.0, 0.25};
     good_path = temp_dir() / "good.ck";
     source.save(good_path);
     good = read_bytes(good_path);
@@ -293,14 +295,15 @@ class CorruptCheckpoint : public ::testing::Test {
     const std::uint32_t crc = crc32(payload);
     std::memcpy(bytes.data() + offset + 12, &crc, 4);
   }
-  // The good file as `version` (below 6) writes it: without the class names section,
-  // below 5 without the decay section, and below 4 without the schedule section.
+  // The good file as `version` (below 6) writes it: without the class names and input
+  // scaling sections, below 5 without the decay section, and below 4 without the schedule
+  // section.
   std::vector<char> as_version(std::uint32_t version) {
     std::vector<char> old = good;
     std::memcpy(old.data() + 8, &version, 4);
     const std::size_t names = section(old, "CLAS");
     old.erase(old.begin() + static_cast<long>(names),
-              old.begin() + static_cast<long>(names + 16 + std::string("ant\0bee\0", 8).size()));
+              old.begin() + static_cast<long>(names + 16 + 8 + 16 + 8 + 2 * 16));
     if (version < 5) {
       const std::size_t decay = section(old, "LRDC");
       old.erase(old.begin() + static_cast<long>(decay),
@@ -485,11 +488,27 @@ TEST_F(CorruptCheckpoint, VersionFiveFilesStillLoadWithNoClassNames) {
   write_bytes(p, as_version(5));
   HostModelMemory m;
   m.class_names = {"kept from before"};
+  m.input_mean = m.input_scale = {1.0};
   m.load(p);
   EXPECT_TRUE(m.class_names.empty());
+  EXPECT_TRUE(m.input_mean.empty());
+  EXPECT_TRUE(m.input_scale.empty());
   EXPECT_EQ(m.step(), 2);
   m.load(good_path);
   EXPECT_EQ(m.class_names, (std::vector<std::string>{"ant", "bee"}));
+  EXPECT_EQ(m.input_mean, (std::vector<double>{0.5, -1.0}));
+  EXPECT_EQ(m.input_scale, (std::vector<double>{2.0, 0.25}));
+}
+
+// The input scaling section holds count 2, means {0.5, -1}, scales {2, 0.25}.
+TEST_F(CorruptCheckpoint, InputScalingAWriterWouldRefuseIsRefused) {
+  EXPECT_NE(refused_at("SCAL", 0, std::uint64_t{3}).find("does not hold 3 inputs"),
+            std::string::npos);
+  EXPECT_NE(refused_at("SCAL", 0, std::uint64_t{1} << 60).find("does not hold"), std::string::npos);
+  EXPECT_NE(refused_at("SCAL", 8, std::numeric_limits<double>::infinity()).find("input 0's mean"),
+            std::string::npos);
+  EXPECT_NE(refused_at("SCAL", 32, 0.0).find("input 1's mean"), std::string::npos);
+  EXPECT_NE(refused_at("SCAL", 24, -2.0).find("positive scale"), std::string::npos);
 }
 
 // The class names section holds "ant\0bee\0": each edit keeps its length (the CRC fixed).
@@ -564,7 +583,7 @@ TEST(Checkpoint, AModelDescriptionACheckpointCannotHoldIsRefusedBeforeWriting) {
   EXPECT_FALSE(fs::exists(path));
 }
 
-TEST(Checkpoint, ClassNamesRoundTripAndWhatACheckpointCannotHoldIsRefusedBeforeWriting) {
+TEST(Checkpoint, ClassNamesAndInputScalingRoundTripAndWhatACheckpointCannotHoldIsRefused) {
   HostModelMemory a;
   build(a, 3, OptimizerConfig{});
   a.class_names = {"setosa", "versicolor", "Iris virginica \xc3\xa9"};  // any bytes but NUL
@@ -578,11 +597,26 @@ TEST(Checkpoint, ClassNamesRoundTripAndWhatACheckpointCannotHoldIsRefusedBeforeW
   a.save(path);
   b.load(path);
   EXPECT_TRUE(b.class_names.empty());
+  a.input_mean = {1.5, -0.0, 1e300};  // the standardisation an MLP's inputs had
+  a.input_scale = {0.5, 1.0, 1e-300};
+  a.save(path);
+  b.load(path);
+  EXPECT_EQ(b.input_mean, a.input_mean);
+  EXPECT_EQ(b.input_scale, a.input_scale);
   const fs::path refused = temp_dir() / "bad_names.ck";
   for (const std::vector<std::string>& bad :
        {std::vector<std::string>{"a", "b", "a"}, std::vector<std::string>{"a", ""},
         std::vector<std::string>{std::string("a\0b", 3)}}) {
     a.class_names = bad;
+    EXPECT_THROW(a.save(refused), ShapeError);
+  }
+  a.class_names.clear();
+  for (const auto& [mean, scale] :
+       {std::pair{std::vector<double>{1.0}, std::vector<double>{}},
+        std::pair{std::vector<double>{1.0}, std::vector<double>{0.0}},
+        std::pair{std::vector<double>{std::nan("")}, std::vector<double>{1.0}}}) {
+    a.input_mean = mean;
+    a.input_scale = scale;
     EXPECT_THROW(a.save(refused), ShapeError);
   }
   EXPECT_FALSE(fs::exists(refused));

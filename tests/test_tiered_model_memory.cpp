@@ -738,7 +738,7 @@ TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
   EXPECT_EQ(m.optimizer().learning_rate, 0.003);
   EXPECT_EQ(m.optimizer().weight_decay, 0.01);
 }
-TEST_F(TieredStore, TheSchedulesModelAndClassNamesAreCommittedAndOlderManifestsHaveNone) {
+TEST_F(TieredStore, TheSchedulesModelClassNamesAndScalingAreCommittedAndOlderManifestsHaveNone) {
   make_store(1);
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
@@ -747,6 +747,8 @@ TEST_F(TieredStore, TheSchedulesModelAndClassNamesAreCommittedAndOlderManifestsH
     EXPECT_EQ(m.model, "");
     m.model = "gpt vocab=256 (a description)";
     m.class_names = {"cat", "dog"};
+    m.input_mean = {-3.0};
+    m.input_scale = {0.125};
     m.dynamic.rule = MaskUpdateRule::set;
     m.dynamic.drop = 0.25;
     m.dynamic.total_steps = 40;
@@ -765,24 +767,28 @@ TEST_F(TieredStore, TheSchedulesModelAndClassNamesAreCommittedAndOlderManifestsH
     EXPECT_EQ(m.optimizer().decay, (LearningRateDecay{5, 30, 0.2}));
     EXPECT_EQ(m.model, "gpt vocab=256 (a description)");
     EXPECT_EQ(m.class_names, (std::vector<std::string>{"cat", "dog"}));
+    EXPECT_EQ(m.input_mean, std::vector<double>{-3.0});
+    EXPECT_EQ(m.input_scale, std::vector<double>{0.125});
     m.model = std::string(1, '\n');  // no manifest holds it: refused, nothing written
     EXPECT_THROW(m.commit_counters(), ShapeError);
     m.model = "gpt vocab=256 (a description)";
     m.class_names = {"cat", "cat"};  // nor these
     EXPECT_THROW(m.commit_counters(), ShapeError);
   }
-  // Version 5 wrote no class names: they open as none; version 4 no model section either
+  // Version 5 wrote no class names or input scaling: they open as none; version 4 no model
+  // section either
   // (a stack of layers), version 3 no decay section, version 2 no schedule.
   std::string bytes = files()["MANIFEST"];
   const std::size_t names = bytes.find("CLAS");
   ASSERT_NE(names, std::string::npos);
-  bytes.erase(names, 16 + 8);
+  bytes.erase(names, 16 + 8 + 16 + 8 + 16);
   std::uint32_t version = 5;
   std::memcpy(bytes.data() + 8, &version, 4);
   write("MANIFEST", bytes);
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
     EXPECT_TRUE(m.class_names.empty());
+    EXPECT_TRUE(m.input_mean.empty() && m.input_scale.empty());
     EXPECT_EQ(m.model, "gpt vocab=256 (a description)");
   }
   const std::size_t model = bytes.find("MODL");

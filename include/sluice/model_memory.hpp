@@ -177,6 +177,11 @@ class ModelMemory {
   /// hold them.
   std::vector<std::string> class_names;
   static constexpr std::size_t kMostClassNames = 1'000'000;
+  /// Per input feature, the standardisation the model learnt on, x' = (x - input_mean) *
+  /// input_scale (a trainer's, as sluice train's of its training set), kept in checkpoints
+  /// and model stores so that a run resumed on other data scales its inputs as the first
+  /// did; empty where none is kept. As many of each, finite, the scales positive.
+  std::vector<double> input_mean, input_scale;
   /// The mask-update schedule the model trains under (rule none: masks fixed), kept in
   /// checkpoints and model stores so that a resumed run goes on with the same schedule,
   /// its horizon (total_steps, counted from the model's first step) included. The trainer

@@ -7,7 +7,8 @@
 //                       read as 0; versions 1 and 2 lack the model section, read as empty;
 //                       versions 1 to 3 lack the schedule section, read as rule none;
 //                       versions 1 to 4 lack the decay section, read as no decay;
-//                       versions 1 to 5 lack the class names, read as none)
+//                       versions 1 to 5 lack the class names and input scaling, read
+//                       as none)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -28,6 +29,7 @@
 //       (model_memory/model_sections.hpp)
 //   "LRDC"  once (version 5 on): the optimizer's LearningRateDecay (model_sections.hpp)
 //   "CLAS"  once (version 6 on): ModelMemory::class_names, each followed by a NUL byte
+//   "SCAL"  once (version 6 on): u64 count, f64 input_mean[count], f64 input_scale[count]
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -117,6 +119,7 @@ struct Counters {
   std::string model;
   DynamicSparsity dynamic;
   std::vector<std::string> class_names;
+  std::vector<double> input_mean, input_scale;
 };
 
 void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counters& counters) {
@@ -140,6 +143,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   write_section(out, detail::schedule_section(counters.dynamic));
   write_section(out, detail::decay_section(c.decay));
   write_section(out, detail::class_names_section(counters.class_names));
+  write_section(out, detail::input_scaling_section(counters.input_mean, counters.input_scale));
 
   const int slots = detail::optimizer_slot_count(c.kind);
   for (std::size_t i = 0; i < st.layers.size(); ++i) {
@@ -306,7 +310,10 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
   if (version >= 3) counters.model = detail::read_model_section(in);
   if (version >= 4) counters.dynamic = detail::read_schedule_section(in);
   if (version >= 5) c.decay = detail::read_decay_section(in);
-  if (version >= 6) counters.class_names = detail::read_class_names_section(in);
+  if (version >= 6) {
+    counters.class_names = detail::read_class_names_section(in);
+    detail::read_input_scaling_section(in, counters.input_mean, counters.input_scale);
+  }
   // Every layer section takes at least its header and fixed fields: a huge count in a
   // small file is refused before reserving anything.
   if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {
@@ -355,13 +362,16 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
     {
       detail::require_storable_model(model, "save checkpoint " + path.string());
       detail::require_storable_class_names(class_names, "save checkpoint " + path.string());
+      detail::require_storable_input_scaling(input_mean, input_scale,
+                                             "save checkpoint " + path.string());
       try {  // what load would refuse is not written
         dynamic.validate();
       } catch (const ArgumentError& e) {
         throw ArgumentError("save checkpoint " + path.string() + ": " + e.what());
       }
       FileWriter out(tmp);
-      write_checkpoint(out, *state_, {seed, epochs, model, dynamic, class_names});
+      write_checkpoint(out, *state_,
+                       {seed, epochs, model, dynamic, class_names, input_mean, input_scale});
       out.commit();
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -390,6 +400,8 @@ void HostModelMemory::load_impl(const std::filesystem::path& path) {
   model = std::move(counters.model);
   dynamic = counters.dynamic;
   class_names = std::move(counters.class_names);
+  input_mean = std::move(counters.input_mean);
+  input_scale = std::move(counters.input_scale);
 }
 
 }  // namespace sluice

@@ -1,6 +1,7 @@
 #include "model_memory/model_sections.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <string_view>
 #include <unordered_set>
@@ -33,6 +34,26 @@ std::string class_names_problem(const std::vector<std::string>& names) {
     }
     if (!seen.insert(name).second) {
       return "class name " + std::to_string(c) + " repeats an earlier one";
+    }
+  }
+  return {};
+}
+
+/// The most inputs a layer has (add_layer's bound on its columns).
+constexpr std::uint64_t kMostInputs = std::uint64_t{1} << 31;
+
+/// What keeps an input scaling from a checkpoint (empty: nothing).
+std::string input_scaling_problem(const std::vector<double>& mean,
+                                  const std::vector<double>& scale) {
+  if (mean.size() != scale.size()) {
+    return std::to_string(mean.size()) + " input means and " + std::to_string(scale.size()) +
+           " scales";
+  }
+  if (mean.size() > kMostInputs) return std::to_string(mean.size()) + " inputs, more than 2^31";
+  for (std::size_t f = 0; f < mean.size(); ++f) {
+    if (!std::isfinite(mean[f]) || !std::isfinite(scale[f]) || !(scale[f] > 0)) {
+      return "input " + std::to_string(f) + "'s mean " + std::to_string(mean[f]) + " and scale " +
+             std::to_string(scale[f]) + " are not finite with a positive scale";
     }
   }
   return {};
@@ -176,6 +197,39 @@ std::vector<std::string> read_class_names_section(FileReader& in) {
   }
   if (const std::string problem = class_names_problem(names); !problem.empty()) s.fail(problem);
   return names;
+}
+
+void require_storable_input_scaling(const std::vector<double>& mean,
+                                    const std::vector<double>& scale, const std::string& what) {
+  if (const std::string problem = input_scaling_problem(mean, scale); !problem.empty()) {
+    throw ShapeError(what + ": " + problem);
+  }
+}
+
+Section input_scaling_section(const std::vector<double>& mean, const std::vector<double>& scale) {
+  Section s;
+  s.tag = kInputScalingTag;
+  s.fields.put(static_cast<std::uint64_t>(mean.size()));
+  s.arrays.push_back(std::as_bytes(std::span(mean)));
+  s.arrays.push_back(std::as_bytes(std::span(scale)));
+  return s;
+}
+
+void read_input_scaling_section(FileReader& in, std::vector<double>& mean,
+                                std::vector<double>& scale) {
+  SectionReader s(in, kInputScalingTag, "input scaling section");
+  if (s.length() < 8) s.fail("length " + std::to_string(s.length()) + ", too short for its count");
+  const auto count = s.get<std::uint64_t>("input count");
+  if (count > kMostInputs || s.length() != 8 + 16 * count) {
+    s.fail("length " + std::to_string(s.length()) + " does not hold " + std::to_string(count) +
+           " inputs' mean and scale");
+  }
+  std::vector<double> m = s.get_array<double>(count, "input means");
+  std::vector<double> k = s.get_array<double>(count, "input scales");
+  s.finish();
+  if (const std::string problem = input_scaling_problem(m, k); !problem.empty()) s.fail(problem);
+  mean = std::move(m);
+  scale = std::move(k);
 }
 
 }  // namespace sluice::detail

@@ -4,7 +4,8 @@
 // (what the layers make; checkpoints from version 3, manifests from version 5), "DYNS",
 // ModelMemory::dynamic (the mask-update schedule; checkpoints from version 4, manifests
 // from version 3), "LRDC", the optimizer's LearningRateDecay (checkpoints from version 5,
-// manifests from version 4), and "CLAS", ModelMemory::class_names (both from version 6).
+// manifests from version 4), "CLAS", ModelMemory::class_names, and "SCAL", its
+// input_mean and input_scale (both from version 6).
 //
 //   "MODL" payload: the description's characters (printable ASCII, at most
 //                   ModelMemory::kMaxModelDescription; empty for a stack of layers)
@@ -13,6 +14,8 @@
 //   "LRDC" payload: i64 warmup_steps, i64 decay_steps, f64 final_fraction
 //   "CLAS" payload: ModelMemory::class_names, each name's bytes followed by a NUL byte
 //                   (empty: classes are numbers; checkpoints and manifests from version 6)
+//   "SCAL" payload: u64 count, f64 input_mean[count], f64 input_scale[count] (count 0: none
+//                   kept; checkpoints and manifests from version 6)
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -63,5 +66,18 @@ Section class_names_section(const std::vector<std::string>& names);
 /// Reads the next section as class names; FormatError naming the file and the byte for a
 /// wrong CRC, a payload that does not end a name, or names a writer would have refused.
 std::vector<std::string> read_class_names_section(FileReader& in);
+
+constexpr std::uint32_t kInputScalingTag = fourcc("SCAL");
+
+/// ShapeError ("`what`: ...") unless a checkpoint can hold `mean` and `scale`: as many of
+/// each (at most 2^31, a layer's most inputs), finite, the scales positive.
+void require_storable_input_scaling(const std::vector<double>& mean,
+                                    const std::vector<double>& scale, const std::string& what);
+/// The section holding `mean` and `scale` (storable: the writer checks before writing).
+Section input_scaling_section(const std::vector<double>& mean, const std::vector<double>& scale);
+/// Reads the next section into `mean` and `scale`; FormatError naming the file and the
+/// byte for a wrong length or CRC, or values a writer would have refused.
+void read_input_scaling_section(FileReader& in, std::vector<double>& mean,
+                                std::vector<double>& scale);
 
 }  // namespace sluice::detail

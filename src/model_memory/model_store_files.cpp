@@ -26,9 +26,10 @@ constexpr std::uint32_t kVersion = 1;
 /// The manifest's version 2 adds the epoch count and each layer's pattern generation,
 /// version 3 the mask-update schedule (a "DYNS" section after "HEAD"), version 4 the
 /// learning-rate decay (an "LRDC" section after "DYNS"), version 5 the model description
-/// (a "MODL" section after "LRDC"), version 6 the class names (a "CLAS" section after
-/// "MODL"); versions 1 (0 epochs, the first pattern files), 2 (rule none), 3 (no decay),
-/// 4 (a stack of layers) and 5 (no class names) are still read.
+/// (a "MODL" section after "LRDC"), version 6 the class names and input scaling ("CLAS"
+/// and "SCAL" sections after "MODL"); versions 1 (0 epochs, the first pattern files), 2
+/// (rule none), 3 (no decay), 4 (a stack of layers) and 5 (no class names or scaling) are
+/// still read.
 constexpr std::uint32_t kManifestVersion = 6;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 /// The most non-zeros a manifest's layer may claim: a pebibyte of values, past any store,
@@ -158,6 +159,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
     write_section(out, decay_section(c.decay));
     write_section(out, model_section(m.model));
     write_section(out, class_names_section(m.class_names));
+    write_section(out, input_scaling_section(m.input_mean, m.input_scale));
     for (std::size_t i = 0; i < m.layers.size(); ++i) {
       const ManifestLayer& l = m.layers[i];
       Section s;
@@ -212,7 +214,10 @@ Manifest read_manifest(const std::filesystem::path& dir) {
   if (version >= 3) m.dynamic = read_schedule_section(in);
   if (version >= 4) c.decay = read_decay_section(in);
   if (version >= 5) m.model = read_model_section(in);
-  if (version >= 6) m.class_names = read_class_names_section(in);
+  if (version >= 6) {
+    m.class_names = read_class_names_section(in);
+    read_input_scaling_section(in, m.input_mean, m.input_scale);
+  }
   if (count > in.remaining() / kSectionHeaderBytes) head.fail("more layers than the file holds");
   for (std::uint32_t i = 0; i < count; ++i) {
     SectionReader s(in, kLayerTag, "LAYR section of layer " + std::to_string(i));

@@ -48,10 +48,11 @@ struct Manifest {
   std::int64_t epochs = 0;           ///< passes over the training data (ModelMemory::epochs)
   std::int64_t next_generation = 1;  ///< of the next state files written
   std::uint64_t seed = 0;
-  DynamicSparsity dynamic;               ///< ModelMemory::dynamic (manifest version 3 on)
-  std::string model;                     ///< ModelMemory::model (manifest version 5 on)
-  std::vector<std::string> class_names;  ///< ModelMemory::class_names (version 6 on)
-  OptimizerConfig config;                ///< without the schedule (code, not data)
+  DynamicSparsity dynamic;                      ///< ModelMemory::dynamic (manifest version 3 on)
+  std::string model;                            ///< ModelMemory::model (manifest version 5 on)
+  std::vector<std::string> class_names;         ///< ModelMemory::class_names (version 6 on)
+  std::vector<double> input_mean, input_scale;  ///< ModelMemory's (version 6 on)
+  OptimizerConfig config;                       ///< without the schedule (code, not data)
   NonFinitePolicy policy = NonFinitePolicy::skip_step;
   std::vector<ManifestLayer> layers;
 };

@@ -58,6 +58,8 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   dynamic = st.manifest.dynamic;
   model = st.manifest.model;
   class_names = st.manifest.class_names;
+  input_mean = st.manifest.input_mean;
+  input_scale = st.manifest.input_scale;
   for (std::size_t l = 0; l < st.manifest.layers.size(); ++l) {
     const LayerShape& s = st.manifest.layers[l].shape;
     if (working_set_bytes(s) > budget_bytes) {
@@ -171,15 +173,19 @@ ModelStoreCounters TieredModelMemory::counters() const {
 namespace {
 
 /// A ModelMemory's public fields into the manifest about to be written. ShapeError, before
-/// anything is written, for a model description or class names a manifest cannot hold.
+/// anything is written, for a model description, class names or input scaling a manifest
+/// cannot hold.
 void stamp(detail::Manifest& next, const ModelMemory& memory) {
   detail::require_storable_model(memory.model, "model store");
   detail::require_storable_class_names(memory.class_names, "model store");
+  detail::require_storable_input_scaling(memory.input_mean, memory.input_scale, "model store");
   next.seed = memory.seed;
   next.epochs = memory.epochs;
   next.dynamic = memory.dynamic;
   next.model = memory.model;
   next.class_names = memory.class_names;
+  next.input_mean = memory.input_mean;
+  next.input_scale = memory.input_scale;
 }
 
 }  // namespace
