@@ -313,35 +313,32 @@ TEST_F(CliTrain, ClassNamesInACsvAreClasses) {
   EXPECT_GT(j["test_accuracy"].get<double>(), 0.9);  // the label follows the second column
 }
 
-// A model trained on named classes keeps their names: resumed on data that lacks one (whose
-// own sorted names would number the others from 0, every prediction then wrong), its
-// classes are numbered as it learnt them. Every class here has the same marginals (each
-// feature +-1 alike), so that the data without one is standardised as the whole was. A
-// name the model never learnt is refused by line.
-TEST_F(CliTrain, AResumedModelNumbersNamedClassesAsItLearntThem) {
-  const char* names[] = {"setosa", "versicolor", "virginica"};
-  const std::vector<std::vector<const char*>> points = {
-      {"1,1,1", "-1,-1,-1", "1,1,-1", "-1,-1,1"}, {"1,-1,1", "-1,1,-1"}, {"1,-1,-1", "-1,1,1"}};
-  std::string all = "x,y,z,species\n", two = all;
-  for (std::size_t r = 0; r < 96; ++r) {
-    const std::size_t c = r % 3;
+// A model keeps what its inputs and outputs meant: resumed on data that lacks a class, its
+// labels are numbered by the model's class names (the data's own sorted names would number
+// the rest from 0: every prediction wrong) and its features scaled as the model's training
+// set was (the data's own standardisation would shift them: half the predictions wrong).
+// A name the model never learnt, or labels by number, are refused by line.
+TEST_F(CliTrain, AResumedModelNumbersClassesAndScalesInputsAsItLearntThem) {
+  const char* names[] = {"setosa", "versicolor", "virginica"};  // by height
+  std::string all = "width,height,species\n", two = all;
+  for (int r = 0; r < 120; ++r) {
     const std::string line =
-        std::string(points[c][(r / 3) % points[c].size()]) + "," + names[c] + "\n";
+        std::to_string(r % 7) + "," + std::to_string(r % 3) + "," + names[r % 3] + "\n";
     all += line;
-    if (c > 0) two += line;
+    if (r % 3 > 0) two += line;
   }
   std::ofstream(path("all.csv")) << all;
   std::ofstream(path("two.csv")) << two;
   const std::string ckpt = path("named.ckpt");
   const json trained = run_json("train --dataset " + path("all.csv") +
-                                " --layers 3,16,3 --sparsity 0 --lr 0.05 --epochs 20 --batch 8 "
+                                " --layers 2,8,3 --sparsity 0 --lr 0.05 --epochs 10 --batch 8 "
                                 "--checkpoint " +
                                 ckpt);
-  ASSERT_EQ(trained.value("test_accuracy", 0.0), 1.0);
+  ASSERT_GT(trained.value("test_accuracy", 0.0), 0.9);
   const std::string resume = " --epochs 1 --batch 8 --lr 1e-9 --resume " + ckpt;
   const json resumed = run_json("train --dataset " + path("two.csv") + resume);
   EXPECT_EQ(resumed["class_names"], json({"setosa", "versicolor", "virginica"}));
-  EXPECT_EQ(resumed.value("test_accuracy", 0.0), 1.0);
+  EXPECT_GT(resumed.value("test_accuracy", 0.0), 0.9);
   std::string rose = two;
   rose.replace(rose.find("versicolor"), 10, "rose");
   std::ofstream(path("rose.csv")) << rose;

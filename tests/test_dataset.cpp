@@ -187,6 +187,21 @@ TEST(Dataset, SyntheticIsSeededAndSplitIsFixed) {
   EXPECT_THROW(sample_view(a, 10, 501), ArgumentError);
 }
 
+// feature_scaling and scale_features are standardize in two: the scaling of one set, kept
+// (by a model), scales another alike; a constant feature is only centred.
+TEST(Dataset, AFeatureScalingScalesAnotherSetAlike) {
+  Dataset a = make_synthetic_dataset(50, 3, 2, 5);
+  for (std::int64_t s = 0; s < a.samples(); ++s) a.features(1, s) = 4.0F;
+  const FeatureScaling scaling = feature_scaling(a);
+  EXPECT_EQ(scaling.mean[1], 4.0);
+  EXPECT_EQ(scaling.scale[1], 1.0);
+  Dataset b = make_synthetic_dataset(10, 3, 2, 6);
+  const float x = b.features(2, 3);
+  scale_features(b, scaling);
+  EXPECT_FLOAT_EQ(b.features(2, 3), static_cast<float>((x - scaling.mean[2]) * scaling.scale[2]));
+  EXPECT_THROW(scale_features(b, FeatureScaling{{0.0}, {1.0}}), ShapeError);
+}
+
 TEST(Dataset, RefusesInconsistentOrImpossibleSets) {
   Dataset bad = make_synthetic_dataset(40, 3, 2, 1);
   bad.labels.resize(1);  // 40 samples, 1 label: the split would read past the labels

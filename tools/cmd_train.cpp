@@ -133,7 +133,19 @@ void number_as_model(Dataset& all, const std::vector<std::string>& classes, cons
   }
 }
 
-/// The data set split and standardised for training and testing, as every rank builds it
+/// Standardises the inputs as the model learnt them: by a resumed model's kept scaling,
+/// else by the training set's (a new model's, or one kept without it), which the model then
+/// keeps, so that a run resumed on other data scales it alike.
+void scale_inputs(ModelMemory& memory, Dataset& train, Dataset& test) {
+  FeatureScaling s{memory.input_mean, memory.input_scale};
+  if (s.mean.empty()) s = feature_scaling(train);
+  scale_features(train, s);
+  scale_features(test, s);
+  memory.input_mean = std::move(s.mean);
+  memory.input_scale = std::move(s.scale);
+}
+
+/// The data set split for training and testing, as every rank builds it
 /// (the split and the order come from the seed); its named classes numbered as
 /// `model_classes` number them, if a resumed model has any.
 struct PreparedData {
@@ -613,8 +625,8 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   }
   // Kept with the model: a run resumed on other data numbers the classes as this one.
   memory.class_names = all.class_names;
-  standardize(train, test);
   const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
+  scale_inputs(memory, train, test);
   if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
   // What a step holds: no more tokens than the training set has, and the model in RAM
   // unless a store holds it (then its RAM budget).

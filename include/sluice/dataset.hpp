@@ -67,6 +67,16 @@ Dataset make_synthetic_dataset(std::int64_t samples, std::int64_t features, int 
 std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fraction,
                                           std::uint64_t seed);
 
+/// Per feature, a standardisation: x' = (x - mean) * scale.
+struct FeatureScaling {
+  std::vector<double> mean, scale;
+};
+/// What scales each of `train`'s features to mean 0, standard deviation 1 (a constant
+/// feature is only centred: scale 1).
+FeatureScaling feature_scaling(const Dataset& train);
+/// Scales `data`'s features by `s` (as another set's were, e.g. a model's training set's);
+/// ShapeError unless `s` has a mean and a scale per feature.
+void scale_features(Dataset& data, const FeatureScaling& s);
 /// Scales every feature to mean 0, standard deviation 1 using the training set's
 /// statistics, applied to both sets (constant features are only centred).
 void standardize(Dataset& train, Dataset& test);

@@ -392,27 +392,47 @@ std::pair<Dataset, Dataset> split_dataset(const Dataset& data, double test_fract
   return {std::move(train), std::move(test)};
 }
 
+FeatureScaling feature_scaling(const Dataset& train) {
+  const std::int64_t n = train.samples();
+  FeatureScaling s;
+  for (std::int64_t f = 0; f < train.features.rows(); ++f) {
+    double sum = 0, sq = 0;
+    for (std::int64_t i = 0; i < n; ++i) sum += train.features(f, i);
+    const double mean = n > 0 ? sum / static_cast<double>(n) : 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double d = train.features(f, i) - mean;
+      sq += d * d;
+    }
+    const double sd = n > 0 ? std::sqrt(sq / static_cast<double>(n)) : 0;
+    s.mean.push_back(mean);
+    s.scale.push_back(sd > 1e-12 ? 1.0 / sd : 1.0);
+  }
+  return s;
+}
+
+void scale_features(Dataset& data, const FeatureScaling& s) {
+  const auto features = static_cast<std::size_t>(data.features.rows());
+  if (s.mean.size() != features || s.scale.size() != features) {
+    throw ShapeError("scale_features: " + std::to_string(s.mean.size()) + " means and " +
+                     std::to_string(s.scale.size()) + " scales for " + std::to_string(features) +
+                     " features");
+  }
+  for (std::int64_t f = 0; f < data.features.rows(); ++f) {
+    const double mean = s.mean[static_cast<std::size_t>(f)];
+    const double scale = s.scale[static_cast<std::size_t>(f)];
+    for (std::int64_t i = 0; i < data.samples(); ++i) {
+      data.features(f, i) = static_cast<float>((data.features(f, i) - mean) * scale);
+    }
+  }
+}
+
 void standardize(Dataset& train, Dataset& test) {
   if (test.samples() > 0 && test.features.rows() != train.features.rows()) {
     throw ShapeError("standardize: train and test have different feature counts");
   }
-  const std::int64_t n = train.samples();
-  for (std::int64_t f = 0; f < train.features.rows(); ++f) {
-    double sum = 0, sq = 0;
-    for (std::int64_t s = 0; s < n; ++s) sum += train.features(f, s);
-    const double mean = n > 0 ? sum / static_cast<double>(n) : 0;
-    for (std::int64_t s = 0; s < n; ++s) {
-      const double d = train.features(f, s) - mean;
-      sq += d * d;
-    }
-    const double sd = n > 0 ? std::sqrt(sq / static_cast<double>(n)) : 0;
-    const double inv = sd > 1e-12 ? 1.0 / sd : 1.0;
-    for (Dataset* set : {&train, &test}) {
-      for (std::int64_t s = 0; s < set->samples(); ++s) {
-        set->features(f, s) = static_cast<float>((set->features(f, s) - mean) * inv);
-      }
-    }
-  }
+  const FeatureScaling s = feature_scaling(train);
+  scale_features(train, s);
+  if (test.samples() > 0) scale_features(test, s);
 }
 
 ConstMatrixView sample_view(const Dataset& data, std::int64_t begin, std::int64_t end) {
