@@ -249,7 +249,14 @@ TORCH_LIBRARY(sluice, m) {
         sluice::ModelMemory& memory = self->layer().memory();
         sluice::OptimizerConfig config = memory.optimizer();
         config.learning_rate = lr;
-        memory.set_optimizer(config);
+        try {
+          memory.set_optimizer(config);
+        } catch (const sluice::ShapeError&) {  // a gradient waits for its step
+          throw sluice::ShapeError(
+              "sluice_torch: lr is set between steps: this layer holds the gradient of a "
+              "backward pass that step() has not applied (set lr before the backward pass or "
+              "after step(), or drop the gradient with zero_grad())");
+        }
       });
   m.def("make_layer", &sluice::torch::make_layer);
   m.def("make_layer_from_state", &sluice::torch::make_layer_from_state);

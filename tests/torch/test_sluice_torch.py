@@ -308,6 +308,14 @@ class StateDict(unittest.TestCase):
             saved.lr = -1.0
         with self.assertRaisesRegex(RuntimeError, "learning rate of the torch optimizer"):
             held.lr = 0.1
+        # Between a backward pass and its step the rate is refused, saying so; it stays.
+        saved(batches[0][0]).sum().backward()
+        with self.assertRaisesRegex(RuntimeError, "lr is set between steps"):
+            saved.lr = 0.5
+        self.assertEqual(saved.lr, 0.02)
+        saved.zero_grad()
+        saved.lr = 0.5
+        self.assertEqual(saved.lr, 0.5)
 
     def test_a_saved_optimizer_state_that_does_not_fit_is_refused(self):
         torch.manual_seed(16)
