@@ -275,6 +275,16 @@ TEST_F(CliTrain, ACheckpointWithNoNetworkIsBadDataNamed) {
   const Outcome o = run(kTrain + "--epochs 1 --resume " + broken);
   expect_exit(o, 1, broken);
   EXPECT_NE(o.output.find("layer 1 takes 23 inputs"), std::string::npos) << o.output;
+
+  // An input scaling for other inputs than the model's (a file written by another tool).
+  const std::string misscaled = path("misscaled.ckpt");
+  sluice::HostModelMemory scaled;
+  scaled.add_layer(sluice::CsrMatrix::random(24, 64, 0.5, 1));
+  scaled.add_layer(sluice::CsrMatrix::random(10, 24, 0.5, 2));
+  scaled.input_mean = scaled.input_scale = {1.0, 1.0};
+  scaled.save(misscaled);
+  expect_exit(run(kTrain + "--epochs 1 --resume " + misscaled), 1,
+              "checkpoint " + misscaled + " keeps the scaling of 2 inputs for a model of 64");
 }
 
 TEST_F(CliTrain, AFileNameThatIsNotUtf8GivesValidJson) {

@@ -18,6 +18,7 @@
 #include <span>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "core/excerpt.hpp"
 #include "json_writer.hpp"
@@ -136,9 +137,13 @@ void number_as_model(Dataset& all, const std::vector<std::string>& classes, cons
 /// Standardises the inputs as the model learnt them: by a resumed model's kept scaling,
 /// else by the training set's (a new model's, or one kept without it), which the model then
 /// keeps, so that a run resumed on other data scales it alike.
-void scale_inputs(ModelMemory& memory, Dataset& train, Dataset& test) {
+void scale_inputs(ModelMemory& memory, Dataset& train, Dataset& test, const TrainOptions& o) {
   FeatureScaling s{memory.input_mean, memory.input_scale};
   if (s.mean.empty()) s = feature_scaling(train);
+  if (std::cmp_not_equal(s.mean.size(), train.features.rows())) {  // its layers have as many
+    throw FormatError(model_source(o) + " keeps the scaling of " + std::to_string(s.mean.size()) +
+                      " inputs for a model of " + std::to_string(train.features.rows()));
+  }
   scale_features(train, s);
   scale_features(test, s);
   memory.input_mean = std::move(s.mean);
@@ -600,8 +605,8 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   // Fail before minutes of training when the model could not be saved at the end.
   if (!o->checkpoint.empty()) check_checkpoint_path(o->checkpoint);
   std::ostream& progress = o->json ? std::cerr : std::cout;
-  // A resumed model comes first: its seed fixes the data, the split and the order.
   NewStoreCleanup new_store(o->store);
+  // A resumed model comes first: its seed fixes the data, the split and the order.
   const std::unique_ptr<ModelMemory> memory_owner = make_model_memory(o->store);
   ModelMemory& memory = *memory_owner;
   const bool resuming = !o->resume.empty() || memory.layer_count() > 0;
@@ -626,7 +631,7 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   // Kept with the model: a run resumed on other data numbers the classes as this one.
   memory.class_names = all.class_names;
   const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
-  scale_inputs(memory, train, test);
+  scale_inputs(memory, train, test, *o);
   if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");
   // What a step holds: no more tokens than the training set has, and the model in RAM
   // unless a store holds it (then its RAM budget).
