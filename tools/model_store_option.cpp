@@ -53,8 +53,12 @@ NewStoreCleanup::NewStoreCleanup(const ModelStoreOptions& o) {
   }
   if (ec) return;  // where it cannot be told what is there, nothing is removed
   if (created_.empty()) {
-    for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
-      there_before_.insert(entry.path().filename());
+    try {
+      for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
+        there_before_.insert(entry.path().filename());
+      }
+    } catch (const std::filesystem::filesystem_error&) {
+      return;
     }
     if (ec) return;
   }
@@ -63,14 +67,17 @@ NewStoreCleanup::NewStoreCleanup(const ModelStoreOptions& o) {
 
 NewStoreCleanup::~NewStoreCleanup() {
   if (!active_) return;
-  std::error_code ec;
-  std::vector<std::filesystem::path> made;
-  for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
-    if (there_before_.count(entry.path().filename()) == 0) made.push_back(entry.path());
+  try {  // (a directory iterator's step throws: never out of a destructor)
+    std::error_code ec;
+    std::vector<std::filesystem::path> made;
+    for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
+      if (there_before_.count(entry.path().filename()) == 0) made.push_back(entry.path());
+    }
+    for (const std::filesystem::path& file : made) std::filesystem::remove(file, ec);
+    // Not recursive: a directory the run made holds only what it made, or it stays.
+    for (const std::filesystem::path& dir : created_) std::filesystem::remove(dir, ec);
+  } catch (const std::exception&) {  // what is left is an empty store, as before
   }
-  for (const std::filesystem::path& file : made) std::filesystem::remove(file, ec);
-  // Not recursive: a directory the run made holds only what it made, or it stays.
-  for (const std::filesystem::path& dir : created_) std::filesystem::remove(dir, ec);
 }
 
 std::int64_t drawn_nnz_bound(std::int64_t rows, std::int64_t cols, double sparsity) {
