@@ -72,6 +72,26 @@ TEST_F(DatasetFiles, AFirstLineOfNamesIsAHeader) {
   }
 }
 
+// A spreadsheet's "CSV UTF-8" begins with a byte order mark: not part of the first cell,
+// with a header or without. One elsewhere is a cell's text (and refused as a number).
+TEST_F(DatasetFiles, AByteOrderMarkBeforeTheFirstCellIsSkipped) {
+  write(temp("bom.csv"),
+        "\xEF\xBB\xBF"
+        "5.1,3.5,setosa\n6.2,2.9,versicolor\n");
+  const Dataset d = load_csv(temp("bom.csv"));
+  ASSERT_EQ(d.samples(), 2);
+  EXPECT_EQ(d.features(0, 0), 5.1F);
+  EXPECT_EQ(d.class_names, (std::vector<std::string>{"setosa", "versicolor"}));
+  write(temp("bom_header.csv"),
+        "\xEF\xBB\xBF"
+        "sepal,petal,species\n5.1,3.5,setosa\n");
+  EXPECT_EQ(load_csv(temp("bom_header.csv")).samples(), 1);
+  write(temp("bom_later.csv"),
+        "5.1,3.5,0\n\xEF\xBB\xBF"
+        "6.2,2.9,1\n");
+  EXPECT_THROW(load_csv(temp("bom_later.csv")), FormatError);
+}
+
 // Labels that are names (iris's species) number the classes in sorted order; a cell in
 // double quotes, as spreadsheets and Python's csv module write them, is read without them.
 TEST_F(DatasetFiles, LabelsMayBeClassNamesAndCellsQuoted) {

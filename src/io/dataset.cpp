@@ -32,7 +32,9 @@ std::string where(const std::filesystem::path& path, std::int64_t line) {
 std::vector<std::string> read_lines(const std::filesystem::path& path) {
   const std::string text = detail::read_maybe_gzipped_bytes(path);
   std::vector<std::string> lines;
-  std::size_t start = 0;
+  // A UTF-8 byte order mark, as spreadsheets write before a CSV's first cell, is not text.
+  constexpr std::string_view kByteOrderMark = "\xEF\xBB\xBF";
+  std::size_t start = text.starts_with(kByteOrderMark) ? kByteOrderMark.size() : 0;
   while (start <= text.size()) {
     std::size_t end = text.find('\n', start);
     if (end == std::string::npos) end = text.size();
