@@ -2,6 +2,7 @@
 // the target, and a save killed at a random moment never destroys the last good one.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -227,6 +228,24 @@ TEST(Checkpoint, SaveReplacesAnExistingFile) {
   HostModelMemory c;
   c.load(path);
   expect_same(b, c);
+}
+
+// Saving renames a new file over the path: a pipe or device there is refused, not replaced.
+// is_checkpoint tells a checkpoint from the user's other files by its magic.
+TEST(Checkpoint, SaveRefusesWhatIsNotAFileAndIsCheckpointTellsOne) {
+  HostModelMemory a;
+  build(a, 3, OptimizerConfig{});
+  const fs::path pipe = temp_dir() / "pipe.ck";
+  ASSERT_EQ(::mkfifo(pipe.c_str(), 0600), 0);
+  EXPECT_THROW(a.save(pipe), ArgumentError);
+  EXPECT_TRUE(fs::is_fifo(pipe));
+  const fs::path saved = temp_dir() / "saved.ck";
+  a.save(saved);
+  EXPECT_TRUE(ModelMemory::is_checkpoint(saved));
+  const fs::path text = temp_dir() / "text.csv";
+  std::ofstream(text) << "1,2,0\n";
+  EXPECT_FALSE(ModelMemory::is_checkpoint(text));
+  EXPECT_FALSE(ModelMemory::is_checkpoint(temp_dir() / "none.ck"));
 }
 
 // --- refused files ------------------------------------------------------------------------

@@ -243,7 +243,7 @@ TEST_F(Cli, TrainEvaluatesWithinTheMemoryBudget) {
 
 TEST_F(Cli, TrainReportsSkippedStepsAndRefusesADivergedModel) {
   const fs::path ckpt = dir_ / "good.ckpt";
-  std::ofstream(ckpt) << "an older checkpoint";
+  std::ofstream(ckpt) << "SLUICECK, an older checkpoint";  // (its magic: one to replace)
   const Outcome o =
       run("train --dataset synthetic --layers 64,32,10 --epochs 1 --lr 1e30 "
           "--checkpoint " +
@@ -253,7 +253,7 @@ TEST_F(Cli, TrainReportsSkippedStepsAndRefusesADivergedModel) {
   EXPECT_NE(o.output.find("steps were skipped"), std::string::npos) << o.output;
   std::ifstream in(ckpt);
   const std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(kept, "an older checkpoint");
+  EXPECT_EQ(kept, "SLUICECK, an older checkpoint");
 
   const Outcome good = run("train --dataset synthetic --layers 64,32,10 --epochs 1 --json");
   expect_exit(good, 0, "\"skipped_steps\": 0");

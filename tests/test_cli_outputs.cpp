@@ -103,6 +103,20 @@ TEST_F(CliOutputs, AFailedPredictLeavesNoneOfItsFiles) {
   EXPECT_FALSE(fs::exists(out / "acceleration.csv"));
 }
 
+// An output file is written beside its path and renamed over it: a pipe (or a device, as
+// root) of that name would be replaced, so it is refused, and left as it was.
+TEST_F(CliOutputs, AnOutputThatIsNotAFileIsRefusedNotReplaced) {
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out);
+  ASSERT_EQ(::mkfifo((out / "saturation.csv").c_str(), 0600), 0);
+  const Outcome o = run("predict --out " + out.string());
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_NE(o.output.find("saturation.csv: it is not a file (a device or pipe)"), std::string::npos)
+      << o.output;
+  EXPECT_TRUE(fs::is_fifo(out / "saturation.csv"));
+  EXPECT_FALSE(fs::exists(out / "acceleration.csv"));
+}
+
 // A result that does not reach standard output (a full disk) is exit 1, said on stderr:
 // a script must not take a lost result for a good one.
 TEST_F(CliOutputs, OutputThatCannotBeWrittenIsAFailure) {

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <sstream>
@@ -246,11 +248,14 @@ TEST_F(CliTrain, ResumeRefusesASeedThatIsNotTheCheckpoints) {
 
 TEST_F(CliTrain, ARunWhoseEveryStepWasSkippedFailsAndKeepsTheOlderCheckpoint) {
   const fs::path ckpt = dir_ / "good.ckpt";
-  std::ofstream(ckpt) << "an older checkpoint";
+  sluice::HostModelMemory older;
+  older.add_layer(sluice::CsrMatrix::random(4, 4, 0.5, 3));
+  older.save(ckpt);
+  const std::string before = read_file(ckpt);
   const Outcome o = run(kTrain + "--epochs 1 --lr 1e300 --checkpoint " + ckpt.string());
   expect_exit(o, 1, "no progress");
   EXPECT_NE(o.output.find("steps were skipped"), std::string::npos) << o.output;
-  EXPECT_EQ(read_file(ckpt), "an older checkpoint");
+  EXPECT_EQ(read_file(ckpt), before);
 }
 
 TEST_F(CliTrain, EmptyPathsAndBadNumbersAreBadArguments) {
@@ -285,6 +290,30 @@ TEST_F(CliTrain, ACheckpointWithNoNetworkIsBadDataNamed) {
   scaled.save(misscaled);
   expect_exit(run(kTrain + "--epochs 1 --resume " + misscaled), 1,
               "checkpoint " + misscaled + " keeps the scaling of 2 inputs for a model of 64");
+}
+
+// Saving renames a new file over --checkpoint: one that is the user's data (a slip of the
+// flags) or a pipe or device is refused before training, and left as it was; a checkpoint,
+// or an empty file, is replaced as asked.
+TEST_F(CliTrain, ACheckpointPathThatHoldsSomethingElseIsRefused) {
+  const std::string data = path("data.csv");
+  std::string text;
+  for (int r = 0; r < 40; ++r) text += std::to_string(r % 5) + "," + std::to_string(r % 2) + "\n";
+  std::ofstream(data) << text;
+  const std::string train = "train --dataset " + data + " --layers 1,4,2 --epochs 1 --checkpoint ";
+  expect_exit(run(train + data), 2,
+              "--checkpoint " + data +
+                  " is a file but not a sluice checkpoint, which saving would "
+                  "replace");
+  ASSERT_EQ(::mkfifo(path("pipe").c_str(), 0600), 0);
+  expect_exit(run(train + path("pipe")), 2, "is not a file (a device or pipe)");
+  EXPECT_TRUE(std::filesystem::is_fifo(path("pipe")));
+  std::ofstream(path("empty.ckpt")).close();
+  ASSERT_EQ(run(train + path("empty.ckpt")).exit_code, 0);
+  EXPECT_TRUE(sluice::ModelMemory::is_checkpoint(path("empty.ckpt")));
+  EXPECT_EQ(run(train + path("empty.ckpt")).exit_code, 0);
+  std::ifstream in(data);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), text);
 }
 
 TEST_F(CliTrain, AFileNameThatIsNotUtf8GivesValidJson) {

@@ -56,6 +56,10 @@ void write_all_atomically(const std::vector<std::pair<fs::path, std::string>>& f
     if (fs::is_directory(file.first, ec)) {
       throw IoError("cannot write " + file.first.string() + ": a directory has that name");
     }
+    if (fs::exists(file.first, ec) && !fs::is_regular_file(file.first, ec)) {  // renamed over
+      throw IoError("cannot write " + file.first.string() +
+                    ": it is not a file (a device or pipe), which writing would replace");
+    }
   }
   std::vector<fs::path> written;
   auto remove_written = [&written] {

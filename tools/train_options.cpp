@@ -9,6 +9,7 @@
 #include "measure.hpp"
 #include "number_options.hpp"
 #include "output_files.hpp"
+#include "sluice/model_memory.hpp"
 
 namespace sluice::cli {
 namespace {
@@ -77,6 +78,17 @@ void check_checkpoint_path(const std::filesystem::path& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     throw UsageError("--checkpoint " + path.string() + " is a directory; name a file");
+  }
+  // Saving renames a new file over the path: whatever was there is gone.
+  if (fs::exists(path, ec) && !fs::is_regular_file(path, ec)) {
+    throw UsageError("--checkpoint " + path.string() +
+                     " is not a file (a device or pipe), which saving would replace");
+  }
+  if (fs::is_regular_file(path, ec) && fs::file_size(path, ec) != 0 &&
+      !ModelMemory::is_checkpoint(path)) {
+    throw UsageError("--checkpoint " + path.string() +
+                     " is a file but not a sluice checkpoint, which saving would replace (remove "
+                     "it, or name another file)");
   }
   const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
   if (!fs::is_directory(dir, ec)) {

@@ -153,11 +153,16 @@ class ModelMemory {
 
   /// Crash-safe checkpoint of everything: layers, masks, values, biases, optimizer
   /// config and state, step, seed. Written to a temporary file, flushed, then renamed
-  /// over `path`: an interrupted save leaves the previous checkpoint intact.
+  /// over `path`: an interrupted save leaves the previous checkpoint intact. ArgumentError,
+  /// before writing, where `path` is something other than a file (a device, a pipe),
+  /// which the rename would replace.
   void save(const std::filesystem::path& path) const;
   /// Replaces this ModelMemory's contents with the checkpoint's. A truncated, corrupt or
   /// wrong-version file throws FormatError and changes nothing.
   void load(const std::filesystem::path& path);
+  /// True where `path` begins as a checkpoint does (its magic): a program about to save
+  /// over a file it was given asks first, not to replace the user's other files.
+  static bool is_checkpoint(const std::filesystem::path& path);
 
   /// A seed the model was built from, kept in checkpoints.
   std::uint64_t seed = 0;

@@ -55,6 +55,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -352,6 +353,12 @@ void remove_stale_temporaries(const std::filesystem::path& path) {
 }
 
 }  // namespace
+
+bool ModelMemory::is_checkpoint(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[sizeof kMagic] = {};
+  return in.read(magic, sizeof magic) && std::memcmp(magic, kMagic, sizeof magic) == 0;
+}
 
 void HostModelMemory::save_impl(const std::filesystem::path& path) const {
   remove_stale_temporaries(path);

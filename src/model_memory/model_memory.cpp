@@ -270,6 +270,12 @@ std::int64_t ModelMemory::step() const {
 
 void ModelMemory::save(const std::filesystem::path& path) const {
   if (path.empty()) throw ArgumentError("save: empty checkpoint path");
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
+    throw ArgumentError("save checkpoint " + path.string() +
+                        ": it is not a file (a directory, device or pipe), which saving would "
+                        "replace");
+  }
   save_impl(path);
 }
 
