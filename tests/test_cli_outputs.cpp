@@ -115,6 +115,13 @@ TEST_F(CliOutputs, AnOutputThatIsNotAFileIsRefusedNotReplaced) {
       << o.output;
   EXPECT_TRUE(fs::is_fifo(out / "saturation.csv"));
   EXPECT_FALSE(fs::exists(out / "acceleration.csv"));
+  // A plot is no different (whether gnuplot draws it or, missing, the old one is removed).
+  const fs::path plots = dir_ / "plots";
+  fs::create_directories(plots);
+  ASSERT_EQ(::mkfifo((plots / "acceleration.png").c_str(), 0600), 0);
+  EXPECT_EQ(run("predict --out " + plots.string()).exit_code, 0);
+  EXPECT_TRUE(fs::is_fifo(plots / "acceleration.png"));
+  EXPECT_TRUE(fs::is_regular_file(plots / "acceleration.csv"));
 }
 
 // A result that does not reach standard output (a full disk) is exit 1, said on stderr:

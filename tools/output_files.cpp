@@ -26,6 +26,13 @@ void create_output_directory(const fs::path& dir) {
 
 namespace {
 
+/// Whether an output may be renamed over `path` (or removed as an earlier run's): nothing
+/// is there, or a file. A pipe or a device (as root, /dev/null) would be replaced.
+bool replaceable(const fs::path& path) {
+  std::error_code ec;
+  return !fs::exists(path, ec) || fs::is_regular_file(path, ec);
+}
+
 fs::path temporary_name(const fs::path& path) {
   return path.string() + ".tmp." + std::to_string(::getpid());
 }
@@ -56,7 +63,7 @@ void write_all_atomically(const std::vector<std::pair<fs::path, std::string>>& f
     if (fs::is_directory(file.first, ec)) {
       throw IoError("cannot write " + file.first.string() + ": a directory has that name");
     }
-    if (fs::exists(file.first, ec) && !fs::is_regular_file(file.first, ec)) {  // renamed over
+    if (!replaceable(file.first)) {
       throw IoError("cannot write " + file.first.string() +
                     ": it is not a file (a device or pipe), which writing would replace");
     }
@@ -144,7 +151,9 @@ bool run_gnuplot(const std::string& script, const fs::path& dir, const std::vect
   std::error_code ignored;
   if (!on_path("gnuplot")) {
     // A plot of an earlier run must not sit beside this run's data as if it were its own.
-    for (const auto& f : files) fs::remove(f.final_path, ignored);
+    for (const auto& f : files) {
+      if (replaceable(f.final_path)) fs::remove(f.final_path, ignored);
+    }
     std::cerr << who << ": gnuplot not on PATH; the CSV files are written, the plots are not\n";
     return false;
   }
@@ -156,7 +165,12 @@ bool run_gnuplot(const std::string& script, const fs::path& dir, const std::vect
   fs::remove(script_path, ignored);
   bool made = status == 0;
   for (const auto& f : files) {
-    if (status == 0 && fs::exists(f.tmp_path, ignored)) {
+    if (!replaceable(f.final_path)) {
+      std::cerr << who << ": " << f.final_path.string()
+                << " is not a file (a device or pipe); the plot is not put there\n";
+      fs::remove(f.tmp_path, ignored);
+      made = false;
+    } else if (status == 0 && fs::exists(f.tmp_path, ignored)) {
       std::error_code ec;
       fs::rename(f.tmp_path, f.final_path, ec);
       if (ec) {
