@@ -2,6 +2,7 @@
 // files with one row per sparsity, bad arguments exit 2, an unwritable --out exits 1 and
 // leaves no partial file behind.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -279,6 +280,14 @@ TEST_F(CliSweep, SavedPathCostsSteerTheAutomaticPath) {
                 .exit_code,
             2);
   EXPECT_FALSE(fs::exists(dir_ / "q" / "sweep.json"));
+  // A pipe would be read until a writer came (a hang) and then replaced: refused.
+  ASSERT_EQ(::mkfifo((dir_ / "pipe").c_str(), 0600), 0);
+  const Outcome piped = run(std::string(kTiny) + "--sparsities 0.5 --out " + (dir_ / "r").string() +
+                            " --save-path-costs " + (dir_ / "pipe").string());
+  EXPECT_EQ(piped.exit_code, 2) << piped.output;
+  EXPECT_NE(piped.output.find("is not a file (a device or pipe)"), std::string::npos)
+      << piped.output;
+  EXPECT_TRUE(fs::is_fifo(dir_ / "pipe"));
 }
 
 TEST_F(CliSweep, BadArgumentsExitWithTwo) {

@@ -566,6 +566,11 @@ PathCosts path_costs_to_update(const fs::path& file) {
     throw UsageError("sweep: --save-path-costs " + file.string() + ": no directory " +
                      parent.string());
   }
+  std::error_code ec;
+  if (fs::exists(file, ec) && !fs::is_regular_file(file, ec)) {  // read, then renamed over
+    throw UsageError("sweep: --save-path-costs " + file.string() +
+                     " is not a file (a device or pipe)");
+  }
   const PathCosts built_in = PathCosts::measured_with(PathCosts::this_cpus_bf16_unit());
   return fs::exists(file) ? PathCosts::read(file, built_in) : built_in;
 }

@@ -25,10 +25,10 @@ struct Dataset {
 /// Reads a CSV of numbers, one sample per line, the last column its label: an integer in
 /// [0, 1e6], or a class name (when any label is not a number, every label is a name and
 /// the classes are the names in sorted order); gzip'd files are read transparently, and a
-/// UTF-8 byte order mark before the first cell skipped. A cell may be in double quotes. A first
-/// line of names (no cell a number) is a header and skipped. Every row must have as many columns as
-/// the first. Blank lines are skipped. FormatError names the file, line and column of a bad row;
-/// IoError if the file cannot be opened.
+/// UTF-8 byte order mark before the first cell is skipped. A cell may be in double quotes.
+/// A first line of names (no cell a number) is a header and skipped. Every row must have
+/// as many columns as the first. Blank lines are skipped. FormatError names the file,
+/// line and column of a bad row; IoError if the file cannot be opened.
 Dataset load_csv(const std::filesystem::path& path);
 /// The line (from 1) of `path` that load_csv reads sample `sample` (from 0) from, for
 /// messages; ArgumentError past the last sample.
