@@ -566,8 +566,7 @@ PathCosts path_costs_to_update(const fs::path& file) {
     throw UsageError("sweep: --save-path-costs " + file.string() + ": no directory " +
                      parent.string());
   }
-  std::error_code ec;
-  if (fs::exists(file, ec) && !fs::is_regular_file(file, ec)) {  // read, then renamed over
+  if (!replaceable(file)) {  // read first (a pipe: until a writer comes), then renamed over
     throw UsageError("sweep: --save-path-costs " + file.string() +
                      " is not a file (a device or pipe)");
   }

@@ -26,13 +26,6 @@ void create_output_directory(const fs::path& dir) {
 
 namespace {
 
-/// Whether an output may be renamed over `path` (or removed as an earlier run's): nothing
-/// is there, or a file. A pipe or a device (as root, /dev/null) would be replaced.
-bool replaceable(const fs::path& path) {
-  std::error_code ec;
-  return !fs::exists(path, ec) || fs::is_regular_file(path, ec);
-}
-
 fs::path temporary_name(const fs::path& path) {
   return path.string() + ".tmp." + std::to_string(::getpid());
 }
@@ -51,6 +44,11 @@ void write_whole(const fs::path& path, const std::string& content) {
 }
 
 }  // namespace
+
+bool replaceable(const fs::path& path) {
+  std::error_code ec;
+  return !fs::exists(path, ec) || fs::is_regular_file(path, ec);
+}
 
 void write_atomically(const fs::path& path, const std::string& content) {
   write_all_atomically({{path, content}});

@@ -12,6 +12,10 @@ namespace sluice::cli {
 /// Creates `dir` (and its parents) unless it exists; IoError when it cannot be a directory.
 void create_output_directory(const std::filesystem::path& dir);
 
+/// Whether an output may be renamed over `path` (or removed as an earlier run's): nothing
+/// is there, or a file. A pipe or a device (as root, /dev/null) would be replaced.
+bool replaceable(const std::filesystem::path& path);
+
 /// Writes `content` to `path` through a temporary file and a rename, so a reader never
 /// sees a partial file. IoError (and no file left behind) when that fails.
 void write_atomically(const std::filesystem::path& path, const std::string& content);

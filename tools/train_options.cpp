@@ -80,7 +80,7 @@ void check_checkpoint_path(const std::filesystem::path& path) {
     throw UsageError("--checkpoint " + path.string() + " is a directory; name a file");
   }
   // Saving renames a new file over the path: whatever was there is gone.
-  if (fs::exists(path, ec) && !fs::is_regular_file(path, ec)) {
+  if (!replaceable(path)) {
     throw UsageError("--checkpoint " + path.string() +
                      " is not a file (a device or pipe), which saving would replace");
   }
