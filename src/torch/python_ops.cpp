@@ -187,12 +187,12 @@ c10::intrusive_ptr<LayerBinding> make_layer_from_state(const Tensor& state) {
   return SparseLinearImpl(options, std::move(layer)).binding();
 }
 
-Tensor sparse_linear(const Tensor& x, const c10::optional<Tensor>& values,
-                     const c10::optional<Tensor>& bias,
-                     const c10::intrusive_ptr<LayerBinding>& layer) {
+Tensor sparse_linear_op(const Tensor& x, const c10::optional<Tensor>& values,
+                        const c10::optional<Tensor>& bias,
+                        const c10::intrusive_ptr<LayerBinding>& layer) {
   // libtorch 1.13's Function takes no undefined tensors: an empty one means none.
   const Tensor none = ::torch::empty({0});
-  return SparseLinearFunction::apply(x, values.value_or(none), bias.value_or(none), layer);
+  return sparse_linear(x, values.value_or(none), bias.value_or(none), layer);
 }
 
 }  // namespace
@@ -261,5 +261,5 @@ TORCH_LIBRARY(sluice, m) {
   m.def("make_layer", &sluice::torch::make_layer);
   m.def("make_layer_from_state", &sluice::torch::make_layer_from_state);
   m.def("make_layer_at", &sluice::torch::make_layer_at);
-  m.def("sparse_linear", &sluice::torch::sparse_linear);
+  m.def("sparse_linear", &sluice::torch::sparse_linear_op);
 }

@@ -3,6 +3,7 @@
 // compile).
 #include "sluice/torch/sparse_linear.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/torch.h>
 
@@ -399,8 +400,18 @@ void SparseLinearImpl::init(sluice::SparseLinear layer) {
   }
 }
 
+Tensor sparse_linear(const Tensor& x, const Tensor& values, const Tensor& bias,
+                     const c10::intrusive_ptr<LayerBinding>& binding) {
+  // As autocast's lower-precision ops cast: fp32 alone (float64 is a reference), and
+  // before the function, so that the cast's own backward returns X's gradient in fp32.
+  const bool to_bf16 = at::autocast::is_cpu_enabled() &&
+                       at::autocast::get_autocast_cpu_dtype() == ::torch::kBFloat16 &&
+                       x.scalar_type() == ::torch::kFloat;
+  return SparseLinearFunction::apply(to_bf16 ? x.to(::torch::kBFloat16) : x, values, bias, binding);
+}
+
 Tensor SparseLinearImpl::forward(const Tensor& x) {
-  return SparseLinearFunction::apply(x, values_, bias_.defined() ? bias_ : no_bias_, binding_);
+  return sparse_linear(x, values_, bias_.defined() ? bias_ : no_bias_, binding_);
 }
 
 StepReport SparseLinearImpl::step() {

@@ -134,6 +134,26 @@ class DropIn(unittest.TestCase):
         self.assertEqual(y.dtype, torch.bfloat16)
         self.assertLess(relative(y.float(), layer(x).detach()), 2e-2)
 
+    def test_autocast_takes_float32_inputs_in_bfloat16(self):
+        # As torch.nn.Linear under torch.autocast("cpu"): a bf16 product, X's gradient in fp32.
+        torch.manual_seed(6)
+        layer = sluice_torch.SparseLinear(37, 19, sparsity=0.7)
+        x = torch.randn(5, 37)
+        xb = x.bfloat16().requires_grad_()
+        want = layer(xb)
+        want.sum().backward()
+        xa = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xa)
+            y64 = layer(x.double())
+        self.assertEqual(y.dtype, torch.bfloat16)
+        self.assertTrue(torch.equal(y, want))
+        y.sum().backward()
+        self.assertEqual(xa.grad.dtype, torch.float32)
+        self.assertTrue(torch.equal(xa.grad, xb.grad.float()))
+        self.assertEqual(y64.dtype, torch.float64)
+        self.assertEqual(layer(x).dtype, torch.float32)
+
     def test_bad_input(self):
         layer = sluice_torch.SparseLinear(4, 2)
         with self.assertRaisesRegex(RuntimeError, r"expected \[\.\.\., 4\]"):

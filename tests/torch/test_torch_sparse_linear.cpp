@@ -1,7 +1,8 @@
 // sluice::torch::SparseLinear inside libtorch: forward and both gradients against a
-// masked dense torch::nn::Linear, fp32 and bf16, every layout; weights kept by sluice;
-// magnitude pruning; saved and loaded with torch::save / torch::load, the mask with the
+// masked dense torch::nn::Linear, fp32 and bf16 (and under autocast), every layout; weights kept by
+// sluice; magnitude pruning; saved and loaded with torch::save / torch::load, the mask with the
 // values; cloned; and an MLP trained on digits against the same masked dense model.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -87,6 +88,44 @@ TEST(TorchSparseLinearBf16, CloseToFp32) {
   y.sum().backward();
   EXPECT_EQ(xb.grad().scalar_type(), torch::kBFloat16);
   EXPECT_EQ(layer->values().grad().scalar_type(), torch::kFloat);
+}
+
+/// CPU autocast on (to its default, bf16) for a scope, as torch.autocast("cpu") sets it.
+class CpuAutocast {
+ public:
+  CpuAutocast() : was_(at::autocast::is_cpu_enabled()) { at::autocast::set_cpu_enabled(true); }
+  ~CpuAutocast() { at::autocast::set_cpu_enabled(was_); }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+
+ private:
+  bool was_;
+};
+
+// Under autocast an fp32 input is taken in bf16, as torch::nn::Linear's is: the same
+// product as a bf16 input's, X's gradient back in fp32; float64 stays the reference.
+TEST(TorchSparseLinearBf16, AutocastTakesFp32InputsInBf16) {
+  torch::manual_seed(4);
+  SparseLinear layer(SparseLinearOptions(37, 19).sparsity(0.7).seed(5));
+  const Tensor x = torch::randn({5, 37});
+  const Tensor xb = x.to(torch::kBFloat16).requires_grad_(true);
+  const Tensor bf16_y = layer(xb);
+  bf16_y.sum().backward();
+  const Tensor xa = x.clone().requires_grad_(true);
+  Tensor y, y64;
+  {
+    CpuAutocast autocast;
+    ASSERT_EQ(at::autocast::get_autocast_cpu_dtype(), torch::kBFloat16);
+    y = layer(xa);
+    y64 = layer(x.to(torch::kDouble));
+  }
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(y, bf16_y));
+  y.sum().backward();
+  EXPECT_EQ(xa.grad().scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(xa.grad(), xb.grad().to(torch::kFloat)));
+  EXPECT_EQ(y64.scalar_type(), torch::kDouble);
+  EXPECT_EQ(layer(x).scalar_type(), torch::kFloat);  // and without it, fp32 again
 }
 
 // A bf16 stream's tags address 65535 inputs: a wider layer takes bf16 tensors all the same,

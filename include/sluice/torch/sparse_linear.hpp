@@ -5,7 +5,8 @@
 // Tensors are [tokens, features] as for torch::nn::Linear (any leading dimensions), fp32
 // or bf16 (the weights are then streamed in bf16; activations are computed in fp32).
 // float64 tensors run a float64 reference forward (dense, for checking gradients against
-// finite differences); their backward runs on the engine in fp32.
+// finite differences); their backward runs on the engine in fp32. Under CPU autocast to
+// bf16, fp32 inputs are taken in bf16, as torch::nn::Linear's are.
 //
 // Layout: the engine reads and writes feature rows of contiguous tokens. A result is
 // returned as the transpose of a feature-major tensor (a strided view, no copy), and an
@@ -100,6 +101,15 @@ struct SparseLinearFunction : public ::torch::autograd::Function<SparseLinearFun
   static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext* ctx,
                                                    ::torch::autograd::variable_list grads);
 };
+
+/// Y = X W^T + b through `binding`, as SparseLinear's forward is (what
+/// torch::nn::functional::linear is to Linear; the arguments as SparseLinearFunction's).
+/// Under CPU autocast to bf16 (torch.autocast("cpu"), at::autocast::set_cpu_enabled) an
+/// fp32 input is taken in bf16, as torch::nn::Linear's is: the weights stream in bf16 and Y
+/// is bf16; X's gradient comes back in fp32.
+::torch::Tensor sparse_linear(const ::torch::Tensor& x, const ::torch::Tensor& values,
+                              const ::torch::Tensor& bias,
+                              const c10::intrusive_ptr<LayerBinding>& binding);
 
 struct SparseLinearOptions {
   SparseLinearOptions(std::int64_t in_features, std::int64_t out_features);
