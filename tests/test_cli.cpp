@@ -49,7 +49,20 @@ TEST_F(Cli, BadArgumentsExitWithTwo) {
   expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --tokens -4"), 2, "tokens");
   expect_exit(run("spmm --shape 8x8 --sparsity 0.5 --threads 0"), 2, "threads");
   expect_exit(run("no-such-command"), 2, "unknown command 'no-such-command'");
-  expect_exit(run(""), 2, "subcommand");
+  expect_exit(run(""), 2, "Subcommands:");  // `sluice` alone lists the commands
+}
+
+// A mistake is said in a line or two that stay in sight, not above a command's help that
+// fills more than a terminal.
+TEST_F(Cli, AMistakeIsSaidBriefly) {
+  for (const char* args : {"train --epoch 3", "train --dynamic --checkpoint x", "sweep --bogus"}) {
+    const Outcome o = run(args);
+    EXPECT_EQ(o.exit_code, 2) << o.output;
+    const std::string command = std::string(args).substr(0, std::string(args).find(' '));
+    EXPECT_NE(o.output.find("sluice " + command + " --help lists the options"), std::string::npos)
+        << o.output;
+    EXPECT_LT(o.output.size(), 200U) << o.output;
+  }
 }
 
 // Integer flags take decimal digits only, within 64 bits: no trailing garbage, no other

@@ -7,6 +7,7 @@
 #include <exception>
 #include <iostream>
 #include <new>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -67,7 +68,16 @@ int run_cli(int argc, const char* const* argv, CliMode mode) {
       std::cerr << " (sluice --help)\n";
       return 2;
     }
-    std::cerr << "sluice: " << shorten(e.what()) << "\n\n" << app.help();
+    if (argc == 1) {  // `sluice` alone: what there is (the list of commands is short)
+      std::cerr << app.help();
+      return 2;
+    }
+    // A pointer to the help, not the help: a command's is longer than a terminal, and the
+    // message would scroll out of sight above it.
+    std::string help = "sluice --help";
+    for (const CLI::App* sub : app.get_subcommands())
+      help = "sluice " + sub->get_name() + " --help";
+    std::cerr << "sluice: " << shorten(e.what()) << "\n(" << help << " lists the options)\n";
     return 2;
   }
   try {
