@@ -390,8 +390,9 @@ TEST_F(CliTrain, AResumedModelNumbersClassesAndScalesInputsAsItLearntThem) {
               "is class 0)");
 }
 
-/// Runs the CLI with `args` (split on spaces) in a child; returns its pid.
-pid_t spawn_cli(const std::string& args) {
+/// Runs the CLI with `args` (split on spaces) in a child; returns its pid. Its stdout and
+/// stderr go to the files `out` and `err` ("": /dev/null).
+pid_t spawn_cli(const std::string& args, const std::string& out = "", const std::string& err = "") {
   std::vector<std::string> words{SLUICE_CLI_PATH};
   std::istringstream in(args);
   for (std::string w; in >> w;) words.push_back(w);
@@ -400,13 +401,88 @@ pid_t spawn_cli(const std::string& args) {
     std::vector<char*> argv;
     for (auto& w : words) argv.push_back(w.data());
     argv.push_back(nullptr);
-    const int devnull = ::open("/dev/null", O_WRONLY);
-    ::dup2(devnull, 1);
-    ::dup2(devnull, 2);
+    const int flags = O_WRONLY | O_CREAT | O_TRUNC;
+    ::dup2(::open(out.empty() ? "/dev/null" : out.c_str(), flags, 0644), 1);
+    ::dup2(::open(err.empty() ? "/dev/null" : err.c_str(), flags, 0644), 2);
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
   return pid;
+}
+
+/// Waits (a minute at most) for the running child `pid` to have written `words` to `file`;
+/// kills it if it does not.
+::testing::AssertionResult wrote(pid_t pid, const std::string& file, const std::string& words) {
+  for (int waited = 0; waited < 60000; waited += 5) {
+    if (read_file(file).find(words) != std::string::npos) return ::testing::AssertionSuccess();
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      return ::testing::AssertionFailure() << "the CLI ended without writing '" << words << "':\n"
+                                           << read_file(file);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  return ::testing::AssertionFailure() << "no '" << words << "' in a minute";
+}
+
+/// The exit code of the child `pid`; -signal if a signal ended it.
+int exit_code_of(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+}
+
+// Ctrl-C stops a run at the end of its step instead of losing every step: the model
+// trained so far is saved and resumes, the run reports it and exits 130, as a shell
+// reports a process SIGINT ended.
+TEST_F(CliTrain, CtrlCSavesTheStepsTrainedSoFar) {
+  const std::string ckpt = path("m.ckpt");
+  const std::string out = path("out.json");
+  const std::string err = path("err.txt");
+  const pid_t pid = spawn_cli(
+      "train --dataset synthetic --layers 64,32,10 --epochs 100000 --json --checkpoint " + ckpt,
+      out, err);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(wrote(pid, err, "epoch   2"));
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  EXPECT_EQ(exit_code_of(pid), 130) << read_file(err);
+  EXPECT_NE(read_file(err).find("interrupted (SIGINT) after "), std::string::npos)
+      << read_file(err);
+  const json j = json::parse(read_file(out));
+  EXPECT_TRUE(j.at("interrupted").get<bool>());
+  sluice::HostModelMemory saved;
+  ASSERT_NO_THROW(saved.load(ckpt));
+  EXPECT_EQ(saved.step(), j.at("steps").get<std::int64_t>());
+  EXPECT_GT(saved.step(), 0);
+  EXPECT_FALSE(run_json("train --dataset synthetic --epochs 1 --resume " + ckpt)
+                   .at("interrupted")
+                   .get<bool>());
+}
+
+// SIGTERM (what a scheduler sends at a job's time limit) likewise, for a GPT in a store:
+// the store commits the step it was in and resumes there.
+TEST_F(CliTrain, SigtermCommitsAStoresStepAndExits143) {
+  const std::string store = path("store");
+  const std::string out = path("out.txt");
+  const std::string err = path("err.txt");
+  const std::string text = path("text.txt");
+  std::ofstream(text) << std::string(20000, 'a') + std::string(20000, 'b');
+  const pid_t pid = spawn_cli("train --model gpt --text " + text +
+                                  " --context 16 --d-model 16 --blocks 1 --steps 100000000 "
+                                  "--model-store " +
+                                  store,
+                              out, err);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(wrote(pid, out, "gpt: "));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(exit_code_of(pid), 143) << read_file(err);
+  EXPECT_NE(read_file(out).find("interrupted (SIGTERM) after "), std::string::npos)
+      << read_file(out);
+  const json j = run_json("train --model gpt --text " + text + " --steps 1 --model-store " + store);
+  EXPECT_GT(j.value("steps_total", 0), 1);  // went on from the step it committed
 }
 
 TEST_F(CliTrain, KillingTheCliDuringACheckpointSaveKeepsTheOlderOne) {

@@ -13,6 +13,7 @@
 
 #include "commands.hpp"
 #include "core/excerpt.hpp"
+#include "interrupt.hpp"
 #include "number_options.hpp"
 #include "sluice/error.hpp"
 
@@ -87,6 +88,9 @@ int run_cli(int argc, const char* const* argv, CliMode mode) {
       return mode == CliMode::run ? with_output_written(run.run()) : 0;
     }
     return 2;
+  } catch (const Interrupted& e) {
+    std::cerr << "sluice: " << shorten(e.what()) << "\n";
+    return interrupted_exit_code();
   } catch (const UsageError& e) {
     std::cerr << "sluice: " << shorten(e.what()) << "\n";
     return 2;

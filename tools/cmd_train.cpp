@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "core/excerpt.hpp"
+#include "interrupt.hpp"
 #include "json_writer.hpp"
 #include "lr_decay_option.hpp"
 #include "measure.hpp"
@@ -285,8 +286,8 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
   DenseMatrix batch_x(train.features.rows(), std::min(o.batch, n));
   TrainTotals t;
   const auto t0 = std::chrono::steady_clock::now();
-  auto stop = [&] {  // --steps and --max-seconds end the run between steps
-    return (o.steps > 0 && t.steps >= o.steps) ||
+  auto stop = [&] {  // --steps, --max-seconds and Ctrl-C end the run between steps
+    return interrupting_signal() != 0 || (o.steps > 0 && t.steps >= o.steps) ||
            (o.max_seconds > 0 &&
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >=
                 o.max_seconds);
@@ -344,6 +345,10 @@ TrainTotals train_epochs(LayerStreamingExecutor& executor, ModelMemory& memory,
 /// A diverged model, or one no step of this run changed, is worth nothing: the run fails
 /// and an older checkpoint at the path is kept.
 void refuse_failed_training(const TrainTotals& t, const TrainOptions& o) {
+  const std::string unwritten =
+      o.checkpoint.empty() ? "" : "; " + o.checkpoint + " was not written";
+  if (t.steps == 0 && interrupting_signal() != 0)
+    throw Interrupted("interrupted before the first step: nothing was trained" + unwritten);
   if (t.steps == 0) throw UsageError("no step was trained: --max-seconds is too small");
   const bool diverged = !std::isfinite(t.final_loss);
   if (!diverged && t.skipped < t.steps) return;
@@ -353,8 +358,7 @@ void refuse_failed_training(const TrainTotals& t, const TrainOptions& o) {
          " steps were skipped for non-finite gradients";
   if (t.last_bad_layer >= 0)
     why += " (the last in layer " + std::to_string(t.last_bad_layer) + ", from 0)";
-  if (!o.checkpoint.empty()) why += "; " + o.checkpoint + " was not written";
-  throw NumericError(why + " (try a smaller --lr)");
+  throw NumericError(why + unwritten + " (try a smaller --lr)");
 }
 
 /// `--model gpt`: the options it takes over (check_train_options refused the others).
@@ -445,7 +449,7 @@ void report(const TrainOptions* o, const Dataset& all, const std::string& datase
     }
     j.field("test_accuracy", e.accuracy).field("test_loss", e.loss);
     j.field("final_loss", t.final_loss).field("steps", t.steps).field("epochs", t.epochs);
-    j.field("skipped_steps", t.skipped);
+    j.field("skipped_steps", t.skipped).field("interrupted", interrupting_signal() != 0);
     j.field("engines", o->engines).field("sparsity", model_sparsity(memory, *o, resuming));
     j.field("precision", o->precision);
     j.field("optimizer", to_string(memory.optimizer().kind));
@@ -690,6 +694,8 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   refuse_failed_training(t, *o);
   // Saved before evaluating, so a failing evaluation does not cost the trained model.
   if (!o->checkpoint.empty()) memory.save(o->checkpoint);
+  if (interrupting_signal() != 0)
+    progress << interruption_note(t.steps, o->checkpoint, o->store.directory) << "\n";
   // In batches of --batch tokens, so --memory-budget holds here too.
   const Evaluation e = executor.evaluate({test.features.view(), test.labels, {}}, o->batch);
   report(o, all, dataset_name, e, t, executor, memory, resuming);
@@ -704,8 +710,10 @@ Command add_train_command(CLI::App& app) {
   const TrainFlags flags = add_train_options(app, *o);
   return Command([o, flags] { check_train_options(*o, flags); },
                  [o, flags] {
-                   if (o->model == "gpt") return run_gpt(*o, *flags.cmd);
-                   return run_mlp(o.get(), flags);
+                   const StopOnInterrupt stop_on_interrupt;
+                   const int code =
+                       o->model == "gpt" ? run_gpt(*o, *flags.cmd) : run_mlp(o.get(), flags);
+                   return code != 0 ? code : interrupted_exit_code();
                  });
 }
 }  // namespace sluice::cli

@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "commands.hpp"
+#include "interrupt.hpp"
 #include "json_writer.hpp"
 #include "measure.hpp"
 #include "model_budget.hpp"
@@ -179,7 +180,7 @@ RunTotals train_steps(GptModel& model, ModelMemory& memory, const TextCorpus& co
   const std::int64_t first_step = memory.step();
   constexpr std::size_t kRecent = 20;
   const std::int64_t report_every = 25;
-  while ((o.steps == 0 || t.steps < o.steps) &&
+  while (interrupting_signal() == 0 && (o.steps == 0 || t.steps < o.steps) &&
          (o.max_seconds == 0 ||
           std::chrono::duration<double>(Clock::now() - t0).count() < o.max_seconds)) {
     // Batches follow the step count, so a resumed run goes on with the data order.
@@ -197,12 +198,15 @@ RunTotals train_steps(GptModel& model, ModelMemory& memory, const TextCorpus& co
       progress << line << std::flush;
     }
   }
+  const std::string unwritten =
+      o.checkpoint.empty() ? "" : "; " + o.checkpoint + " was not written";
+  if (t.steps == 0 && interrupting_signal() != 0)
+    throw Interrupted("interrupted before the first step: nothing was trained" + unwritten);
   if (t.steps == 0) throw UsageError("no step was trained: --max-seconds is too small");
   if (!std::isfinite(t.train_loss()) || t.skipped == t.steps) {
-    throw NumericError("training diverged: " + std::to_string(t.skipped) + " of " +
-                       std::to_string(t.steps) +
-                       " steps were skipped for non-finite gradients (try a smaller --lr)" +
-                       (o.checkpoint.empty() ? "" : "; " + o.checkpoint + " was not written"));
+    throw NumericError(
+        "training diverged: " + std::to_string(t.skipped) + " of " + std::to_string(t.steps) +
+        " steps were skipped for non-finite gradients (try a smaller --lr)" + unwritten);
   }
   return t;
 }
@@ -270,6 +274,8 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
 
   const RunTotals t = train_steps(model, memory, corpus, o, progress);
   if (!o.checkpoint.empty()) memory.save(o.checkpoint);
+  if (interrupting_signal() != 0)
+    progress << interruption_note(t.steps, o.checkpoint, o.store.directory) << "\n";
   std::int64_t held_out_tokens = 0;
   const double val_loss = held_out_loss(model, corpus, o.batch, o.engines, held_out_tokens);
   const StepMetrics& total = model.totals();
@@ -282,6 +288,7 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
     j.field("train_loss", t.train_loss());
     j.field("tokens_per_s", total.tokens_per_second()).field("engine_busy", total.engine_busy());
     j.field("steps", t.steps).field("skipped_steps", t.skipped);
+    j.field("interrupted", interrupting_signal() != 0);
     j.field("steps_total", memory.step());
     j.field("parameters", gpt_parameters(config)).field("nonzeros", stored_parameters(memory));
     j.field("train_seconds", total.wall_seconds);
