@@ -259,6 +259,7 @@ class CorruptCheckpoint : public ::testing::Test {
     source.class_names = {"ant", "bee"};
     source.input_mean = {0.5, -1.0};
     source.input_scale = {2.0, 0.25};
+    source.training_data = "/data/iris.csv";
     good_path = temp_dir() / "good.ck";
     source.save(good_path);
     good = read_bytes(good_path);
@@ -314,15 +315,20 @@ class CorruptCheckpoint : public ::testing::Test {
     const std::uint32_t crc = crc32(payload);
     std::memcpy(bytes.data() + offset + 12, &crc, 4);
   }
-  // The good file as `version` (below 6) writes it: without the class names and input
-  // scaling sections, below 5 without the decay section, and below 4 without the schedule
-  // section.
+  // The good file as `version` (below 7) writes it: without the training data section,
+  // below 6 without the class names and input scaling sections, below 5 without the decay
+  // section, and below 4 without the schedule section.
   std::vector<char> as_version(std::uint32_t version) {
     std::vector<char> old = good;
     std::memcpy(old.data() + 8, &version, 4);
-    const std::size_t names = section(old, "CLAS");
-    old.erase(old.begin() + static_cast<long>(names),
-              old.begin() + static_cast<long>(names + 16 + 8 + 16 + 8 + 2 * 16));
+    const std::size_t data = section(old, "DATA");
+    old.erase(old.begin() + static_cast<long>(data),
+              old.begin() + static_cast<long>(data + 16 + std::strlen("/data/iris.csv")));
+    if (version < 6) {
+      const std::size_t names = section(old, "CLAS");
+      old.erase(old.begin() + static_cast<long>(names),
+                old.begin() + static_cast<long>(names + 16 + 8 + 16 + 8 + 2 * 16));
+    }
     if (version < 5) {
       const std::size_t decay = section(old, "LRDC");
       old.erase(old.begin() + static_cast<long>(decay),
@@ -398,10 +404,10 @@ TEST_F(CorruptCheckpoint, WrongMagic) {
 
 TEST_F(CorruptCheckpoint, WrongVersion) {
   std::vector<char> bad = good;
-  const std::uint32_t version = 7;
+  const std::uint32_t version = 8;
   std::memcpy(bad.data() + 8, &version, 4);
   const std::string message = expect_refused(bad);
-  EXPECT_NE(message.find("version 7, expected 1 to 6"), std::string::npos) << message;
+  EXPECT_NE(message.find("version 8, expected 1 to 7"), std::string::npos) << message;
 }
 
 TEST_F(CorruptCheckpoint, CountersOutOfRangeAreRefused) {
@@ -519,6 +525,25 @@ TEST_F(CorruptCheckpoint, VersionFiveFilesStillLoadWithNoClassNames) {
   EXPECT_EQ(m.input_scale, (std::vector<double>{2.0, 0.25}));
 }
 
+TEST_F(CorruptCheckpoint, VersionSixFilesStillLoadWithNoTrainingData) {
+  const fs::path p = temp_dir() / "v6.ck";
+  write_bytes(p, as_version(6));
+  HostModelMemory m;
+  m.training_data = "kept from before";
+  m.load(p);
+  EXPECT_EQ(m.training_data, "");
+  EXPECT_EQ(m.class_names, (std::vector<std::string>{"ant", "bee"}));
+  m.load(good_path);
+  EXPECT_EQ(m.training_data, "/data/iris.csv");
+}
+
+// The training data section holds "/data/iris.csv".
+TEST_F(CorruptCheckpoint, ATrainingDataNameWithANulIsRefused) {
+  const std::string message = refused_at("DATA", 5, '\0');
+  EXPECT_NE(message.find("training data section"), std::string::npos) << message;
+  EXPECT_NE(message.find("holds a NUL"), std::string::npos) << message;
+}
+
 // The input scaling section holds count 2, means {0.5, -1}, scales {2, 0.25}.
 TEST_F(CorruptCheckpoint, InputScalingAWriterWouldRefuseIsRefused) {
   EXPECT_NE(refused_at("SCAL", 0, std::uint64_t{3}).find("does not hold 3 inputs"),
@@ -602,7 +627,7 @@ TEST(Checkpoint, AModelDescriptionACheckpointCannotHoldIsRefusedBeforeWriting) {
   EXPECT_FALSE(fs::exists(path));
 }
 
-TEST(Checkpoint, ClassNamesAndInputScalingRoundTripAndWhatACheckpointCannotHoldIsRefused) {
+TEST(Checkpoint, ClassNamesScalingAndDataRoundTripAndWhatACheckpointCannotHoldIsRefused) {
   HostModelMemory a;
   build(a, 3, OptimizerConfig{});
   a.class_names = {"setosa", "versicolor", "Iris virginica \xc3\xa9"};  // any bytes but NUL
@@ -622,7 +647,17 @@ TEST(Checkpoint, ClassNamesAndInputScalingRoundTripAndWhatACheckpointCannotHoldI
   b.load(path);
   EXPECT_EQ(b.input_mean, a.input_mean);
   EXPECT_EQ(b.input_scale, a.input_scale);
+  a.training_data = "/home/u/data \xff.csv";  // a path's bytes, whatever they are
+  a.save(path);
+  b.load(path);
+  EXPECT_EQ(b.training_data, a.training_data);
   const fs::path refused = temp_dir() / "bad_names.ck";
+  for (const std::string& bad :
+       {std::string("a\0b", 3), std::string(HostModelMemory::kMaxTrainingData + 1, 'x')}) {
+    a.training_data = bad;
+    EXPECT_THROW(a.save(refused), ShapeError);
+  }
+  a.training_data.clear();
   for (const std::vector<std::string>& bad :
        {std::vector<std::string>{"a", "b", "a"}, std::vector<std::string>{"a", ""},
         std::vector<std::string>{std::string("a\0b", 3)}}) {

@@ -738,7 +738,7 @@ TEST_F(TieredStore, StepEpochsSeedAndOptimizerAreCommittedWithTheStore) {
   EXPECT_EQ(m.optimizer().learning_rate, 0.003);
   EXPECT_EQ(m.optimizer().weight_decay, 0.01);
 }
-TEST_F(TieredStore, TheSchedulesModelClassNamesAndScalingAreCommittedAndOlderManifestsHaveNone) {
+TEST_F(TieredStore, TheSchedulesModelClassesScalingAndDataAreCommittedAndOlderManifestsHaveNone) {
   make_store(1);
   {
     TieredModelMemory m(store(), std::int64_t{1} << 30);
@@ -749,6 +749,7 @@ TEST_F(TieredStore, TheSchedulesModelClassNamesAndScalingAreCommittedAndOlderMan
     m.class_names = {"cat", "dog"};
     m.input_mean = {-3.0};
     m.input_scale = {0.125};
+    m.training_data = "synthetic";
     m.dynamic.rule = MaskUpdateRule::set;
     m.dynamic.drop = 0.25;
     m.dynamic.total_steps = 40;
@@ -769,20 +770,35 @@ TEST_F(TieredStore, TheSchedulesModelClassNamesAndScalingAreCommittedAndOlderMan
     EXPECT_EQ(m.class_names, (std::vector<std::string>{"cat", "dog"}));
     EXPECT_EQ(m.input_mean, std::vector<double>{-3.0});
     EXPECT_EQ(m.input_scale, std::vector<double>{0.125});
+    EXPECT_EQ(m.training_data, "synthetic");
     m.model = std::string(1, '\n');  // no manifest holds it: refused, nothing written
     EXPECT_THROW(m.commit_counters(), ShapeError);
     m.model = "gpt vocab=256 (a description)";
     m.class_names = {"cat", "cat"};  // nor these
     EXPECT_THROW(m.commit_counters(), ShapeError);
+    m.class_names = {"cat", "dog"};
+    m.training_data = std::string("a\0b", 3);  // nor this
+    EXPECT_THROW(m.commit_counters(), ShapeError);
   }
-  // Version 5 wrote no class names or input scaling: they open as none; version 4 no model
-  // section either
-  // (a stack of layers), version 3 no decay section, version 2 no schedule.
+  // Version 6 wrote no training data: it opens as none; version 5 no class names or input
+  // scaling either, version 4 no model section (a stack of layers), version 3 no decay
+  // section, version 2 no schedule.
   std::string bytes = files()["MANIFEST"];
+  const std::size_t data = bytes.find("DATA");
+  ASSERT_NE(data, std::string::npos);
+  bytes.erase(data, 16 + 9);
+  std::uint32_t version = 6;
+  std::memcpy(bytes.data() + 8, &version, 4);
+  write("MANIFEST", bytes);
+  {
+    TieredModelMemory m(store(), std::int64_t{1} << 30);
+    EXPECT_EQ(m.training_data, "");
+    EXPECT_EQ(m.class_names, (std::vector<std::string>{"cat", "dog"}));
+  }
   const std::size_t names = bytes.find("CLAS");
   ASSERT_NE(names, std::string::npos);
   bytes.erase(names, 16 + 8 + 16 + 8 + 16);
-  std::uint32_t version = 5;
+  version = 5;
   std::memcpy(bytes.data() + 8, &version, 4);
   write("MANIFEST", bytes);
   {

@@ -187,6 +187,13 @@ class ModelMemory {
   /// and model stores so that a run resumed on other data scales its inputs as the first
   /// did; empty where none is kept. As many of each, finite, the scales positive.
   std::vector<double> input_mean, input_scale;
+  /// What the model was trained on, as its trainer names it (sluice train: digits,
+  /// synthetic, or a CSV file's or a text's absolute path), kept in checkpoints and model
+  /// stores so that a resumed run goes on with the same data unless told other; empty where
+  /// it is not said. Without NUL bytes, at most kMaxTrainingData bytes, for a checkpoint to
+  /// hold it.
+  std::string training_data;
+  static constexpr std::size_t kMaxTrainingData = 4096;
   /// The mask-update schedule the model trains under (rule none: masks fixed), kept in
   /// checkpoints and model stores so that a resumed run goes on with the same schedule,
   /// its horizon (total_steps, counted from the model's first step) included. The trainer

@@ -1,14 +1,15 @@
 // HostModelMemory checkpoints: save_impl and load_impl.
 //
-// File format (version 6; also in docs/checkpoint_format.md). Little-endian throughout.
+// File format (version 7; also in docs/checkpoint_format.md). Little-endian throughout.
 //
 //   magic      8 bytes  "SLUICECK"
-//   version    u32      6 (versions 1 to 5 are still read: version 1 lacks the epoch count,
+//   version    u32      7 (versions 1 to 6 are still read: version 1 lacks the epoch count,
 //                       read as 0; versions 1 and 2 lack the model section, read as empty;
 //                       versions 1 to 3 lack the schedule section, read as rule none;
 //                       versions 1 to 4 lack the decay section, read as no decay;
 //                       versions 1 to 5 lack the class names and input scaling, read
-//                       as none)
+//                       as none; versions 1 to 6 lack the training data's name, read as
+//                       empty)
 //   sections, each:
 //     tag      u32      four ASCII characters, first character in the lowest byte
 //     length   u64      payload bytes
@@ -30,6 +31,7 @@
 //   "LRDC"  once (version 5 on): the optimizer's LearningRateDecay (model_sections.hpp)
 //   "CLAS"  once (version 6 on): ModelMemory::class_names, each followed by a NUL byte
 //   "SCAL"  once (version 6 on): u64 count, f64 input_mean[count], f64 input_scale[count]
+//   "DATA"  once (version 7 on): ModelMemory::training_data's bytes
 //   "LAYR"  layer_count times, layer i in the i-th:
 //       u32 layer index, i64 rows, i64 cols, i64 nnz, i64 bias size (0 or rows),
 //       u32 optimizer state slots (sgd 1: velocity; adam/adamw 2: m, v),
@@ -86,7 +88,7 @@ static_assert(std::endian::native == std::endian::little,
               "checkpoints are written in host byte order, which must be little-endian");
 
 constexpr char kMagic[8] = {'S', 'L', 'U', 'I', 'C', 'E', 'C', 'K'};
-constexpr std::uint32_t kFormatVersion = 6;
+constexpr std::uint32_t kFormatVersion = 7;
 constexpr std::uint32_t kOldestReadableVersion = 1;
 /// Counters (steps, updates, epochs) above this are refused: they count up by one and
 /// reach the optimizer as doubles, which count exactly only this far, and a file that
@@ -121,6 +123,7 @@ struct Counters {
   DynamicSparsity dynamic;
   std::vector<std::string> class_names;
   std::vector<double> input_mean, input_scale;
+  std::string training_data;
 };
 
 void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counters& counters) {
@@ -145,6 +148,7 @@ void write_checkpoint(FileWriter& out, const detail::HostState& st, const Counte
   write_section(out, detail::decay_section(c.decay));
   write_section(out, detail::class_names_section(counters.class_names));
   write_section(out, detail::input_scaling_section(counters.input_mean, counters.input_scale));
+  write_section(out, detail::training_data_section(counters.training_data));
 
   const int slots = detail::optimizer_slot_count(c.kind);
   for (std::size_t i = 0; i < st.layers.size(); ++i) {
@@ -315,6 +319,7 @@ void read_checkpoint(FileReader& in, detail::HostState& st, Counters& counters) 
     counters.class_names = detail::read_class_names_section(in);
     detail::read_input_scaling_section(in, counters.input_mean, counters.input_scale);
   }
+  if (version >= 7) counters.training_data = detail::read_training_data_section(in);
   // Every layer section takes at least its header and fixed fields: a huge count in a
   // small file is refused before reserving anything.
   if (layer_count > in.remaining() / (kSectionHeaderBytes + kLayerFixedBytes)) {
@@ -371,14 +376,16 @@ void HostModelMemory::save_impl(const std::filesystem::path& path) const {
       detail::require_storable_class_names(class_names, "save checkpoint " + path.string());
       detail::require_storable_input_scaling(input_mean, input_scale,
                                              "save checkpoint " + path.string());
+      detail::require_storable_training_data(training_data, "save checkpoint " + path.string());
       try {  // what load would refuse is not written
         dynamic.validate();
       } catch (const ArgumentError& e) {
         throw ArgumentError("save checkpoint " + path.string() + ": " + e.what());
       }
       FileWriter out(tmp);
-      write_checkpoint(out, *state_,
-                       {seed, epochs, model, dynamic, class_names, input_mean, input_scale});
+      write_checkpoint(
+          out, *state_,
+          {seed, epochs, model, dynamic, class_names, input_mean, input_scale, training_data});
       out.commit();
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -409,6 +416,7 @@ void HostModelMemory::load_impl(const std::filesystem::path& path) {
   class_names = std::move(counters.class_names);
   input_mean = std::move(counters.input_mean);
   input_scale = std::move(counters.input_scale);
+  training_data = std::move(counters.training_data);
 }
 
 }  // namespace sluice

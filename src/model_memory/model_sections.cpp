@@ -232,4 +232,31 @@ void read_input_scaling_section(FileReader& in, std::vector<double>& mean,
   scale = std::move(k);
 }
 
+void require_storable_training_data(const std::string& name, const std::string& what) {
+  if (name.size() > ModelMemory::kMaxTrainingData || name.find('\0') != std::string::npos) {
+    throw ShapeError(what + ": the training data's name is over " +
+                     std::to_string(ModelMemory::kMaxTrainingData) + " bytes or holds a NUL");
+  }
+}
+
+Section training_data_section(const std::string& name) {
+  Section s;
+  s.tag = kTrainingDataTag;
+  s.arrays.push_back(std::as_bytes(std::span(name)));
+  return s;
+}
+
+std::string read_training_data_section(FileReader& in) {
+  SectionReader s(in, kTrainingDataTag, "training data section");
+  if (s.length() > ModelMemory::kMaxTrainingData) {
+    s.fail("length " + std::to_string(s.length()) + ", at most " +
+           std::to_string(ModelMemory::kMaxTrainingData));
+  }
+  const std::vector<char> text = s.get_array<char>(s.length(), "training data");
+  s.finish();
+  std::string name(text.begin(), text.end());
+  if (name.find('\0') != std::string::npos) s.fail("the training data's name holds a NUL");
+  return name;
+}
+
 }  // namespace sluice::detail

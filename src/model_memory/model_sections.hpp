@@ -5,7 +5,8 @@
 // ModelMemory::dynamic (the mask-update schedule; checkpoints from version 4, manifests
 // from version 3), "LRDC", the optimizer's LearningRateDecay (checkpoints from version 5,
 // manifests from version 4), "CLAS", ModelMemory::class_names, and "SCAL", its
-// input_mean and input_scale (both from version 6).
+// input_mean and input_scale (both from version 6), and "DATA", its training_data (from
+// version 7).
 //
 //   "MODL" payload: the description's characters (printable ASCII, at most
 //                   ModelMemory::kMaxModelDescription; empty for a stack of layers)
@@ -16,6 +17,8 @@
 //                   (empty: classes are numbers; checkpoints and manifests from version 6)
 //   "SCAL" payload: u64 count, f64 input_mean[count], f64 input_scale[count] (count 0: none
 //                   kept; checkpoints and manifests from version 6)
+//   "DATA" payload: ModelMemory::training_data's bytes (no NUL, at most
+//                   ModelMemory::kMaxTrainingData; checkpoints and manifests from version 7)
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -79,5 +82,16 @@ Section input_scaling_section(const std::vector<double>& mean, const std::vector
 /// byte for a wrong length or CRC, or values a writer would have refused.
 void read_input_scaling_section(FileReader& in, std::vector<double>& mean,
                                 std::vector<double>& scale);
+
+constexpr std::uint32_t kTrainingDataTag = fourcc("DATA");
+
+/// ShapeError ("`what`: the training data's name ...") unless a checkpoint can hold
+/// `name`: at most ModelMemory::kMaxTrainingData bytes, without NUL bytes.
+void require_storable_training_data(const std::string& name, const std::string& what);
+/// The section holding `name` (storable: the writer checks before writing).
+Section training_data_section(const std::string& name);
+/// Reads the next section as the training data's name; FormatError naming the file and the
+/// byte for a wrong CRC, a length over the bound or a NUL byte.
+std::string read_training_data_section(FileReader& in);
 
 }  // namespace sluice::detail

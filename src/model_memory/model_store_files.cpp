@@ -27,10 +27,11 @@ constexpr std::uint32_t kVersion = 1;
 /// version 3 the mask-update schedule (a "DYNS" section after "HEAD"), version 4 the
 /// learning-rate decay (an "LRDC" section after "DYNS"), version 5 the model description
 /// (a "MODL" section after "LRDC"), version 6 the class names and input scaling ("CLAS"
-/// and "SCAL" sections after "MODL"); versions 1 (0 epochs, the first pattern files), 2
-/// (rule none), 3 (no decay), 4 (a stack of layers) and 5 (no class names or scaling) are
-/// still read.
-constexpr std::uint32_t kManifestVersion = 6;
+/// and "SCAL" sections after "MODL"), version 7 the training data's name (a "DATA" section
+/// after "SCAL"); versions 1 (0 epochs, the first pattern files), 2 (rule none), 3 (no
+/// decay), 4 (a stack of layers), 5 (no class names or scaling) and 6 (no training data
+/// named) are still read.
+constexpr std::uint32_t kManifestVersion = 7;
 constexpr std::uint64_t kPrefixBytes = 8 + 4;
 /// The most non-zeros a manifest's layer may claim: a pebibyte of values, past any store,
 /// and low enough that every byte count derived from it (a layer's working set, its
@@ -160,6 +161,7 @@ void write_manifest(const std::filesystem::path& dir, const Manifest& m) {
     write_section(out, model_section(m.model));
     write_section(out, class_names_section(m.class_names));
     write_section(out, input_scaling_section(m.input_mean, m.input_scale));
+    write_section(out, training_data_section(m.training_data));
     for (std::size_t i = 0; i < m.layers.size(); ++i) {
       const ManifestLayer& l = m.layers[i];
       Section s;
@@ -218,6 +220,7 @@ Manifest read_manifest(const std::filesystem::path& dir) {
     m.class_names = read_class_names_section(in);
     read_input_scaling_section(in, m.input_mean, m.input_scale);
   }
+  if (version >= 7) m.training_data = read_training_data_section(in);
   if (count > in.remaining() / kSectionHeaderBytes) head.fail("more layers than the file holds");
   for (std::uint32_t i = 0; i < count; ++i) {
     SectionReader s(in, kLayerTag, "LAYR section of layer " + std::to_string(i));

@@ -52,6 +52,7 @@ struct Manifest {
   std::string model;                            ///< ModelMemory::model (manifest version 5 on)
   std::vector<std::string> class_names;         ///< ModelMemory::class_names (version 6 on)
   std::vector<double> input_mean, input_scale;  ///< ModelMemory's (version 6 on)
+  std::string training_data;                    ///< ModelMemory::training_data (version 7 on)
   OptimizerConfig config;                       ///< without the schedule (code, not data)
   NonFinitePolicy policy = NonFinitePolicy::skip_step;
   std::vector<ManifestLayer> layers;

@@ -60,6 +60,7 @@ TieredModelMemory::TieredModelMemory(std::filesystem::path directory, std::int64
   class_names = st.manifest.class_names;
   input_mean = st.manifest.input_mean;
   input_scale = st.manifest.input_scale;
+  training_data = st.manifest.training_data;
   for (std::size_t l = 0; l < st.manifest.layers.size(); ++l) {
     const LayerShape& s = st.manifest.layers[l].shape;
     if (working_set_bytes(s) > budget_bytes) {
@@ -173,12 +174,13 @@ ModelStoreCounters TieredModelMemory::counters() const {
 namespace {
 
 /// A ModelMemory's public fields into the manifest about to be written. ShapeError, before
-/// anything is written, for a model description, class names or input scaling a manifest
-/// cannot hold.
+/// anything is written, for a model description, class names, input scaling or training
+/// data's name a manifest cannot hold.
 void stamp(detail::Manifest& next, const ModelMemory& memory) {
   detail::require_storable_model(memory.model, "model store");
   detail::require_storable_class_names(memory.class_names, "model store");
   detail::require_storable_input_scaling(memory.input_mean, memory.input_scale, "model store");
+  detail::require_storable_training_data(memory.training_data, "model store");
   next.seed = memory.seed;
   next.epochs = memory.epochs;
   next.dynamic = memory.dynamic;
@@ -186,6 +188,7 @@ void stamp(detail::Manifest& next, const ModelMemory& memory) {
   next.class_names = memory.class_names;
   next.input_mean = memory.input_mean;
   next.input_scale = memory.input_scale;
+  next.training_data = memory.training_data;
 }
 
 }  // namespace
