@@ -39,6 +39,35 @@ std::string class_names_problem(const std::vector<std::string>& names) {
   return {};
 }
 
+/// A section holding `text` alone (a model description, a training data's name).
+Section text_section(std::uint32_t tag, const std::string& text) {
+  Section s;
+  s.tag = tag;
+  s.arrays.push_back(std::as_bytes(std::span(text)));
+  return s;
+}
+
+/// Reads the next section, `tag`, as the text `name` of at most `most` bytes; FormatError
+/// naming the file and the byte for a wrong CRC, a longer one, or one `storable` refuses
+/// (`refusal` says why).
+std::string read_text_section(FileReader& in, std::uint32_t tag, const std::string& name,
+                              std::size_t most, bool (*storable)(const std::string&),
+                              const char* refusal) {
+  SectionReader s(in, tag, name + " section");
+  if (s.length() > most) {
+    s.fail("length " + std::to_string(s.length()) + ", at most " + std::to_string(most));
+  }
+  const std::vector<char> bytes = s.get_array<char>(s.length(), name.c_str());
+  s.finish();
+  std::string text(bytes.begin(), bytes.end());
+  if (!storable(text)) s.fail(refusal);
+  return text;
+}
+
+bool storable_training_data(const std::string& name) {
+  return name.size() <= ModelMemory::kMaxTrainingData && name.find('\0') == std::string::npos;
+}
+
 /// The most inputs a layer has (add_layer's bound on its columns).
 constexpr std::uint64_t kMostInputs = std::uint64_t{1} << 31;
 
@@ -74,23 +103,12 @@ void require_storable_model(const std::string& model, const std::string& what) {
 }
 
 Section model_section(const std::string& model) {
-  Section s;
-  s.tag = kModelTag;
-  s.arrays.push_back(std::as_bytes(std::span(model)));
-  return s;
+  return text_section(kModelTag, model);
 }
 
 std::string read_model_section(FileReader& in) {
-  SectionReader s(in, kModelTag, "model section");
-  if (s.length() > ModelMemory::kMaxModelDescription) {
-    s.fail("length " + std::to_string(s.length()) + ", at most " +
-           std::to_string(ModelMemory::kMaxModelDescription));
-  }
-  const std::vector<char> text = s.get_array<char>(s.length(), "model");
-  s.finish();
-  std::string model(text.begin(), text.end());
-  if (!storable_model(model)) s.fail("not printable ASCII");
-  return model;
+  return read_text_section(in, kModelTag, "model", ModelMemory::kMaxModelDescription,
+                           storable_model, "not printable ASCII");
 }
 
 Section schedule_section(const DynamicSparsity& schedule) {
@@ -233,30 +251,19 @@ void read_input_scaling_section(FileReader& in, std::vector<double>& mean,
 }
 
 void require_storable_training_data(const std::string& name, const std::string& what) {
-  if (name.size() > ModelMemory::kMaxTrainingData || name.find('\0') != std::string::npos) {
+  if (!storable_training_data(name)) {
     throw ShapeError(what + ": the training data's name is over " +
                      std::to_string(ModelMemory::kMaxTrainingData) + " bytes or holds a NUL");
   }
 }
 
 Section training_data_section(const std::string& name) {
-  Section s;
-  s.tag = kTrainingDataTag;
-  s.arrays.push_back(std::as_bytes(std::span(name)));
-  return s;
+  return text_section(kTrainingDataTag, name);
 }
 
 std::string read_training_data_section(FileReader& in) {
-  SectionReader s(in, kTrainingDataTag, "training data section");
-  if (s.length() > ModelMemory::kMaxTrainingData) {
-    s.fail("length " + std::to_string(s.length()) + ", at most " +
-           std::to_string(ModelMemory::kMaxTrainingData));
-  }
-  const std::vector<char> text = s.get_array<char>(s.length(), "training data");
-  s.finish();
-  std::string name(text.begin(), text.end());
-  if (name.find('\0') != std::string::npos) s.fail("the training data's name holds a NUL");
-  return name;
+  return read_text_section(in, kTrainingDataTag, "training data", ModelMemory::kMaxTrainingData,
+                           storable_training_data, "the training data's name holds a NUL");
 }
 
 }  // namespace sluice::detail
