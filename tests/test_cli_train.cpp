@@ -329,6 +329,42 @@ TEST_F(CliTrain, AFileNameThatIsNotUtf8GivesValidJson) {
   EXPECT_NE(j["dataset"].get<std::string>().find("caf\xef\xbf\xbd.csv"), std::string::npos);
 }
 
+// A resumed run not told what to train on trains on what the model was trained on (a CSV
+// by its absolute path, wherever either run was started; a GPT's text too), not on the
+// default data set; data no longer there is refused, naming it and the flag.
+TEST_F(CliTrain, AResumedRunTrainsOnWhatTheModelWasTrainedOn) {
+  fs::create_directory(path("data"));
+  std::string rows;
+  for (int r = 0; r < 60; ++r) rows += std::to_string(r % 5) + "," + std::to_string(r % 2) + "\n";
+  std::ofstream(path("data/two.csv")) << rows;
+  const std::string ckpt = path("m.ckpt");
+  const Outcome first = sluice::testing::run_cli(
+      "env -C " + path("data") + " " + SLUICE_CLI_PATH,
+      "train --dataset two.csv --layers 1,4,2 --epochs 1 --checkpoint " + ckpt);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const Outcome resumed = run("train --epochs 1 --resume " + ckpt);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("training on " + path("data/two.csv") + ", as checkpoint"),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(run_json("train --epochs 1 --resume " + ckpt).value("dataset", ""),
+            path("data/two.csv"));
+  fs::remove(path("data/two.csv"));
+  expect_exit(run("train --epochs 1 --resume " + ckpt), 1,
+              "checkpoint " + ckpt + " was trained on '" + path("data/two.csv") +
+                  "', which is not there now: pass --dataset");
+  // Built-in data by name: synthetic stays synthetic (the default would be digits, where
+  // its file is found).
+  ASSERT_EQ(run(kTrain + "--epochs 1 --checkpoint " + ckpt).exit_code, 0);
+  EXPECT_EQ(run_json("train --epochs 1 --resume " + ckpt).value("dataset", ""), "synthetic");
+  // A GPT's text.
+  std::ofstream(path("data/text.txt")) << std::string(5000, 'x') + std::string(5000, 'y');
+  const std::string gpt = "train --model gpt --steps 2 --context 8 --d-model 8 --blocks 1 ";
+  ASSERT_EQ(run(gpt + "--text " + path("data/text.txt") + " --checkpoint " + ckpt).exit_code, 0);
+  EXPECT_EQ(run_json("train --model gpt --steps 1 --resume " + ckpt).value("text", ""),
+            path("data/text.txt"));
+}
+
 // A CSV whose labels are class names (iris's species) trains, says which class each name
 // is, and its JSON lists them by class; resumed, the same names are the same classes.
 TEST_F(CliTrain, ClassNamesInACsvAreClasses) {

@@ -38,6 +38,7 @@
 #include "sluice/model_memory.hpp"
 #include "train_gpt.hpp"
 #include "train_options.hpp"
+#include "training_data.hpp"
 #ifdef SLUICE_HAVE_MPI
 #include "sluice/mpi_fabric.hpp"
 #endif
@@ -72,6 +73,11 @@ double model_sparsity(const ModelMemory& memory, const TrainOptions& o, bool res
     cells += static_cast<double>(w.rows) * static_cast<double>(w.cols);
   }
   return cells > 0 ? 1.0 - weights / cells : o.sparsity;
+}
+
+/// Whether --dataset `name` is one of sluice's own data sets, not a file.
+bool built_in_dataset(const std::string& name) {
+  return name == "digits" || name == "synthetic";
 }
 
 Dataset load_data(const TrainOptions& o, std::string& name) {
@@ -620,6 +626,11 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
   }
   const std::vector<std::int64_t> saved =
       resuming ? resume_model(memory, *o, seed->count() > 0) : std::vector<std::int64_t>{};
+  if (resuming && o->dataset == "auto") {  // not told: what the model was trained on
+    const std::string data =
+        resumed_training_data(memory, model_source(*o), "--dataset", built_in_dataset, progress);
+    if (!data.empty()) o->dataset = data;
+  }
   std::string dataset_name;
   const bool numbered_by_model = !memory.class_names.empty();
   PreparedData data = prepare_data(*o, dataset_name, memory.class_names);
@@ -632,8 +643,12 @@ int run_mlp(TrainOptions* o, const TrainFlags& flags) {
                            numbered_by_model ? "as the model learnt them" : "sorted")
              << "\n";
   }
-  // Kept with the model: a run resumed on other data numbers the classes as this one.
+  // Kept with the model: a run resumed on other data numbers the classes as this one, and
+  // one not told what data trains on this.
   memory.class_names = all.class_names;
+  const std::string data_name = training_data_name(dataset_name, built_in_dataset(dataset_name));
+  if (resuming) note_other_training_data(memory, data_name, progress);
+  memory.training_data = data_name;
   const std::vector<std::int64_t> sizes = model_sizes(*o, all, resuming, saved);
   scale_inputs(memory, train, test, *o);
   if (o->batch < o->engines) throw UsageError("--batch must be at least --engines");

@@ -25,13 +25,26 @@
 #include "sluice/model_memory.hpp"
 #include "sluice/text_corpus.hpp"
 #include "train_gpt.hpp"
+#include "training_data.hpp"
 
 namespace sluice::cli {
 namespace {
 
-/// --text, else $SLUICE_TEXT, else the fortunes scripts/sluice-setup puts beside the program.
-std::filesystem::path text_path(const GptTrainOptions& o) {
+/// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
+std::string source_of(const GptTrainOptions& o) {
+  return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
+}
+
+/// --text, else what a resumed model was trained on, else $SLUICE_TEXT, else the fortunes
+/// scripts/sluice-setup puts beside the program.
+std::filesystem::path text_path(const GptTrainOptions& o, const ModelMemory& memory, bool resuming,
+                                std::ostream& progress) {
   if (!o.text.empty()) return o.text;
+  if (resuming) {  // not told: what the model was trained on
+    const std::string data = resumed_training_data(
+        memory, source_of(o), "--text", [](const std::string&) { return false; }, progress);
+    if (!data.empty()) return data;
+  }
   if (const char* env = std::getenv("SLUICE_TEXT"); env != nullptr && *env != '\0') return env;
   std::error_code ec;
   const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -43,11 +56,6 @@ std::filesystem::path text_path(const GptTrainOptions& o) {
         beside.string());
   }
   return beside;
-}
-
-/// Where a resumed model comes from, for messages: "checkpoint PATH" or "model store DIR".
-std::string source_of(const GptTrainOptions& o) {
-  return o.resume.empty() ? "model store " + o.store.directory : "checkpoint " + o.resume;
 }
 
 /// The resumed model's source as a possessive, for the schedules' messages.
@@ -249,9 +257,13 @@ int run_gpt_training(GptTrainOptions o, Fabric* given) {
   // The budget and the text before a new model: no store is built for a run that cannot
   // start.
   if (!resuming) check_gpt_store_budget(o.store, config);
-  const std::filesystem::path path = text_path(o);
+  const std::filesystem::path path = text_path(o, memory, resuming, progress);
   const TextCorpus corpus = TextCorpus::load(path, config.context);
   if (!resuming) build_model(memory, o, config);
+  // Kept with the model: a run resumed without --text trains on this text again.
+  const std::string text_name = training_data_name(path.string(), false);
+  if (resuming) note_other_training_data(memory, text_name, progress);
+  memory.training_data = text_name;
   new_store.keep();
   set_decay(memory, o, resuming, progress);
   std::unique_ptr<LocalFabric> local;

@@ -109,8 +109,9 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
       ->check(CLI::IsMember({"mlp", "gpt"}));
   cmd->add_option(
          "--text", o->gpt.text,
-         "GPT: a text file or a directory of them, gzip'd or not (default: $SLUICE_TEXT, else the "
-         "fortunes scripts/sluice-setup fetches); the last 5% is held out")
+         "GPT: a text file or a directory of them, gzip'd or not (default: what a resumed model "
+         "was trained on, else $SLUICE_TEXT, else the fortunes scripts/sluice-setup fetches); the "
+         "last 5% is held out")
       ->check(path_argument());
   cmd->add_option("--context", o->gpt.context, "GPT: bytes per sequence")
       ->check(number_range(1, 4096));
@@ -127,8 +128,8 @@ TrainFlags add_train_options(CLI::App& app, TrainOptions& options) {
   cmd->add_option("--dataset", o->dataset,
                   "digits, synthetic or a CSV file (last column the label: a class number, or a "
                   "class name, numbered in sorted order or as a resumed model learnt them; a "
-                  "first line of names is a header); default: digits if its file is found, "
-                  "else synthetic");
+                  "first line of names is a header); default: what a resumed model was trained "
+                  "on, else digits if its file is found, else synthetic");
   cmd->add_option("--data", o->data, "The digits file (else $SLUICE_DIGITS or standard places)");
   cmd->add_option("--layers", o->layers,
                   "Layer sizes, e.g. 64,512,512,10 (default: features,512,512,classes)");
