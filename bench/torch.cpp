@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "sluice/kernels.hpp"
+#include "sluice/topology.hpp"
 #include "sluice/torch/sparse_linear.hpp"
 
 namespace {
@@ -180,9 +181,9 @@ std::map<std::string, double> measure(const Args& a, double sparsity) {
 
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
-  // torch's intra-op threads follow OMP_NUM_THREADS (1 in some shells): give torch as
-  // many threads as sluice's engine has, so both use the same cores.
-  torch::set_num_threads(sluice::torch::default_engine()->threads());
+  // torch's intra-op threads follow OMP_NUM_THREADS (1 in some shells) or the physical
+  // cores: give torch, and so sluice's default engine, every CPU of the process.
+  torch::set_num_threads(sluice::process_cpus());
   nlohmann::ordered_json j;
   j["out"] = a.out;
   j["in"] = a.in;

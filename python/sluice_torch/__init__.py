@@ -7,7 +7,8 @@
 
 Inputs are [..., in_features] float32 or bfloat16 tensors (float64: a float64 reference
 forward, for gradient checks); under torch.autocast("cpu") a float32 input is taken in
-bfloat16, as torch.nn.Linear's is. The values (one per mask position) and the bias are
+bfloat16, as torch.nn.Linear's is. Products run on as many threads as torch's own where a
+count was asked for (torch.set_num_threads, OMP_NUM_THREADS), else on every CPU. The values (one per mask position) and the bias are
 parameters for a torch optimizer; with ``sluice_optimizer="adam"`` (or "sgd", "adamw")
 they stay in sluice's ModelMemory instead: backward hands it the gradient (several backward
 passes before a step add up, as ``.grad`` does: gradient accumulation) and ``layer.step()``

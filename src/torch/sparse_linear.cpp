@@ -3,11 +3,13 @@
 // compile).
 #include "sluice/torch/sparse_linear.hpp"
 
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <random>
@@ -156,10 +158,13 @@ std::vector<std::int64_t> with_last(const Tensor& x, std::int64_t last) {
 
 LayerBinding::LayerBinding(sluice::SparseLinear layer, std::shared_ptr<Engine> engine,
                            WeightOwner owner)
-    : layer_(std::move(layer)),
-      engine_(engine ? std::move(engine) : default_engine()),
-      engine_mutex_(mutex_for(engine_.get())),
-      owner_(owner) {}
+    : layer_(std::move(layer)), engine_(std::move(engine)), owner_(owner) {}
+
+LayerBinding::EngineTurn LayerBinding::take_engine() const {
+  std::shared_ptr<Engine> engine = engine_ ? engine_ : default_engine();
+  std::unique_lock lock(*mutex_for(engine.get()));
+  return {std::move(engine), std::move(lock)};
+}
 
 Tensor LayerBinding::values() const {
   return tensor_of(layer_.weights().values());
@@ -196,8 +201,31 @@ Tensor LayerBinding::dense(const Tensor& values) const {
   return out.view({w.rows(), w.cols()});
 }
 
+std::int32_t default_engine_threads() {
+  // torch's default counts physical cores (on some virtual machines, as one) where
+  // sluice's engine counts every CPU: a count equal to it was not asked for.
+  static const bool environment_asks = [] {
+    for (const char* name : {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}) {
+      if (const char* value = std::getenv(name); value != nullptr && *value != '\0') return true;
+    }
+    return false;
+  }();
+  static const int torch_default = at::intraop_default_num_threads();
+  const int threads = at::get_num_threads();
+  return environment_asks || threads != torch_default ? std::max(1, threads) : 0;
+}
+
 std::shared_ptr<Engine> default_engine() {
-  static std::shared_ptr<Engine> engine = std::make_shared<CpuEngine>();
+  static std::mutex mutex;
+  static std::map<std::int32_t, std::shared_ptr<Engine>> engines;
+  const std::int32_t threads = default_engine_threads();
+  std::lock_guard lock(mutex);
+  std::shared_ptr<Engine>& engine = engines[threads];
+  if (!engine) {
+    EngineOptions options;
+    options.threads = threads;
+    engine = std::make_shared<CpuEngine>(options);
+  }
   return engine;
 }
 
@@ -220,8 +248,8 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
     Tensor y_fm =
         ::torch::empty({layer.out_features(), x2.size(0)}, x.options().dtype(::torch::kFloat));
     {
-      std::lock_guard lock(b.engine_mutex());
-      layer.forward(b.engine(), *feature_major_view(saved_x), mutable_view(y_fm), w.options);
+      const LayerBinding::EngineTurn turn = b.take_engine();
+      layer.forward(*turn.engine, *feature_major_view(saved_x), mutable_view(y_fm), w.options);
     }
     y2 = y_fm.t();
     if (dtype != ::torch::kFloat) y2 = y2.to(dtype);
@@ -265,15 +293,16 @@ Tensor SparseLinearFunction::forward(::torch::autograd::AutogradContext* ctx, co
   const ProductOptions& options = w.options;
   Tensor d_values, d_bias;
   {
-    std::lock_guard lock(b.engine_mutex());
+    const LayerBinding::EngineTurn turn = b.take_engine();
+    Engine& engine = *turn.engine;
     if (!want_values && !want_bias) {
-      if (want_dx) layer.backward_data(b.engine(), *feature_major_view(dy_fm), dx_view, options);
+      if (want_dx) layer.backward_data(engine, *feature_major_view(dy_fm), dx_view, options);
     } else if (own) {
-      layer.accumulate_backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
+      layer.accumulate_backward(engine, *feature_major_view(x_fm), *feature_major_view(dy_fm),
                                 want_dx ? &dx_view : nullptr, options);
     } else {
       SparseLinearGradient g =
-          layer.backward(b.engine(), *feature_major_view(x_fm), *feature_major_view(dy_fm),
+          layer.backward(engine, *feature_major_view(x_fm), *feature_major_view(dy_fm),
                          want_dx ? &dx_view : nullptr, options);
       // (an empty layer's too: its values' .grad is empty, as an empty parameter's is)
       if (want_values) d_values = tensor_of(std::move(g.weights)).to(values.scalar_type());
@@ -389,7 +418,6 @@ void SparseLinearImpl::init(sluice::SparseLinear layer) {
       .sparsity(layer.weights().sparsity());
   binding_ =
       c10::make_intrusive<LayerBinding>(std::move(layer), options_.engine(), options_.weights());
-  options_.engine(binding_->engine_shared());
   if (options_.weights() == WeightOwner::torch) {
     values_ = register_parameter("values", binding_->values());
     if (options_.bias()) bias_ = register_parameter("bias", binding_->bias());

@@ -1,7 +1,9 @@
 // sluice::torch::SparseLinear inside libtorch: forward and both gradients against a
-// masked dense torch::nn::Linear, fp32 and bf16 (and under autocast), every layout; weights kept by
-// sluice; magnitude pruning; saved and loaded with torch::save / torch::load, the mask with the
-// values; cloned; and an MLP trained on digits against the same masked dense model.
+// masked dense torch::nn::Linear, fp32 and bf16 (and under autocast), every layout; threads
+// as torch's; weights kept by sluice; magnitude pruning; saved and loaded with torch::save /
+// torch::load, the mask with the values; cloned; and an MLP trained on digits against the
+// same masked dense model.
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -11,6 +13,7 @@
 
 #include "sluice/dataset.hpp"
 #include "sluice/error.hpp"
+#include "sluice/topology.hpp"
 #include "sluice/torch/sparse_linear.hpp"
 
 namespace {
@@ -126,6 +129,39 @@ TEST(TorchSparseLinearBf16, AutocastTakesFp32InputsInBf16) {
   EXPECT_TRUE(torch::equal(xa.grad(), xb.grad().to(torch::kFloat)));
   EXPECT_EQ(y64.scalar_type(), torch::kDouble);
   EXPECT_EQ(layer(x).scalar_type(), torch::kFloat);  // and without it, fp32 again
+}
+
+// The products run on as many threads as torch's own where a count was asked for
+// (torch::set_num_threads), else on every CPU; a layer made before the setting changed
+// follows it: its next product runs on the engine of the new count.
+TEST(TorchSparseLinearThreads, FollowTorchsIntraOpThreadsWhereAsked) {
+  for (const char* name : {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}) {
+    if (const char* v = std::getenv(name); v != nullptr && *v != '\0') GTEST_SKIP() << name;
+  }
+  const int before = torch::get_num_threads();
+  const int torch_default = at::intraop_default_num_threads();
+  torch::set_num_threads(torch_default);  // as if not asked: every CPU
+  EXPECT_EQ(sluice::torch::default_engine_threads(), 0);
+  EXPECT_EQ(sluice::torch::default_engine()->threads(), sluice::process_cpus());
+  const int asked = torch_default == 1 ? 2 : 1;
+  torch::set_num_threads(asked);
+  EXPECT_EQ(sluice::torch::default_engine_threads(), asked);
+  const std::shared_ptr<sluice::Engine> one = sluice::torch::default_engine();
+  EXPECT_EQ(one->threads(), asked);
+  SparseLinear layer(SparseLinearOptions(37, 19).sparsity(0.7));
+  const Tensor x = torch::randn({5, 37});
+  const std::uint64_t one_packets = one->counters().packets;
+  const Tensor y1 = layer(x);
+  EXPECT_GT(one->counters().packets, one_packets);
+  torch::set_num_threads(torch_default);
+  const std::shared_ptr<sluice::Engine> two = sluice::torch::default_engine();
+  EXPECT_NE(two, one);
+  const std::uint64_t packets[2] = {one->counters().packets, two->counters().packets};
+  const Tensor y2 = layer(x);
+  EXPECT_EQ(one->counters().packets, packets[0]);
+  EXPECT_GT(two->counters().packets, packets[1]);
+  EXPECT_LT(relative(y2, y1), 1e-6);
+  torch::set_num_threads(before);
 }
 
 // A bf16 stream's tags address 65535 inputs: a wider layer takes bf16 tensors all the same,

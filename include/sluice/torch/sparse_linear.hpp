@@ -20,8 +20,10 @@
 // updates them: backward() hands it the gradient (backward passes before a step add up,
 // as `.grad` does) and step() applies it.
 //
-// Thread-safety: a module runs one product at a time on its engine (calls that share an
-// engine are serialised); as for torch::nn modules, do not change it while it runs.
+// Threads: as many as torch's own products use where a count was asked for
+// (torch::set_num_threads), else every CPU (default_engine_threads), unless an engine is
+// given. Thread-safety: a module runs one product at a time on its engine (calls that
+// share an engine are serialised); as for torch::nn modules, do not change it while it runs.
 #include <torch/arg.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/cloneable.h>
@@ -52,15 +54,22 @@ enum class WeightOwner {
 /// kept alive by the module and by every graph that used it.
 class LayerBinding : public ::torch::CustomClassHolder {
  public:
+  /// `engine` null: each product runs on default_engine() as it is then.
   LayerBinding(sluice::SparseLinear layer, std::shared_ptr<Engine> engine, WeightOwner owner);
 
   sluice::SparseLinear& layer() { return layer_; }
   const sluice::SparseLinear& layer() const { return layer_; }
-  Engine& engine() { return *engine_; }
+  /// The engine given (null: the default engine of each product).
   const std::shared_ptr<Engine>& engine_shared() const { return engine_; }
-  /// Held while a product runs on engine(): an engine runs one product at a time.
-  std::mutex& engine_mutex() { return *engine_mutex_; }
   WeightOwner owner() const { return owner_; }
+
+  /// The engine a product runs on now, held for it: an engine runs one product at a time,
+  /// so products that share one take turns.
+  struct EngineTurn {
+    std::shared_ptr<Engine> engine;
+    std::unique_lock<std::mutex> lock;
+  };
+  EngineTurn take_engine() const;
 
   /// Copies of the ModelMemory's values and bias (undefined without one), fp32.
   ::torch::Tensor values() const;
@@ -76,7 +85,6 @@ class LayerBinding : public ::torch::CustomClassHolder {
  private:
   sluice::SparseLinear layer_;
   std::shared_ptr<Engine> engine_;
-  std::shared_ptr<std::mutex> engine_mutex_;
   WeightOwner owner_;
 };
 
@@ -86,7 +94,12 @@ class LayerBinding : public ::torch::CustomClassHolder {
 CsrMatrix matrix_at(std::int64_t out, std::int64_t in, const ::torch::Tensor& indices,
                     const ::torch::Tensor& values);
 
-/// One CpuEngine for the process (every core), created on first use.
+/// The threads of default_engine() now: as many as torch's intra-op pool has where a count
+/// was asked for (torch::set_num_threads, torch.set_num_threads, OMP_NUM_THREADS or
+/// MKL_NUM_THREADS), else 0, every CPU of the process (torch's own default counts physical
+/// cores; a count equal to it is taken as not asked for).
+std::int32_t default_engine_threads();
+/// The CpuEngine of default_engine_threads(), one per count, made on first use and kept.
 std::shared_ptr<Engine> default_engine();
 
 /// Y = X W^T + b through the layer. `values` and `bias` are the torch parameters
@@ -125,7 +138,7 @@ struct SparseLinearOptions {
   /// Where the layer lives; null: a HostModelMemory of its own. A shared one lets many
   /// layers commit their steps at once (ModelMemory::commit_step).
   TORCH_ARG(std::shared_ptr<ModelMemory>, memory) = nullptr;
-  /// The engine the products run on; null: default_engine().
+  /// The engine the products run on; null: default_engine() as each product finds it.
   TORCH_ARG(std::shared_ptr<Engine>, engine) = nullptr;
 };
 
