@@ -9,17 +9,21 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <bit>
+#include <csignal>
 #include <cstdint>
 #include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/crc32.hpp"
 #include "model_memory/direct_input.hpp"
 #include "model_memory/model_store_files.hpp"
+#include "sluice/csr_matrix.hpp"
 #include "sluice/error.hpp"
 #include "test_support.hpp"
 
@@ -159,6 +163,47 @@ TEST_F(StateFiles, AnUnfinishedFileIsRemoved) {
     out.write(0, 0, v);
   }
   EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+/// The file size limit at `bytes` (writes past it fail with EFBIG, as on a full disk, with
+/// SIGXFSZ ignored) while it lives.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) : old_signal_(std::signal(SIGXFSZ, SIG_IGN)) {
+    ::getrlimit(RLIMIT_FSIZE, &old_);
+    const rlimit limit{bytes, old_.rlim_max};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old_);
+    std::signal(SIGXFSZ, old_signal_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit old_{};
+  void (*old_signal_)(int);
+};
+
+// A manifest or pattern that cannot be written whole leaves no file behind: the manifest
+// before it stays, and neither its temporary file nor a pattern's part remains.
+TEST_F(StateFiles, AManifestOrPatternNotWrittenWholeLeavesNoFile) {
+  detail::Manifest m;
+  detail::write_manifest(dir_, m);
+  const std::string before = testing::read_file((dir_ / "MANIFEST").string());
+  m.class_names.assign(20000, "");
+  for (std::size_t c = 0; c < m.class_names.size(); ++c) m.class_names[c] = std::to_string(c);
+  const CsrMatrix mask = CsrMatrix::random(300, 300, 0.5, 1);
+  {
+    const FileSizeLimit limit(4096);
+    EXPECT_THROW(detail::write_manifest(dir_, m), IoError);
+    EXPECT_THROW(detail::write_pattern(dir_ / "layer.pattern", mask, transposed_pattern(mask)),
+                 IoError);
+  }
+  EXPECT_EQ(testing::read_file((dir_ / "MANIFEST").string()), before);
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "MANIFEST.tmp"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "layer.pattern"));
 }
 
 }  // namespace

@@ -127,7 +127,8 @@ void transfer_all(std::span<Byte> bytes, Call call, Error error, Moved moved) {
   }
 }
 
-// POSIX file output with a buffer; every failure is an IoError naming the file.
+// POSIX file output with a buffer; every failure is an IoError naming the file. A file
+// not committed (a write failed: a full disk) is removed, so that no unfinished one is left.
 class FileWriter {
  public:
   /// `context` starts every error message.
@@ -139,6 +140,7 @@ class FileWriter {
   }
   ~FileWriter() {
     if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(path_.c_str());
   }
   FileWriter(const FileWriter&) = delete;
   FileWriter& operator=(const FileWriter&) = delete;
@@ -164,6 +166,7 @@ class FileWriter {
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) throw IoError(os_error(context_ + ": cannot close", path_));
+    committed_ = true;
   }
 
  private:
@@ -182,6 +185,7 @@ class FileWriter {
   std::filesystem::path path_;
   std::string context_;
   int fd_ = -1;
+  bool committed_ = false;
   std::vector<std::byte> buffer_;
 };
 
