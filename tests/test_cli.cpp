@@ -63,6 +63,8 @@ TEST_F(Cli, AMistakeIsSaidBriefly) {
         << o.output;
     EXPECT_LT(o.output.size(), 200U) << o.output;
   }
+  expect_exit(run("train --epochs 1 --epochs 2"), 2, "--epochs is given 2 times: give it once");
+  expect_exit(run("train --epochs"), 2, "--epochs needs a value: INT:NUMBER in [1, 100000]");
 }
 
 // Integer flags take decimal digits only, within 64 bits: no trailing garbage, no other

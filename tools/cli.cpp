@@ -7,6 +7,7 @@
 #include <exception>
 #include <iostream>
 #include <new>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,18 @@ namespace {
 // A message that echoes an argument or a cell whole (CLI11's do) is cut to a line.
 std::string shorten(const char* message) {
   return sluice::detail::shorten_words(message);
+}
+
+/// CLI11's words for a flag given twice or without its value, said plainly.
+std::string plain(const std::string& message) {
+  static const std::regex twice("^(--[A-Za-z0-9-]+): At Most 1 required but received ([0-9]+)$");
+  static const std::regex bare("^(--[A-Za-z0-9-]+): 1 required (.+) missing$");
+  std::smatch m;
+  if (std::regex_match(message, m, twice)) {
+    return m[1].str() + " is given " + m[2].str() + " times: give it once";
+  }
+  if (std::regex_match(message, m, bare)) return m[1].str() + " needs a value: " + m[2].str();
+  return message;
 }
 
 /// `code`, unless what the command wrote on stdout did not all reach it (a full disk, a
@@ -78,7 +91,7 @@ int run_cli(int argc, const char* const* argv, CliMode mode) {
     std::string help = "sluice --help";
     for (const CLI::App* sub : app.get_subcommands())
       help = "sluice " + sub->get_name() + " --help";
-    std::cerr << "sluice: " << shorten(e.what()) << "\n(" << help << " lists the options)\n";
+    std::cerr << "sluice: " << plain(shorten(e.what())) << "\n(" << help << " lists the options)\n";
     return 2;
   }
   try {
